@@ -1,0 +1,1 @@
+"""Benchmarks: one module per `sparsecomm bench NAME`."""

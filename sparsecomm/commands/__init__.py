@@ -1,0 +1,1 @@
+"""Top-level CLI commands: one module per `sparsecomm NAME`."""

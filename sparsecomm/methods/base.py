@@ -1,0 +1,178 @@
+"""The method interface: a flat local gradient in, the averaged global gradient out.
+
+A method (a *reducer*) is built inside a worker with :func:`sparsecomm.make_method`. Calling it on
+this rank's flat gradient bucket returns the average over ranks of what the method communicates,
+identical on every rank, and leaves in :attr:`Method.stats` what the call cost and selected.
+Methods with error feedback keep what they did not send in :attr:`Method.residual`.
+
+Subclasses implement :meth:`Method.reduce`; the base class validates input collectively (so bad
+input raises on every rank instead of hanging one), times phases and reads the traffic meter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..comm import Communicator
+
+__all__ = ["Method", "Layout"]
+
+log = logging.getLogger(__name__)
+
+Layout = Optional[Sequence[Tuple[int, int]]]
+"""Optional (offset, numel) of each layer packed in the flat gradient, in order."""
+
+_TIMED_PHASES = ("select", "comm", "decompress")
+
+
+class Method:
+    """Base class of every synchronization method.
+
+    Args:
+        comm: the communicator to use; ``None`` builds one over the default process group.
+        density: for sparse methods, the fraction of elements each rank selects,
+            ``k = ceil(density * n)``; must lie in (0, 1]. Dense methods take none.
+    """
+
+    name: str = "method"
+    #: True when the method keeps an error-feedback residual of length n.
+    has_residual: bool = False
+    #: True when the method takes ``density``.
+    sparse: bool = False
+
+    def __init__(self, comm: Optional[Communicator] = None, *, density: Optional[float] = None) -> None:
+        self.comm = comm if comm is not None else Communicator()
+        if self.sparse:
+            if density is None:
+                raise ValueError(f"method {self.name!r} needs density= (a fraction in (0, 1])")
+            if isinstance(density, bool) or not isinstance(density, (int, float)) \
+                    or not math.isfinite(density) or not 0 < density <= 1:
+                raise ValueError(f"density={density!r} must be a number in (0, 1]")
+        elif density is not None:
+            raise ValueError(f"method {self.name!r} is dense and takes no density (got {density!r})")
+        self.density = None if density is None else float(density)
+        self.residual: Optional[torch.Tensor] = None
+        self.step = 0
+        self.stats: Dict[str, Any] = {}
+        self._validated_n: Optional[int] = None
+        self._times: Dict[str, float] = {}
+
+    # ------------------------------------------------------------------ to implement
+    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """Return the average over ranks of the communicated gradient (subclasses implement)."""
+        raise NotImplementedError
+
+    def extra_state(self) -> Dict[str, Any]:
+        """Method-specific state to checkpoint besides residual and step."""
+        return {}
+
+    def load_extra_state(self, state: Dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"method {self.name!r} has no extra state, got keys {sorted(state)}")
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    def k(self, n: int) -> int:
+        """Number of elements to select out of n: ceil(density * n), at least 1 when n > 0."""
+        assert self.density is not None
+        return min(n, max(1 if n else 0, math.ceil(self.density * n)))
+
+    @contextlib.contextmanager
+    def timer(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the ``with`` block to ``stats['time_' + phase]``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._times[phase] = self._times.get(phase, 0.0) + time.perf_counter() - start
+
+    def residual_for(self, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's residual, created as zeros like ``grad`` on first use (or when n changes)."""
+        if self.residual is None or self.residual.shape != grad.shape or self.residual.dtype != grad.dtype \
+                or self.residual.device != grad.device:
+            self.residual = torch.zeros_like(grad)
+        return self.residual
+
+    # ------------------------------------------------------------------ the call
+    def __call__(self, grad: torch.Tensor, layout: Layout = None) -> torch.Tensor:
+        """Average ``grad`` (this rank's 1-D float gradient) over all ranks with this method."""
+        self._validate(grad, layout)
+        self._times = {}
+        self.stats = {"selected": grad.numel() if not self.sparse else 0, "nnz_out": 0}
+        mark = self.comm.meter.snapshot()
+        start = time.perf_counter()
+        with self.comm.meter.phase(self.name):
+            out = self.reduce(grad, layout)
+        total = time.perf_counter() - start
+        traffic = self.comm.meter.since(mark)
+        n = grad.numel()
+        self.stats.setdefault("nnz_out", 0)
+        if not self.stats["nnz_out"]:
+            self.stats["nnz_out"] = int(torch.count_nonzero(out))
+        self.stats.update(
+            n=n,
+            density=self.stats["nnz_out"] / n if n else 0.0,
+            bytes_sent=traffic.bytes_sent,
+            bytes_recv=traffic.bytes_recv,
+            header_bytes=traffic.header_bytes_sent,
+            rounds=traffic.rounds,
+            time_total=total,
+        )
+        for phase in _TIMED_PHASES:
+            self.stats[f"time_{phase}"] = self._times.get(phase, 0.0)
+        for phase, seconds in self._times.items():
+            self.stats.setdefault(f"time_{phase}", seconds)
+        self.step += 1
+        return out
+
+    def _validate(self, grad: Any, layout: Layout) -> None:
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(f"{self.name}: grad must be a torch.Tensor, got {type(grad).__name__}")
+        if grad.dim() != 1:
+            raise ValueError(f"{self.name}: grad must be a 1-D (flat) tensor, got shape {tuple(grad.shape)}")
+        if not grad.is_floating_point():
+            raise TypeError(f"{self.name}: grad must be a floating-point tensor, got dtype {grad.dtype}")
+        n = grad.numel()
+        if layout is not None:
+            _check_layout(layout, n, self.name)
+        if n != self._validated_n:
+            # Collective check: every rank learns the max and min length, so all raise together.
+            hi, neg_lo = self.comm.agree_max([n, -n], device=grad.device)
+            if hi != n or -neg_lo != n:
+                raise ValueError(f"{self.name}: gradient length differs across ranks (this rank n={n}, "
+                                 f"min {-neg_lo}, max {hi}); every rank must pass the same length")
+            self._validated_n = n
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Residual, step and method-specific state; enough to resume without losing a residual."""
+        return {"name": self.name, "step": self.step,
+                "residual": None if self.residual is None else self.residual.clone(),
+                "extra": self.extra_state()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"state_dict of method {state.get('name')!r} cannot load into {self.name!r}")
+        self.step = int(state["step"])
+        self.residual = None if state["residual"] is None else state["residual"].clone()
+        self.load_extra_state(state.get("extra", {}))
+
+    def __repr__(self) -> str:
+        dens = "" if self.density is None else f", density={self.density:g}"
+        return f"{type(self).__name__}(P={self.comm.size}{dens})"
+
+
+def _check_layout(layout: Layout, n: int, name: str) -> List[Tuple[int, int]]:
+    spans = [(int(o), int(m)) for o, m in layout]  # type: ignore[union-attr]
+    end = 0
+    for offset, numel in spans:
+        if offset < end or numel < 0 or offset + numel > n:
+            raise ValueError(f"{name}: layout entry (offset={offset}, numel={numel}) must be in order, "
+                             f"non-overlapping and inside [0, n={n})")
+        end = offset + numel
+    return spans
