@@ -158,7 +158,11 @@ class Communicator:
         out: List[torch.Tensor] = []
         offset = 0
         for nbytes, dt in zip(sizes, dtypes):
-            out.append(recv_payload[offset:offset + nbytes].view(dt))  # type: ignore[index]
+            piece = recv_payload[offset:offset + nbytes]  # type: ignore[index]
+            itemsize = torch.empty(0, dtype=dt).element_size()
+            if offset % itemsize:  # a dtype view needs an aligned start: copy the rare misaligned part
+                piece = piece.clone()
+            out.append(piece.view(dt))
             offset += nbytes
         return out
 

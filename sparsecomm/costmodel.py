@@ -57,7 +57,10 @@ def register_cost(name: str) -> Callable[[CostFormula], CostFormula]:
 
 
 def _load_all() -> None:
-    from . import methods  # noqa: F401  (importing registers every method's formula)
+    from . import collectives  # noqa: F401  (registers the dense collectives' formulas)
+    from .methods import available_methods
+
+    available_methods()  # imports every method module, registering its formula
 
 
 def available_costs() -> List[str]:

@@ -28,6 +28,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import shutil
 import signal
 import tempfile
@@ -66,6 +67,12 @@ def _die_with_parent() -> None:
         pass
 
 
+def _send(conn: mp.connection.Connection, message: tuple) -> None:
+    # Plain pickle, not multiprocessing's: torch's reducers would pass tensors as shared-memory
+    # handles that die with this process before the parent reads them.
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def _worker_main(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple,
                  conn: mp.connection.Connection, network, net: Optional[str], timeout: float,
                  backend: str) -> None:
@@ -88,10 +95,10 @@ def _worker_main(rank: int, world_size: int, store_path: str, fn: Callable, args
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-        conn.send(("ok", result))
+        _send(conn, ("ok", result))
     except BaseException as exc:  # report everything, SystemExit included
         with contextlib.suppress(Exception):
-            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            _send(conn, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     finally:
         conn.close()
 
@@ -165,38 +172,55 @@ def run_workers(world_size: int, fn: Callable, *args: Any, net: Optional[str] = 
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+_SECONDARY_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 def _collect(procs: List[mp.process.BaseProcess], conns: List[mp.connection.Connection],
              deadline: float, timeout: float) -> List[Any]:
-    """Gather one message per rank; fail fast on the first error, exit or deadline."""
+    """Gather one message per rank; fail on the first error, exit or deadline.
+
+    When a worker fails, its peers usually fail next with "connection closed by peer"; the other
+    errors arriving within a short grace period are gathered so the root cause is the one reported.
+    """
     results: List[Any] = [None] * len(procs)
+    errors: List[tuple] = []   # (rank, summary, traceback)
     pending = {conn: rank for rank, conn in enumerate(conns)}
+    grace_end = None
     while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            ranks = sorted(pending.values())
-            raise WorkerError(f"timeout: rank(s) {ranks} did not finish within {timeout:g} s "
-                              f"(hung or deadlocked); all workers were killed")
-        ready = mp.connection.wait(list(pending) + [p.sentinel for p in procs], timeout=min(remaining, 0.5))
-        for item in ready:
-            if item in pending:
-                rank = pending.pop(item)
-                try:
-                    message = item.recv()
-                except EOFError:
-                    message = None
-                if message is None:
-                    procs[rank].join(1.0)
-                    raise WorkerError(f"rank {rank} exited (exit code {procs[rank].exitcode}) "
-                                      f"without returning a result", rank=rank)
-                if message[0] == "error":
-                    raise WorkerError(f"rank {rank} raised {message[1]}", rank=rank,
-                                      worker_traceback=message[2])
+        now = time.monotonic()
+        if grace_end is not None and now >= grace_end:
+            break
+        if now >= deadline:
+            if errors:
+                break
+            raise WorkerError(f"timeout: rank(s) {sorted(pending.values())} did not finish within "
+                              f"{timeout:g} s (hung or deadlocked); all workers were killed")
+        limit = min(deadline, grace_end or deadline) - now
+        ready = mp.connection.wait(list(pending), timeout=min(limit, 0.2))
+        for conn in ready:
+            rank = pending.pop(conn)
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                procs[rank].join(1.0)
+                message = ("error", f"exited (exit code {procs[rank].exitcode}) without returning a result", "")
+            if message[0] == "ok":
                 results[rank] = message[1]
-        for rank, proc in enumerate(procs):
-            if conns[rank] in pending and proc.exitcode is not None and not conns[rank].poll():
-                pending.pop(conns[rank])
-                raise WorkerError(f"rank {rank} exited (exit code {proc.exitcode}) without returning "
-                                  f"a result", rank=rank)
+            else:
+                errors.append((rank, message[1], message[2]))
+        for conn, rank in list(pending.items()):
+            if procs[rank].exitcode is not None and not conn.poll():
+                pending.pop(conn)
+                errors.append((rank, f"exited (exit code {procs[rank].exitcode}) without returning a result", ""))
+        if errors and grace_end is None:
+            grace_end = min(deadline, time.monotonic() + 2.0)
+    if errors:
+        primary = next((e for e in errors if not any(m in e[1] for m in _SECONDARY_FAILURE)), errors[0])
+        rank, summary, tb = primary
+        others = sorted(e[0] for e in errors if e is not primary)
+        also = f" (rank(s) {others} failed too)" if others else ""
+        verb = "raised " if tb else ""
+        raise WorkerError(f"rank {rank} {verb}{summary}{also}", rank=rank, worker_traceback=tb)
     return results
 
 

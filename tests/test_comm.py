@@ -1,0 +1,93 @@
+"""Communicator: exchange of payloads of unknown size, packed multi-tensor messages, splits, meter."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from sparsecomm import Communicator, TrafficMeter, run_workers
+from sparsecomm.collectives import ring_allreduce
+
+
+def _ring_exchange():
+    comm = Communicator()
+    r, P = comm.rank, comm.size
+    with comm.meter.phase("ex"):
+        got = comm.exchange((r + 1) % P, torch.arange(r + 2, dtype=torch.float64), (r - 1) % P)
+    t = comm.meter.phases()["ex"]
+    return got.tolist(), t.as_dict()
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_exchange_unknown_sizes(P):
+    for r, (got, t) in enumerate(run_workers(P, _ring_exchange)):
+        src = (r - 1) % P
+        assert got == [float(i) for i in range(src + 2)]
+        assert t["rounds"] == 1 and t["bytes_sent"] == (r + 2) * 8 and t["bytes_recv"] == (src + 2) * 8
+        assert t["header_bytes_sent"] == 8 and t["messages_sent"] == 1
+
+
+def _packed():
+    comm = Communicator()
+    r, P = comm.rank, comm.size
+    idx = torch.arange(r, dtype=torch.int32)
+    val = torch.full((r,), r / 2, dtype=torch.float16)
+    got = comm.exchange_many((r + 1) % P, [idx, val], (r - 1) % P, count=2)
+    return [g.tolist() for g in got], [g.dtype for g in got]
+
+
+def test_exchange_many_mixed_dtypes_and_empty_payloads():
+    results = run_workers(3, _packed)
+    for r, (got, dtypes) in enumerate(results):
+        src = (r - 1) % 3
+        assert got == [list(range(src)), [src / 2] * src] and dtypes == [torch.int32, torch.float16]
+
+
+def _split(mode):
+    comm = Communicator()
+    team, cross = comm.split(2, mode)
+    x = torch.full((4,), float(comm.rank))
+    team_sum = ring_allreduce(team, x)[0].item()
+    cross_sum = ring_allreduce(cross, x)[0].item()
+    return team.ranks, cross.ranks, team_sum, cross_sum, comm.meter.totals().rounds
+
+
+@pytest.mark.parametrize("mode, team0, cross0", [("consecutive", [0, 1, 2], [0, 3]), ("strided", [0, 2, 4], [0, 1])])
+def test_split_teams(mode, team0, cross0):
+    results = run_workers(6, _split, mode)
+    team_ranks, cross_ranks, team_sum, cross_sum, rounds = results[0]
+    assert team_ranks == team0 and cross_ranks == cross0
+    assert team_sum == sum(team0) and cross_sum == sum(cross0)
+    assert rounds == 2 * (3 - 1) + 2 * (2 - 1)          # both sub-communicators share one meter
+
+
+def _bad_split(teams):
+    Communicator().split(teams)
+
+
+def test_split_rejects_teams_not_dividing_size():
+    from sparsecomm import WorkerError
+    with pytest.raises(WorkerError, match=r"teams=4 must be a positive integer dividing the size 6"):
+        run_workers(6, _bad_split, 4)
+
+
+def test_communicator_needs_process_group():
+    with pytest.raises(RuntimeError, match="initialized torch.distributed process group"):
+        Communicator()
+
+
+def test_meter_phases_nest_and_reset():
+    meter = TrafficMeter()
+    with meter.phase("a"):
+        meter.record_send(10)
+        with meter.phase("b"):
+            meter.record_recv(4)
+            meter.record_round()
+        meter.record_send(8, header=True)
+    phases = meter.phases()
+    assert phases["a"].bytes_sent == 10 and phases["a"].header_bytes_sent == 8
+    assert phases["b"].bytes_recv == 4 and phases["b"].rounds == 1
+    mark = meter.snapshot()
+    meter.record_send(5)
+    assert meter.since(mark).bytes_sent == 5 and meter.totals().bytes_sent == 15
+    meter.reset()
+    assert meter.totals().bytes_sent == 0

@@ -1,0 +1,88 @@
+"""run_workers: results in rank order, clear errors for raising / exiting / hanging workers within the
+timeout, and no process left behind on any path."""
+
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+from sparsecomm import WorkerError, run_workers
+
+
+def _rank_and_size():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _record_pid_then(directory, behaviour):
+    rank = dist.get_rank()
+    with open(os.path.join(directory, str(rank)), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 1:
+        if behaviour == "raise":
+            raise ValueError("boom from the test")
+        if behaviour == "exit":
+            os._exit(3)
+        if behaviour == "hang":
+            time.sleep(3600)
+    if behaviour == "hang":
+        dist.barrier()          # the others wait for rank 1 in a collective: a realistic deadlock
+    return rank
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _assert_no_worker_left(directory):
+    pids = [int(open(os.path.join(directory, name)).read()) for name in os.listdir(directory)]
+    assert pids, "the workers never started"
+    left = [pid for pid in pids if _alive(pid)]
+    assert not left, f"worker processes {left} outlived run_workers"
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5, 8])
+def test_results_in_rank_order(P):
+    assert run_workers(P, _rank_and_size) == [(r, P) for r in range(P)]
+
+
+def test_worker_that_raises_names_rank_and_traceback(tmp_path):
+    with pytest.raises(WorkerError) as info:
+        run_workers(3, _record_pid_then, str(tmp_path), "raise", timeout=30)
+    err = info.value
+    assert err.rank == 1 and "rank 1 raised ValueError: boom from the test" in str(err)
+    assert "_record_pid_then" in err.worker_traceback
+    _assert_no_worker_left(tmp_path)
+
+
+def test_worker_that_exits_is_reported(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 exited \(exit code 3\)"):
+        run_workers(3, _record_pid_then, str(tmp_path), "exit", timeout=30)
+    assert time.monotonic() - start < 30
+    _assert_no_worker_left(tmp_path)
+
+
+def test_worker_that_hangs_times_out(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"timeout: rank\(s\) \[.*1.*\] did not finish within 3 s"):
+        run_workers(3, _record_pid_then, str(tmp_path), "hang", timeout=3)
+    assert time.monotonic() - start < 10
+    _assert_no_worker_left(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4", True])
+def test_bad_world_size(bad):
+    with pytest.raises(ValueError, match=r"world_size=.* must be an integer >= 1"):
+        run_workers(bad, _rank_and_size)
+
+
+def test_bad_timeout_and_fn():
+    with pytest.raises(ValueError, match="timeout"):
+        run_workers(2, _rank_and_size, timeout=0)
+    with pytest.raises(TypeError, match="callable"):
+        run_workers(2, "not a function")
