@@ -1,0 +1,39 @@
+"""`sparsecomm bench launch`: wall time of run_workers(P, no-op), start to results, per P."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from ..launcher import run_workers
+from ..report_table import markdown_table
+from .common import network_label, parse_networks
+
+HELP = "start-up time of the local launcher (fork + gloo process group + exit) per worker count"
+
+
+def _noop() -> int:
+    return 0
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts")
+    parser.add_argument("--repeat", type=int, default=5, help="launches per worker count (median reported)")
+    parser.add_argument("--net", default="loopback", help="comma-separated networks, e.g. loopback,1gbit")
+
+
+def run(args) -> int:
+    rows = []
+    for net in parse_networks(args.net):
+        for P in (int(p) for p in args.workers.split(",")):
+            times = []
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                run_workers(P, _noop, net=net, timeout=120)
+                times.append(time.perf_counter() - start)
+            rows.append({"network": network_label(net), "P": P, "median (s)": statistics.median(times),
+                         "min (s)": min(times), "max (s)": max(times)})
+    print(markdown_table(rows))
+    print(f"\n{args.repeat} launches each: fork P workers, init gloo over a FileStore, run a no-op, "
+          f"collect results, reap (and, with a tc network, build and tear down the namespaces)")
+    return 0
