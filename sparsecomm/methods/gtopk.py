@@ -1,0 +1,117 @@
+"""gTop-k: global top-k by a reduction tree and a broadcast tree (Shi et al., ICDCS 2019), the
+baseline of SparDL's Table I (000_3ae287420a79948f.txt, "gTopk": 2 log P alpha, 4 k log P beta).
+
+Per call, on every rank r:
+
+1. ``acc = grad + residual``; keep the local top-k of ``acc`` (exact), the rest stays in the residual.
+2. Reduction along a binomial tree to rank 0: at step ``mask`` = 1, 2, 4, ... a rank whose lowest
+   set bit is ``mask`` sends its current k-sparse vector (indices, values) to ``r - mask`` and leaves;
+   a rank receiving from ``r + mask`` adds the two by index and keeps the top-k of the sum. What the
+   merge discards stays in *that* rank's residual (SparDL's "in-procedure residual" rule), so no
+   gradient is lost.
+3. Broadcast of the root's k-sparse vector along the same tree, in reverse.
+4. Every rank scatters the k values into a dense zero vector and divides by P.
+
+The original runs only on powers of two; binomial trees make it correct for every P.
+Cost per rank: each tree edge is one round carrying at most k indices + k values; over the two
+trees a rank takes part in at most 2 ceil(log2 P) rounds and sends at most (its edges) * 2k elements
+(Table I's 4 k log P for the root's edges). Exact figures are data-dependent (a merge of two
+k-sparse vectors may hold fewer than k non-zeros), so the formula is an upper bound.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from ..costmodel import Cost, register_cost
+from ..sparse import SparseChunk, add_chunks, index_dtype
+from . import Layout, Method, register_method
+
+
+def tree_schedule(P: int, rank: int) -> List[Tuple[str, int]]:
+    """This rank's reduction-tree steps in order: ``("recv", child)`` or ``("send", parent)``.
+
+    The broadcast tree is the same list reversed with the roles swapped.
+    """
+    steps: List[Tuple[str, int]] = []
+    mask = 1
+    while mask < P:
+        if rank & mask:
+            steps.append(("send", rank - mask))
+            break
+        if rank + mask < P:
+            steps.append(("recv", rank + mask))
+        mask *= 2
+    return steps
+
+
+@register_method("gtopk")
+class GlobalTopk(Method):
+    """gTop-k sparse all-reduce with error feedback (see the module docstring).
+
+    Args:
+        density: k = ceil(density * n) values survive globally.
+    """
+
+    sparse = True
+    has_residual = True
+
+    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+        comm, n = self.comm, grad.numel()
+        k = self.k(n)
+        residual = self.residual_for(grad)
+        acc = residual.add_(grad)                      # the residual buffer now holds grad + residual
+        with self.timer("select"):
+            local_idx = torch.topk(acc.abs(), k, sorted=False).indices
+            current = SparseChunk.gather(acc, local_idx)
+            acc[local_idx] = 0                         # residual = acc minus what is sent
+        self.stats["selected"] = k
+        for role, peer in tree_schedule(comm.size, comm.rank):
+            if role == "send":
+                with self.timer("comm"):
+                    comm.exchange_many(peer, current.parts(), None, count=0)
+                current = None
+                break
+            with self.timer("comm"):
+                received = self._receive(peer, n, grad)
+            with self.timer("select"):
+                merged = add_chunks([current, received])
+                current, dropped = merged.top(k)
+                dropped.scatter_add_(acc)              # in-procedure residual stays here
+        with self.timer("comm"):
+            current = self._broadcast(current, n, grad)
+        with self.timer("decompress"):
+            out = torch.zeros_like(grad)
+            current.scatter_add_(out)
+            out.div_(comm.size)
+        self.stats["nnz_out"] = current.nnz
+        return out
+
+    def _broadcast(self, chunk, n: int, grad: torch.Tensor) -> SparseChunk:
+        """Send the root's chunk down the reduction tree, in reverse order of its edges."""
+        comm = self.comm
+        for role, peer in reversed(tree_schedule(comm.size, comm.rank)):
+            if role == "send":      # my parent in the reduction tree is my parent here: receive
+                chunk = self._receive(peer, n, grad)
+            else:
+                comm.exchange_many(peer, chunk.parts(), None, count=0)
+        return chunk
+
+    def _receive(self, peer: int, n: int, grad: torch.Tensor) -> SparseChunk:
+        """One packed (indices, values) message of unknown length from ``peer``."""
+        indices, values = self.comm.exchange_many(None, [], peer, count=2,
+                                                  dtypes=[index_dtype(n), grad.dtype], device=grad.device)
+        return SparseChunk(indices, values)
+
+
+@register_cost("gtopk")
+def _gtopk_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, **_) -> Cost:
+    """Upper bound: every tree edge of this rank carries at most k (index, value) pairs."""
+    edges = tree_schedule(P, rank)
+    idx_size = 4 if n < 2 ** 31 else 8
+    per_message = k * (idx_size + itemsize)
+    sends = sum(1 for role, _ in edges if role == "send") + sum(1 for role, _ in edges if role == "recv")
+    # reduction: sends to parent; broadcast: sends to each child
+    return Cost(2 * len(edges), sends * per_message, sends * per_message, exact=False)
