@@ -1,0 +1,81 @@
+"""DGC-style sampled top-k (Lin et al., Deep Gradient Compression; the baseline of Shi et al. Fig. 6).
+
+A threshold is read off a strided sample of ``|x|`` with a random offset; the elements above it are
+gathered in one pass; when too few come out the threshold is lowered and the pass repeated (DGC's
+adaptation), and when more than ``k`` come out the top-k among them is kept (DGC's hierarchical
+selection). The count therefore lies in ``[ceil(lower * k), k]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+import torch
+from torch import Tensor
+
+from .base import Selector, finite_sum_of_magnitudes
+from .registry import register_selector
+from .scan import MagnitudeView, Scratch
+
+__all__ = ["DGC"]
+
+
+@register_selector("dgc")
+class DGC(Selector):
+    """DGC sampled top-k: count in ``[ceil(lower * k), k]``; the picks are the largest ``|x|``.
+
+    Args:
+        sample_ratio: fraction of ``x`` in the sample (DGC's default 0.01).
+        lower: accept a count down to ``lower * k``; below it the threshold is multiplied by ``lower``
+            and the pass repeated (DGC's ``compress_lower_bound``, 0.8).
+        max_adaptations: passes before giving up on the threshold and taking the exact top-k (10).
+        seed: seed of the generator that places the sample (its state is in ``state_dict``).
+    """
+
+    def __init__(self, *, sample_ratio: float = 0.01, lower: float = 0.8, max_adaptations: int = 10,
+                 seed: int = 0, check_finite: bool = True) -> None:
+        super().__init__(check_finite=check_finite)
+        if not 0.0 < sample_ratio <= 1.0:
+            raise ValueError(f"dgc: sample_ratio must lie in (0, 1], got {sample_ratio!r}")
+        if not 0.0 < lower < 1.0:
+            raise ValueError(f"dgc: lower must lie in (0, 1), got {lower!r}")
+        if isinstance(max_adaptations, bool) or not isinstance(max_adaptations, int) or max_adaptations < 0:
+            raise ValueError(f"dgc: max_adaptations must be an int >= 0, got {max_adaptations!r}")
+        self.sample_ratio = float(sample_ratio)
+        self.lower = float(lower)
+        self.max_adaptations = max_adaptations
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self._scratch = Scratch()
+
+    def _sample_threshold(self, a: Tensor, k: int) -> float:
+        n = a.numel()
+        stride = max(1, int(1.0 / self.sample_ratio))
+        offset = int(torch.randint(0, min(stride, n), (1,), generator=self.generator))
+        sample = a[offset::stride]
+        rank = max(1, math.ceil(k * sample.numel() / n))
+        return float(torch.topk(sample, rank, sorted=False).values.min())
+
+    def select(self, x: Tensor, k: int) -> Tensor:
+        a = self._scratch.magnitudes(x)
+        if self.check_finite:
+            finite_sum_of_magnitudes(a, self.name, True)
+        least = math.ceil(self.lower * k)
+        threshold = self._sample_threshold(a, k)
+        view = MagnitudeView(a, self._scratch, threshold)
+        for _ in range(self.max_adaptations):
+            if view.n_candidates >= least:
+                break
+            threshold *= self.lower
+            view = MagnitudeView(a, self._scratch, threshold)
+        if view.n_candidates < least:
+            view = MagnitudeView(a, self._scratch, 0.0)
+        if view.n_candidates > k:
+            return view.topk_at_or_above(view.floor, k)
+        return view.indices
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
