@@ -5,8 +5,9 @@ formula returns this rank's :class:`Cost` as a function of the worker count P, t
 the number of selected elements k, the rank and the method's options. Time is
 ``rounds * alpha + bytes_sent * beta`` (Hockney's model, as used by all five papers).
 
-``Cost.exact`` says whether the figure must equal the meter to the byte (deterministic traffic, e.g.
-dense collectives, SparDL's rounds) or is an upper bound (data-dependent sparse traffic).
+``Cost.exact`` says whether the bytes must equal the meter to the byte (deterministic traffic, e.g.
+dense collectives) or are an upper bound (data-dependent sparse traffic); ``Cost.rounds_exact`` says
+the same of the rounds (exact for most sparse methods too, e.g. SparDL's 2 ceil(log2 P)).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Cost:
     bytes_sent: int
     bytes_recv: int
     exact: bool = True
+    rounds_exact: bool = True
 
     def time(self, alpha: float, beta: float) -> float:
         """Seconds under latency ``alpha`` (s per round) and inverse bandwidth ``beta`` (s per byte)."""
@@ -34,9 +36,11 @@ class Cost:
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(self.rounds + other.rounds, self.bytes_sent + other.bytes_sent,
-                    self.bytes_recv + other.bytes_recv, self.exact and other.exact)
+                    self.bytes_recv + other.bytes_recv, self.exact and other.exact,
+                    self.rounds_exact and other.rounds_exact)
 
     def bound(self) -> "Cost":
+        """The same figures as upper bounds on the bytes (rounds stay as they are)."""
         return replace(self, exact=False)
 
 

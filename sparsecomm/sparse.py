@@ -86,8 +86,10 @@ class SparseChunk:
 def add_chunks(chunks: Iterable[SparseChunk]) -> SparseChunk:
     """Sum chunks by index: the result is coalesced (unique, sorted indices).
 
-    Deterministic: values are accumulated in the order the chunks are given, so every rank that adds
-    the same chunks in the same order gets the same bits.
+    Deterministic on every device: the chunks are added one after another in the order given, each
+    with one ``index_add_`` whose target positions are distinct when the chunk is coalesced (so even
+    CUDA's atomic adds have one operand per position); every rank that adds the same chunks in the
+    same order gets the same bits.
     """
     chunks = list(chunks)
     if not chunks:
@@ -98,5 +100,9 @@ def add_chunks(chunks: Iterable[SparseChunk]) -> SparseChunk:
         return SparseChunk(indices, values)
     unique, inverse = torch.unique(indices, sorted=True, return_inverse=True)
     summed = torch.zeros(unique.numel(), dtype=values.dtype, device=values.device)
-    summed.index_add_(0, inverse, values)
+    start = 0
+    for chunk in chunks:
+        stop = start + chunk.nnz
+        summed.index_add_(0, inverse[start:stop], values[start:stop])
+        start = stop
     return SparseChunk(unique, summed)

@@ -96,7 +96,8 @@ def assert_equals_dense(traces: List[List[Dict[str, Any]]], rtol: float = 1e-5, 
 
 def assert_traffic_matches(traces: List[List[Dict[str, Any]]], name: str, n: int, k: int = 0,
                            itemsize: int = 4, **options: Any) -> None:
-    """Each rank's metered bytes and rounds equal (exact formulas) or stay within (bounds) the cost model."""
+    """Each rank's metered bytes and rounds equal the cost model (``exact`` / ``rounds_exact``
+    formulas) or stay within it (bounds)."""
     P = len(traces)
     for rank, trace in enumerate(traces):
         expected = cost(name, P=P, n=n, k=k, rank=rank, itemsize=itemsize, **options)
@@ -104,10 +105,10 @@ def assert_traffic_matches(traces: List[List[Dict[str, Any]]], name: str, n: int
             s = rec["stats"]
             got = (s["rounds"], s["bytes_sent"], s["bytes_recv"])
             want = (expected.rounds, expected.bytes_sent, expected.bytes_recv)
-            if expected.exact:
-                ok = got == want
-            else:
-                ok = got[0] <= want[0] and got[1] <= want[1] and got[2] <= want[2]
-            if not ok:
+            rounds_ok = got[0] == want[0] if expected.rounds_exact else got[0] <= want[0]
+            bytes_ok = got[1:] == want[1:] if expected.exact else got[1] <= want[1] and got[2] <= want[2]
+            if not (rounds_ok and bytes_ok):
+                relation = (f"rounds {'=' if expected.rounds_exact else '<='}, "
+                            f"bytes {'=' if expected.exact else '<='}")
                 raise AssertionError(f"{name}: rank {rank} step {step}: metered (rounds, sent, recv) = {got}, "
-                                     f"cost model {'=' if expected.exact else '<='} {want} (P={P}, n={n}, k={k})")
+                                     f"cost model {want} ({relation}; P={P}, n={n}, k={k})")

@@ -58,6 +58,9 @@ class Method:
             raise ValueError(f"method {self.name!r} is dense and takes no density (got {density!r})")
         self.density = None if density is None else float(density)
         self.residual: Optional[torch.Tensor] = None
+        #: local int64 indices whose accumulated value this rank sent in the last call (None when
+        #: the method does not track them); DGC momentum masking uses it.
+        self.last_sent: Optional[torch.Tensor] = None
         self.step = 0
         self.stats: Dict[str, Any] = {}
         self._validated_n: Optional[int] = None

@@ -31,8 +31,9 @@ class DenseAllReduce(Method):
 def _dense_cost(P: int, n: int, rank: int, itemsize: int = 4, **_) -> Cost:
     from ..collectives import _ring_cost
 
+    # The backend's algorithm is its own: the ring figures are an estimate, not a bound to check.
     ring = _ring_cost(P=P, n=n, rank=rank, itemsize=itemsize)
-    return Cost(ring.rounds, ring.bytes_sent, ring.bytes_recv, exact=False)
+    return Cost(ring.rounds, ring.bytes_sent, ring.bytes_recv, exact=False, rounds_exact=False)
 
 
 @register_method("ring")

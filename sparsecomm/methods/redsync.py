@@ -1,0 +1,366 @@
+"""RedSync (Fang, Fu, Yang, Hsieh 2019): per-layer residual gradient compression, Alternating Signs
+Quantization, and an all-gather of ONE packed message per rank.
+
+Per call (Algorithm 1, one bucket), on every rank:
+
+1. ``acc = grad + residual``. Each layer of the layout (the whole bucket when ``layout`` is None) is
+   compressed by the hybrid policy of section 2.1 (:func:`plan_layers`): small layers (``numel <=
+   small_limit``) by exact top-k or sent dense (``small="dense"``); medium layers by trimmed top-k
+   (Algorithm 2); large layers (``numel > large_limit``) by threshold binary search (Algorithm 3) or
+   its sampled variant. Every layer selects ``k_l = ceil(density * numel_l)``.
+2. ASQ (section 2.2, ``quantize="asq"``): on even steps a layer selects its k largest *positive*
+   entries, on odd steps its k most *negative*, and sends their indices plus ONE value, their mean.
+   What the mean misrepresents (``value - mean``) stays in the residual. Layers named in
+   ``unquantized_layers`` (default: the last, the output layer) and dense layers are not quantized.
+3. The packed message (:func:`pack_message`): per-layer counts (int32, one per layer), the global
+   indices of the sparse layers, then the values (dense layers' values, sparse layers' values, one mean
+   per quantized layer), all-gathered in one round per step (``sparse_allgatherv``: recursive doubling
+   for powers of two, Bruck otherwise; ceil(log2 P) rounds).
+4. Decompression (section 2.3): every rank scatter-adds the P messages in rank order, divides by P.
+
+Cost, equation (1): ``T = T_select + lg(p) alpha + (p-1) M D beta + p gamma_1``; the meter sees
+ceil(log2 P) rounds and (P-1) message bytes per rank when messages are equal (see :func:`_redsync_cost`
+and :func:`equation1_seconds`). Dense synchronization, equation (2), is Rabenseifner's all-reduce
+(``cost("rabenseifner", ...)``, :func:`equation2_seconds`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..comm import Communicator
+from ..costmodel import Cost, ceil_log2, register_cost
+from ..sparse import SparseChunk, index_dtype
+from . import Layout, Method, register_method
+from .topka import allgatherv_bytes, make_selector, sparse_allgatherv
+
+__all__ = ["RedSync", "LayerSpec", "LayerPart", "plan_layers", "pack_message", "unpack_message",
+           "message_nbytes", "equation1_seconds", "equation2_seconds"]
+
+log = logging.getLogger(__name__)
+
+#: selectors whose count is exactly k (the others return a count in a band, e.g. [k, 2k])
+_EXACT_COUNT = {"topk", "trimmed", "mstopk"}
+_COUNT_DTYPE = torch.int32
+
+
+# ---------------------------------------------------------------------- the per-layer plan
+@dataclass(frozen=True)
+class LayerSpec:
+    """How one layer travels. ``selector`` is a selector name, or ``"dense"`` (all values, no indices)."""
+
+    offset: int
+    numel: int
+    selector: str
+    quantized: bool
+
+    @property
+    def dense(self) -> bool:
+        return self.selector == "dense"
+
+
+def plan_layers(spans: Sequence[Tuple[int, int]], *, small_limit: int, large_limit: int, small: str,
+                medium: str, large: str, quantize: Optional[str],
+                unquantized_layers: Sequence[int]) -> List[LayerSpec]:
+    """RedSync's hybrid policy (section 2.1): the selector and quantization of every layer.
+
+    ``numel <= small_limit``: ``small`` (``"topk"`` or ``"dense"``); ``numel > large_limit``:
+    ``large``; otherwise ``medium``. With ``quantize="asq"`` every non-dense layer is quantized except
+    those whose position (negative counts from the end) is in ``unquantized_layers``.
+    """
+    L = len(spans)
+    keep = {i % L for i in unquantized_layers if -L <= i < L}
+    out = []
+    for i, (offset, numel) in enumerate(spans):
+        selector = small if numel <= small_limit else large if numel > large_limit else medium
+        quantized = quantize == "asq" and selector != "dense" and i not in keep
+        out.append(LayerSpec(offset, numel, selector, quantized))
+    return out
+
+
+# ---------------------------------------------------------------------- the packed message
+@dataclass
+class LayerPart:
+    """One layer's share of a message: global ``indices`` (None for a dense layer) and ``values``
+    (one per index; the layer's ``numel`` values when dense; ONE mean when quantized)."""
+
+    indices: Optional[Tensor]
+    values: Tensor
+
+
+def pack_message(specs: Sequence[LayerSpec], parts: Sequence[LayerPart],
+                 index_type: torch.dtype) -> List[Tensor]:
+    """The three tensors of one rank's message: ``[counts (int32, one per layer), indices, values]``.
+
+    ``counts[l]`` is the number of entries of layer l (its numel when dense). Indices of the sparse
+    layers follow in layer order; then the values in layer order (a quantized layer contributes one).
+    """
+    if len(specs) != len(parts):
+        raise ValueError(f"pack_message: {len(specs)} layer specs but {len(parts)} parts")
+    counts, indices, values = [], [], []
+    for spec, part in zip(specs, parts):
+        if spec.dense:
+            if part.indices is not None or part.values.numel() != spec.numel:
+                raise ValueError(f"pack_message: dense layer at offset {spec.offset} needs no indices and "
+                                 f"{spec.numel} values, got {part.values.numel()}")
+            counts.append(spec.numel)
+        else:
+            count = part.indices.numel()  # type: ignore[union-attr]
+            want = 1 if spec.quantized else count
+            if part.values.numel() != want:
+                raise ValueError(f"pack_message: layer at offset {spec.offset} with {count} indices needs "
+                                 f"{want} value(s) (quantized={spec.quantized}), got {part.values.numel()}")
+            counts.append(count)
+            indices.append(part.indices.to(index_type))  # type: ignore[union-attr]
+        values.append(part.values)
+    device, dtype = parts[0].values.device, parts[0].values.dtype
+    return [torch.tensor(counts, dtype=_COUNT_DTYPE, device=device),
+            torch.cat(indices) if indices else torch.empty(0, dtype=index_type, device=device),
+            torch.cat([v.to(dtype) for v in values])]
+
+
+def unpack_message(specs: Sequence[LayerSpec], counts: Tensor, indices: Tensor, values: Tensor) -> List[LayerPart]:
+    """Inverse of :func:`pack_message`; raises ``ValueError`` when the lengths do not add up."""
+    if counts.numel() != len(specs):
+        raise ValueError(f"unpack_message: {counts.numel()} counts for {len(specs)} layers")
+    parts, i_at, v_at = [], 0, 0
+    for spec, count in zip(specs, counts.tolist()):
+        if spec.dense:
+            if count != spec.numel:
+                raise ValueError(f"unpack_message: dense layer at offset {spec.offset} has count {count}, "
+                                 f"expected {spec.numel}")
+            parts.append(LayerPart(None, values[v_at:v_at + count]))
+            v_at += count
+            continue
+        n_values = 1 if spec.quantized else count
+        parts.append(LayerPart(indices[i_at:i_at + count], values[v_at:v_at + n_values]))
+        i_at += count
+        v_at += n_values
+    if i_at != indices.numel() or v_at != values.numel():
+        raise ValueError(f"unpack_message: counts account for {i_at} indices and {v_at} values, the message "
+                         f"holds {indices.numel()} and {values.numel()}")
+    return parts
+
+
+def message_nbytes(message: Sequence[Tensor]) -> int:
+    """Payload bytes of a packed message (the size header excluded)."""
+    return sum(t.numel() * t.element_size() for t in message)
+
+
+# ---------------------------------------------------------------------- the method
+@register_method("redsync")
+class RedSync(Method):
+    """RedSync (Fang et al. 2019): per-layer RGC with the hybrid selector policy, optional ASQ, one
+    packed all-gather per step, scatter-add decompression. See the module docstring.
+
+    Args:
+        density: fraction selected per layer, ``k_l = ceil(density * numel_l)``.
+        quantize: ``None`` or ``"asq"`` (Alternating Signs Quantization, section 2.2).
+        small_limit: layers with at most this many elements are "small" (default 32768: the paper's
+            128 KB of float32, section 3.1).
+        large_limit: layers with more elements are "large" (default 4194304 = 16 MB of float32).
+        small: ``"topk"`` (exact top-k, the default) or ``"dense"`` (sent uncompressed).
+        medium: selector for medium layers (default ``"trimmed"``, Algorithm 2).
+        large: selector for large layers (default ``"sampled_binary_search"``, or ``"binary_search"``
+            with ASQ: the paper notes the sampled variant cannot be used with quantization).
+        unquantized_layers: layer positions never quantized (default ``(-1,)``, the output layer).
+        selector_options: ``{selector name: {option: value}}`` passed to ``selectors.make``.
+
+    After a call ``self.last_sent`` holds the local indices this rank sent (for momentum masking).
+    """
+
+    sparse = True
+    has_residual = True
+
+    def __init__(self, comm: Optional[Communicator] = None, *, density: float, quantize: Optional[str] = None,
+                 small_limit: int = 32768, large_limit: int = 4194304, small: str = "topk",
+                 medium: str = "trimmed", large: Optional[str] = None,
+                 unquantized_layers: Sequence[int] = (-1,),
+                 selector_options: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+        super().__init__(comm, density=density)
+        if quantize not in (None, "asq"):
+            raise ValueError(f"quantize={quantize!r} must be None or 'asq'")
+        if large is None:
+            large = "binary_search" if quantize else "sampled_binary_search"
+        if quantize and large == "sampled_binary_search":
+            raise ValueError("large='sampled_binary_search' cannot be used with quantize='asq' (RedSync "
+                             "section 2.2: the reused threshold does not survive the alternating signs); "
+                             "use 'binary_search'")
+        if "dense" in (medium, large):
+            raise ValueError(f"medium={medium!r}, large={large!r}: only small layers may be sent dense")
+        if not 0 <= small_limit <= large_limit:
+            raise ValueError(f"small_limit={small_limit!r} and large_limit={large_limit!r} must satisfy "
+                             "0 <= small_limit <= large_limit")
+        self.quantize = quantize
+        self.policy = dict(small_limit=int(small_limit), large_limit=int(large_limit), small=small,
+                           medium=medium, large=large, quantize=quantize,
+                           unquantized_layers=tuple(int(i) for i in unquantized_layers))
+        self.selector_options = dict(selector_options or {})
+        for name in {small, medium, large} - {"dense"}:
+            make_selector(name, **self.selector_options.get(name, {}))  # fail early on a bad name/option
+        self._spans: Optional[List[Tuple[int, int]]] = None
+        self._specs: List[LayerSpec] = []
+        self._selectors: Dict[int, Any] = {}
+        self._pending_selector_state: Dict[int, Dict[str, Any]] = {}
+        self.last_sent: Optional[Tensor] = None
+
+    # ------------------------------------------------------------------ plan
+    def _layers(self, n: int, layout: Layout) -> List[LayerSpec]:
+        spans = [(0, n)] if layout is None else [(int(o), int(m)) for o, m in layout]
+        covered = sum(m for _, m in spans)
+        if covered != n:
+            raise ValueError(f"redsync: the layout covers {covered} of the n={n} elements; it must cover the "
+                             "whole bucket without gaps")
+        if spans != self._spans:
+            self._spans = spans
+            self._specs = plan_layers(spans, **self.policy)
+            self._selectors = {}
+            for i, spec in enumerate(self._specs):
+                if not spec.dense:
+                    sel = make_selector(spec.selector, **self.selector_options.get(spec.selector, {}))
+                    if i in self._pending_selector_state:
+                        sel.load_state_dict(self._pending_selector_state.pop(i))
+                    self._selectors[i] = sel
+            log.debug("redsync plan: %s", [(s.numel, s.selector, s.quantized) for s in self._specs])
+        return self._specs
+
+    # ------------------------------------------------------------------ compression of one layer
+    def _compress(self, i: int, spec: LayerSpec, x: Tensor, sign: int) -> Tuple[LayerPart, Tensor]:
+        """(this layer's part of the message, local indices sent); updates ``x`` (the residual) in place."""
+        if spec.dense:
+            part = LayerPart(None, x.clone())
+            x.zero_()
+            return part, torch.arange(spec.numel, device=x.device)
+        k = self.k(spec.numel)
+        if not spec.quantized:
+            idx = self._selectors[i](x, k)
+            part = LayerPart(idx + spec.offset, x[idx])
+            x[idx] = 0
+            return part, idx
+        signed = x * sign
+        idx = self._selectors[i](signed.clamp_(min=0), k)
+        idx = idx[signed[idx] > 0]  # fewer than k entries of this sign: send only those
+        selected = x[idx]
+        mean = selected.sum().div_(max(idx.numel(), 1)).reshape(1)
+        x[idx] = selected - mean  # the quantization error stays in the residual
+        return LayerPart(idx + spec.offset, mean), idx
+
+    # ------------------------------------------------------------------ the work
+    def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
+        n = grad.numel()
+        specs = self._layers(n, layout)
+        sign = 1 if self.step % 2 == 0 else -1
+        with self.timer("select"):
+            acc = self.residual_for(grad).add_(grad)
+            parts, sent = [], []
+            for i, spec in enumerate(specs):
+                part, idx = self._compress(i, spec, acc[spec.offset:spec.offset + spec.numel], sign)
+                parts.append(part)
+                sent.append(idx + spec.offset)
+            message = pack_message(specs, parts, index_dtype(n))
+        self.last_sent = torch.cat(sent)
+        self.stats["selected"] = self.last_sent.numel()
+        self.stats["message_bytes"] = message_nbytes(message)
+        self.stats["asq_sign"] = sign if self.quantize else 0
+        with self.timer("comm"):
+            gathered = sparse_allgatherv(self.comm, message)
+        with self.timer("decompress"):
+            out = torch.zeros_like(grad)
+            for counts, indices, values in gathered:
+                _scatter_message(out, specs, unpack_message(specs, counts, indices, values))
+            out.div_(self.comm.size)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def extra_state(self) -> Dict[str, Any]:
+        return {"selectors": {i: sel.state_dict() for i, sel in self._selectors.items()}}
+
+    def load_extra_state(self, state: Dict[str, Any]) -> None:
+        self._pending_selector_state = {int(i): s for i, s in state.get("selectors", {}).items()}
+        for i in list(self._pending_selector_state):
+            if i in self._selectors:
+                self._selectors[i].load_state_dict(self._pending_selector_state.pop(i))
+
+
+def _scatter_message(out: Tensor, specs: Sequence[LayerSpec], parts: Sequence[LayerPart]) -> None:
+    """Add one rank's unpacked message into ``out`` (dense slices, then one scatter-add)."""
+    indices, values = [], []
+    for spec, part in zip(specs, parts):
+        if spec.dense:
+            out[spec.offset:spec.offset + spec.numel] += part.values
+        elif part.indices.numel():  # type: ignore[union-attr]
+            indices.append(part.indices)
+            values.append(part.values.expand(part.indices.numel()) if spec.quantized else part.values)  # type: ignore[union-attr]
+    if indices:
+        SparseChunk(torch.cat(indices), torch.cat(values)).scatter_add_(out)
+
+
+# ---------------------------------------------------------------------- cost model
+@register_cost("redsync")
+def _redsync_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, layout: Layout = None,
+                  message_bytes: Optional[Sequence[int]] = None, density: Optional[float] = None,
+                  **policy: Any) -> Cost:
+    """Equation (1)'s communication terms: ceil(log2 P) rounds and, with equal messages of m bytes,
+    (P-1) m sent and received per rank.
+
+    ``message_bytes`` (one per rank, e.g. ``stats["message_bytes"]``) gives the exact figure. Otherwise
+    m comes from the plan of ``layout`` (``density`` and the policy options of :class:`RedSync`):
+    4 bytes of count per layer, plus per sparse layer k_l indices and k_l values (one value when
+    quantized), plus every element of a dense layer. The figure is exact when every sparse layer's
+    selector returns exactly k_l and nothing is quantized; else it is an upper bound, with threshold
+    binary search counted at its 2 k_l ceiling (and ASQ at k_l entries of one sign).
+    """
+    if message_bytes is None:
+        if density is None:
+            raise ValueError("cost('redsync') needs message_bytes= or density= (with the layout and policy)")
+        m, exact = _planned_message_bytes(n, layout, density, itemsize, policy)
+        message_bytes = [m] * P
+    else:
+        if len(message_bytes) != P:
+            raise ValueError(f"message_bytes has {len(message_bytes)} entries, need one per rank (P={P})")
+        exact = True
+    rounds, sent, recv = allgatherv_bytes(list(message_bytes), rank)
+    return Cost(rounds, sent, recv, exact=exact)
+
+
+def _planned_message_bytes(n: int, layout: Layout, density: float, itemsize: int,
+                           policy: Dict[str, Any]) -> Tuple[int, bool]:
+    defaults = dict(small_limit=32768, large_limit=4194304, small="topk", medium="trimmed", large=None,
+                    quantize=None, unquantized_layers=(-1,))
+    unknown = set(policy) - set(defaults)
+    if unknown:
+        raise TypeError(f"cost('redsync'): unknown options {sorted(unknown)}")
+    opts = {**defaults, **policy}
+    if opts["large"] is None:
+        opts["large"] = "binary_search" if opts["quantize"] else "sampled_binary_search"
+    spans = [(0, n)] if layout is None else [(int(o), int(m)) for o, m in layout]
+    index_size = torch.empty(0, dtype=index_dtype(n)).element_size()
+    total, exact = _COUNT_DTYPE.itemsize * len(spans), True
+    for spec in plan_layers(spans, **opts):
+        if spec.dense:
+            total += spec.numel * itemsize
+            continue
+        k = min(spec.numel, max(1, math.ceil(density * spec.numel)))
+        count = k if spec.selector in _EXACT_COUNT else min(spec.numel, 2 * k)
+        exact = exact and spec.selector in _EXACT_COUNT and not spec.quantized
+        total += count * index_size + (itemsize if spec.quantized else count * itemsize)
+    return total, exact
+
+
+def equation1_seconds(P: int, message_bytes: float, alpha: float, beta: float, t_select: float = 0.0,
+                      gamma1: float = 0.0) -> float:
+    """RedSync equation (1): ``T_select + lg(p) alpha + (p-1) (M D) beta + p gamma_1``, with ``M D``
+    the bytes of one rank's message and ``gamma_1`` the time to decompress one message."""
+    return t_select + ceil_log2(P) * alpha + (P - 1) * message_bytes * beta + P * gamma1
+
+
+def equation2_seconds(P: int, n: int, alpha: float, beta: float, gamma2: float = 0.0, itemsize: int = 4) -> float:
+    """RedSync equation (2), Rabenseifner's dense all-reduce: ``2 lg(p) alpha + 2 (p-1)/p M beta +
+    (p-1)/p gamma_2`` (M = n * itemsize bytes, gamma_2 the time to add two M-byte vectors)."""
+    return 2 * ceil_log2(P) * alpha + 2 * (P - 1) / P * n * itemsize * beta + (P - 1) / P * gamma2
