@@ -208,7 +208,6 @@ class RedSync(Method):
         self._specs: List[LayerSpec] = []
         self._selectors: Dict[int, Any] = {}
         self._pending_selector_state: Dict[int, Dict[str, Any]] = {}
-        self.last_sent: Optional[Tensor] = None
 
     # ------------------------------------------------------------------ plan
     def _layers(self, n: int, layout: Layout) -> List[LayerSpec]:

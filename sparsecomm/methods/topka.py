@@ -140,7 +140,6 @@ class TopkAllGather(Method):
         super().__init__(comm, density=density)
         self.selector_name = selector
         self.selector = make_selector(selector, **selector_options)
-        self.last_sent: Optional[Tensor] = None
 
     # ------------------------------------------------------------------ the hook
     def select(self, acc: Tensor) -> Tensor:
@@ -169,7 +168,8 @@ class TopkAllGather(Method):
                 SparseChunk(indices, values).scatter_add_(out)
             out.div_(self.comm.size)
         self.stats["message_bytes"] = chunk.nbytes()
-        self.stats["received_nnz"] = sum(int(indices.numel()) for indices, _ in gathered)
+        self.stats["counts"] = [int(indices.numel()) for indices, _ in gathered]
+        self.stats["received_nnz"] = sum(self.stats["counts"])
         return out
 
     def extra_state(self) -> Dict[str, Any]:

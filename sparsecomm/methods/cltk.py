@@ -1,0 +1,122 @@
+"""CLT-k, cyclic local top-k (Chen et al., ScaleCom, NeurIPS 2020; reference [16] of ExDyna, which
+uses it as a comparator: ExDyna section III).
+
+At step t the *leader* ``t mod P`` selects the exact top-k of its ``acc = grad + residual``; its k
+indices are broadcast to every rank, and every rank's ``acc`` at those indices is summed by an
+all-reduce. All ranks zero ``acc`` there and keep the rest as residual. Exactly k coordinates per
+step, whatever P (no gradient build-up), but the P-1 other ranks idle while the leader selects, and
+a rank leads only every P steps.
+
+Cost per rank: a binomial-tree broadcast of k indices from the leader (vrank = (rank - leader) mod
+P; at round mask = 1, 2, 4, ... the ranks with vrank < mask send to vrank + mask; a non-leader
+receives once, in the round where mask <= vrank < 2 mask; only rounds a rank takes part in count),
+then the chosen all-reduce (Rabenseifner default, or ring) of k values.
+``cost("cltk", P, n, k, rank, leader=t % P, allreduce=...)`` is exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..collectives import _rabenseifner_cost, _ring_cost, rabenseifner_allreduce, ring_allreduce
+from ..comm import Communicator
+from ..costmodel import Cost, register_cost
+from ..selectors import make as make_selector
+from ..sparse import index_dtype
+from . import Layout, Method, register_method
+from .exdyna_metrics import SparsificationMetrics
+
+__all__ = ["CyclicLocalTopk", "binomial_broadcast"]
+
+_ALLREDUCES = {"rabenseifner": rabenseifner_allreduce, "ring": ring_allreduce}
+_ALLREDUCE_COSTS = {"rabenseifner": _rabenseifner_cost, "ring": _ring_cost}
+
+
+def binomial_broadcast(comm: Communicator, tensor: torch.Tensor, root: int) -> torch.Tensor:
+    """Broadcast ``tensor`` (contiguous; its size known everywhere) from ``root``, in place.
+
+    ceil(log2 P) rounds of a binomial tree; returns ``tensor``.
+    """
+    P, r = comm.size, comm.rank
+    vrank = (r - root) % P
+    mask = 1
+    while mask < P:
+        if vrank < mask and vrank + mask < P:
+            comm.sendrecv(tensor, (r + mask) % P, None, None)
+        elif mask <= vrank < 2 * mask:
+            comm.sendrecv(None, None, tensor, (r - mask) % P)
+        mask *= 2
+    return tensor
+
+
+def _binomial_broadcast_cost(P: int, m: int, rank: int, root: int, itemsize: int) -> Cost:
+    vrank = (rank - root) % P
+    rounds = sent = recv = 0
+    mask = 1
+    while mask < P:
+        if vrank < mask and vrank + mask < P:
+            rounds += 1
+            sent += m
+        elif mask <= vrank < 2 * mask:
+            rounds += 1
+            recv += m
+        mask *= 2
+    return Cost(rounds, sent * itemsize, recv * itemsize)
+
+
+@register_method("cltk")
+class CyclicLocalTopk(SparsificationMetrics, Method):
+    """CLT-k: the step's leader selects the top-k, broadcasts the indices, values are all-reduced.
+
+    Args:
+        density: k = ceil(density * n).
+        allreduce: ``"rabenseifner"`` (default) or ``"ring"`` for the k values.
+        global_error: also report the global error (one extra exchange after the metered call).
+
+    Stats: ``leader``; ``counts`` (k for the leader, 0 elsewhere); ``padding_overhead`` is 1.0
+    (a broadcast pads nothing).
+    """
+
+    sparse = True
+    has_residual = True
+
+    def __init__(self, comm=None, *, density: float, allreduce: str = "rabenseifner",
+                 global_error: bool = False) -> None:
+        super().__init__(comm, density=density)
+        if allreduce not in _ALLREDUCES:
+            raise ValueError(f"cltk: allreduce={allreduce!r} must be one of {tuple(_ALLREDUCES)}")
+        self.allreduce = allreduce
+        self.track_global_error = bool(global_error)
+        self.selector = make_selector("topk")
+
+    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+        n, P, r = grad.numel(), self.comm.size, self.comm.rank
+        k = self.k(n)
+        leader = self.step % P
+        acc = self.residual_for(grad).add_(grad)
+        with self.timer("select"):
+            if r == leader:
+                indices = torch.sort(self.selector(acc, k)).values.to(index_dtype(n))
+            else:
+                indices = torch.empty(k, dtype=index_dtype(n), device=grad.device)
+        with self.timer("comm"):
+            binomial_broadcast(self.comm, indices, leader)
+            chosen = indices.long()
+            summed = _ALLREDUCES[self.allreduce](self.comm, acc[chosen])
+        with self.timer("decompress"):
+            out = torch.zeros_like(grad)
+            out[chosen] = summed.div_(P)
+            acc[chosen] = 0
+        self.stats.update(selected=k if r == leader else 0, nnz_out=k, leader=leader,
+                          counts=[k if q == leader else 0 for q in range(P)], padding_overhead=1.0)
+        return out
+
+
+@register_cost("cltk")
+def _cltk_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, leader: int = 0,
+               allreduce: str = "rabenseifner", **_: Any) -> Cost:
+    index_size = torch.empty(0, dtype=index_dtype(n)).element_size()
+    broadcast = _binomial_broadcast_cost(P, k, rank, leader % P, index_size)
+    return broadcast + _ALLREDUCE_COSTS[allreduce](P=P, n=k, rank=rank, itemsize=itemsize)

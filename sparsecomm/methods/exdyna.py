@@ -1,0 +1,334 @@
+"""ExDyna: exclusive dynamic partitions and an online-scaled threshold (Yoon and Oh, "ExDyna:
+Preserving Near-Optimal Gradient Sparsification Cost for Scalable Distributed Deep Learning").
+
+One step on rank r (Algorithm 1):
+
+1. ``acc = residual + grad``.
+2. Dynamic partition allocation (Algorithm 3): the gradient is cut into blocks (Algorithm 2, block
+   size a multiple of 32, the remainder going to the last partition), grouped into P contiguous
+   partitions of blocks. Using the previous step's per-partition selection counts, each pair of
+   neighbouring partitions (i, i+1) is inspected once, left to right: when one holds more than
+   ``balance_ratio`` x the mean count and the other less than 1/``balance_ratio`` of it,
+   ``move_blocks`` blocks pass from the heavy to the light one (never below ``min_blocks``).
+   Rank r then owns partition ``(t mod P + r) mod P``: the partitions rotate cyclically, so no two
+   ranks search the same coordinates (no gradient build-up) and every rank sees every coordinate.
+3. Partition-wise exclusive selection (Algorithm 4): the indices of the rank's partition where
+   ``|acc| >= threshold``.
+4. All-gather of the selected indices. ``allgather="uneven"`` (default) uses the all-gather of
+   unknown sizes of :mod:`~sparsecomm.methods.topka` (recursive doubling for powers of two, Bruck
+   otherwise), sending exactly the selected indices; ``allgather="padded"`` is the paper's
+   all-gather: the counts first, then every rank's indices padded to the largest count m_t. Either
+   way ``stats["padding_overhead"]`` holds f(t) = P m_t / k' (equation 5), the traffic factor
+   padding costs.
+5. All-reduce (sum) of every rank's ``acc`` at the union of the indices (k' = sum of counts
+   coordinates; the partitions are disjoint, so the union is the concatenation, ordered by partition,
+   hence sorted), divided by P. ``allreduce="rabenseifner"`` (default) or ``"ring"``.
+6. ``acc`` is zeroed at the union on every rank and becomes the new residual.
+7. Online threshold scaling (Algorithm 5, :class:`~sparsecomm.selectors.threshold.ScaledThreshold`'s
+   factor) from the *global* count: k' / k; x (1 + gamma) above ``threshold_band``, x (1 + gamma/4)
+   inside (1/band, band], x (1 - gamma) below.
+
+Consistency: partition re-balancing and threshold scaling use only the all-gathered counts, and each
+sum is computed once by the collective and copied, so every rank holds the same state and result bit
+for bit. At density 1 every coordinate is selected (threshold 0): the dense average.
+
+Defaults are those of the authors' public code: 1024 blocks, alignment 32, ``min_blocks`` =
+num_blocks / (4P), ``balance_ratio`` 1.05, one block moved, ``threshold_band`` 1.1, ``gamma``
+0.005 (factors 1.005, 1.00125, 0.995), initial threshold 1 / (2 sqrt(k)).
+
+Cost per rank (``allgather="uneven"``, counts k_0..k_{P-1}, K' = sum): variable-size all-gather of
+the index blocks (ceil(log2 P) rounds, bytes as replayed by :func:`~sparsecomm.methods.topka.allgatherv_bytes`) +
+the chosen all-reduce of K' values; ``"padded"``: recursive-doubling all-gather of one int64 count
+and of m_t = max k_i indices per rank, + the same all-reduce. Register: ``costmodel.cost("exdyna",
+P, n, k, rank, counts=[...], allgather=..., allreduce=...)``; without ``counts`` the figure assumes
+perfectly balanced counts (k / P each) and is marked inexact.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..collectives import (_rabenseifner_cost, _recursive_doubling_cost, _ring_cost,
+                           rabenseifner_allreduce, recursive_doubling_allgather, ring_allreduce)
+from ..costmodel import Cost, chunk_sizes, register_cost
+from ..selectors.threshold import ScaledThreshold
+from ..sparse import index_dtype
+from . import Layout, Method, register_method
+from .exdyna_metrics import SparsificationMetrics
+from .topka import allgatherv_bytes, sparse_allgatherv
+
+__all__ = ["ExDyna", "BlockPartitions", "block_partition", "rebalance", "allocated_partition"]
+
+log = logging.getLogger(__name__)
+
+_ALLREDUCES = {"rabenseifner": rabenseifner_allreduce, "ring": ring_allreduce}
+_ALLREDUCE_COSTS = {"rabenseifner": _rabenseifner_cost, "ring": _ring_cost}
+_ALLGATHERS = ("uneven", "padded")
+
+
+# ---------------------------------------------------------------------- partitions (Algorithms 2, 3)
+@dataclass(frozen=True)
+class BlockPartitions:
+    """P contiguous partitions of ``[0, n)`` made of blocks of ``block_size`` elements.
+
+    Partition p holds blocks ``starts[p] .. starts[p] + blocks[p] - 1``; the last partition also
+    holds the ``n - num_blocks * block_size`` elements past the last block.
+    """
+
+    n: int
+    block_size: int
+    blocks: Tuple[int, ...]
+    starts: Tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.blocks)
+
+    def bounds(self, p: int) -> Tuple[int, int]:
+        """``(start, end)`` element range of partition p."""
+        start = self.starts[p] * self.block_size
+        end = self.n if p == len(self.blocks) - 1 else (self.starts[p] + self.blocks[p]) * self.block_size
+        return start, end
+
+
+def block_partition(n: int, P: int, num_blocks: int = 1024, align: int = 32) -> BlockPartitions:
+    """Algorithm 2: ``num_blocks`` blocks of ``(n // num_blocks)`` rounded down to a multiple of
+    ``align``, dealt to P partitions (the first ``num_blocks mod P`` get one more).
+
+    A gradient too short for that (n < num_blocks * align) gets blocks of ``align`` elements, as
+    many as fit; one shorter than P * align gets one unaligned block of n // P per partition.
+    """
+    if num_blocks < 1 or align < 1 or P < 1:
+        raise ValueError(f"num_blocks={num_blocks}, align={align}, P={P}: each must be >= 1")
+    block = (n // num_blocks) // align * align
+    count = num_blocks
+    if block == 0:
+        count, block = n // align, align
+        if count < P:
+            count, block = P, n // P
+        log.debug("exdyna: n=%d too short for %d blocks of a multiple of %d; using %d blocks of %d",
+                  n, num_blocks, align, count, block)
+    quotient, remainder = divmod(count, P)
+    blocks = [quotient + (1 if i < remainder else 0) for i in range(P)]
+    starts = [0] * P
+    for i in range(1, P):
+        starts[i] = starts[i - 1] + blocks[i - 1]
+    return BlockPartitions(n, block, tuple(blocks), tuple(starts))
+
+
+def rebalance(parts: BlockPartitions, counts: Sequence[int], ratio: float = 1.05, move: int = 1,
+              min_blocks: int = 1) -> BlockPartitions:
+    """Algorithm 3, lines 7-28: move ``move`` blocks between neighbouring partitions whose
+    selection ``counts`` (indexed by partition) lie on opposite sides of [mean / ratio, mean * ratio].
+
+    Pairs (i, i+1) are inspected left to right; after a move the two counts are corrected by the
+    expected count of the moved blocks (move * block_size * k'/n), as in the paper. A partition
+    never drops below ``min_blocks`` blocks. Pure function of its arguments: every rank that passes
+    the same counts gets the same partitions.
+    """
+    P = len(parts.blocks)
+    total = sum(counts)
+    if P < 2 or total == 0:
+        return parts
+    blocks, starts = list(parts.blocks), list(parts.starts)
+    k = [float(c) for c in counts]
+    mean = total / P
+    moved_count = move * parts.block_size * total / parts.n
+    for i in range(P - 1):
+        left, right = k[i] / mean, k[i + 1] / mean
+        if left > ratio and right < 1 / ratio:
+            if blocks[i] - move < min_blocks:
+                continue
+            blocks[i] -= move
+            blocks[i + 1] += move
+            starts[i + 1] -= move
+            k[i] -= moved_count
+            k[i + 1] += moved_count
+        elif left < 1 / ratio and right > ratio:
+            if blocks[i + 1] - move < min_blocks:
+                continue
+            blocks[i] += move
+            blocks[i + 1] -= move
+            starts[i + 1] += move
+            k[i] += moved_count
+            k[i + 1] -= moved_count
+    return BlockPartitions(parts.n, parts.block_size, tuple(blocks), tuple(starts))
+
+
+def allocated_partition(step: int, rank: int, P: int) -> int:
+    """Algorithm 3, line 29: the partition rank ``rank`` searches at step ``step``."""
+    return (step % P + rank) % P
+
+
+# ---------------------------------------------------------------------- the method
+@register_method("exdyna")
+class ExDyna(SparsificationMetrics, Method):
+    """ExDyna (Yoon and Oh), Algorithms 1-5; see the module docstring.
+
+    Args:
+        density: user-set density d, k = ceil(d n).
+        num_blocks: blocks of the gradient (1024).
+        block_align: the block size is a multiple of this (32).
+        min_blocks: smallest partition, in blocks (default num_blocks // (4P), at least 1).
+        move_blocks: blocks moved per re-balancing decision (1).
+        balance_ratio: alpha of Algorithm 3 (1.05).
+        threshold_band: beta of Algorithm 5 (1.1).
+        gamma: threshold step of Algorithm 5 (0.005).
+        initial_threshold: delta_0 (default 1 / (2 sqrt(k))).
+        allgather: ``"uneven"`` (variable-size all-gather, exact sizes) or ``"padded"`` (the paper's,
+            every rank's indices padded to the largest count).
+        allreduce: ``"rabenseifner"`` or ``"ring"`` for the values at the union of indices.
+        global_error: also compute the global error (one extra exchange after the metered call).
+    """
+
+    sparse = True
+    has_residual = True
+
+    def __init__(self, comm=None, *, density: float, num_blocks: int = 1024, block_align: int = 32,
+                 min_blocks: Optional[int] = None, move_blocks: int = 1, balance_ratio: float = 1.05,
+                 threshold_band: float = 1.1, gamma: float = 0.005,
+                 initial_threshold: Optional[float] = None, allgather: str = "uneven",
+                 allreduce: str = "rabenseifner", global_error: bool = False) -> None:
+        super().__init__(comm, density=density)
+        for label, value in (("num_blocks", num_blocks), ("block_align", block_align),
+                             ("move_blocks", move_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"exdyna: {label}={value!r} must be an integer >= 1")
+        if min_blocks is not None and (not isinstance(min_blocks, int) or min_blocks < 0):
+            raise ValueError(f"exdyna: min_blocks={min_blocks!r} must be an integer >= 0")
+        for label, value in (("balance_ratio", balance_ratio), ("threshold_band", threshold_band)):
+            if not value > 1:
+                raise ValueError(f"exdyna: {label}={value!r} must be > 1")
+        if not 0 < gamma < 1:
+            raise ValueError(f"exdyna: gamma={gamma!r} must lie in (0, 1)")
+        if initial_threshold is not None and not initial_threshold > 0:
+            raise ValueError(f"exdyna: initial_threshold={initial_threshold!r} must be > 0")
+        if allgather not in _ALLGATHERS:
+            raise ValueError(f"exdyna: allgather={allgather!r} must be one of {_ALLGATHERS}")
+        if allreduce not in _ALLREDUCES:
+            raise ValueError(f"exdyna: allreduce={allreduce!r} must be one of {tuple(_ALLREDUCES)}")
+        self.num_blocks = num_blocks
+        self.block_align = block_align
+        self.min_blocks_option = min_blocks
+        self.move_blocks = move_blocks
+        self.balance_ratio = float(balance_ratio)
+        self.threshold_band = float(threshold_band)
+        self.gamma = float(gamma)
+        self.initial_threshold = initial_threshold
+        self.allgather = allgather
+        self.allreduce = allreduce
+        self.track_global_error = bool(global_error)
+        # State, identical on every rank; (re)built on the first call and whenever n changes.
+        self.partitions: Optional[BlockPartitions] = None
+        self.partition_counts: Optional[List[int]] = None  # previous step's counts, by partition
+        self.scaler: Optional[ScaledThreshold] = None  # holds the threshold; Algorithm 5's factor
+
+    # ------------------------------------------------------------------ state
+    def _ensure_state(self, n: int) -> None:
+        if self.partitions is not None and self.partitions.n == n:
+            return
+        P = self.comm.size
+        self.partitions = block_partition(n, P, self.num_blocks, self.block_align)
+        self.partition_counts = None
+        initial = self.initial_threshold if self.initial_threshold is not None \
+            else 1 / (2 * math.sqrt(self.k(n)))
+        self.scaler = ScaledThreshold(initial_threshold=initial, beta=self.threshold_band, gamma=self.gamma)
+
+    def _min_blocks(self) -> int:
+        if self.min_blocks_option is not None:
+            return self.min_blocks_option
+        assert self.partitions is not None
+        return max(1, self.partitions.num_blocks // (4 * self.comm.size))
+
+    def extra_state(self) -> Dict[str, Any]:
+        parts = self.partitions
+        return {"threshold": None if self.scaler is None else self.scaler.state_dict(),
+                "partition_counts": None if self.partition_counts is None else list(self.partition_counts),
+                "partitions": None if parts is None else
+                (parts.n, parts.block_size, list(parts.blocks), list(parts.starts))}
+
+    def load_extra_state(self, state: Dict[str, Any]) -> None:
+        if state["threshold"] is None:
+            self.scaler = None
+        else:
+            self.scaler = ScaledThreshold(beta=self.threshold_band, gamma=self.gamma)
+            self.scaler.load_state_dict(state["threshold"])
+        self.partition_counts = None if state["partition_counts"] is None else list(state["partition_counts"])
+        saved = state["partitions"]
+        self.partitions = None if saved is None else \
+            BlockPartitions(saved[0], saved[1], tuple(saved[2]), tuple(saved[3]))
+
+    # ------------------------------------------------------------------ one step
+    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+        n, P, r = grad.numel(), self.comm.size, self.comm.rank
+        self._ensure_state(n)
+        k = self.k(n)
+        acc = self.residual_for(grad).add_(grad)
+        with self.timer("select"):
+            if self.partition_counts is not None:
+                self.partitions = rebalance(self.partitions, self.partition_counts, self.balance_ratio,
+                                            self.move_blocks, self._min_blocks())
+            mine = allocated_partition(self.step, r, P)
+            start, end = self.partitions.bounds(mine)
+            threshold = 0.0 if k >= n else self.scaler.threshold
+            local = torch.nonzero(acc[start:end].abs() >= threshold).reshape(-1)
+            indices = (local + start).to(index_dtype(n))
+        with self.timer("comm"):
+            gathered = self._allgather_indices(indices)
+            # Rank q searched partition allocated_partition(step, q, P): order the union by partition.
+            owner = [0] * P
+            for q in range(P):
+                owner[allocated_partition(self.step, q, P)] = q
+            union = torch.cat([gathered[owner[p]] for p in range(P)]).long()
+            counts = [int(g.numel()) for g in gathered]
+            total = len(union)
+            summed = _ALLREDUCES[self.allreduce](self.comm, acc[union]) if total else acc[:0].clone()
+        with self.timer("decompress"):
+            out = torch.zeros_like(grad)
+            out[union] = summed.div_(P)
+            acc[union] = 0
+        self.partition_counts = [counts[owner[p]] for p in range(P)]
+        self.scaler.threshold *= self.scaler.scale_factor(total, k)
+        self.scaler.calls += 1
+        self.stats.update(selected=counts[r], nnz_out=total, counts=counts, partition_id=mine,
+                          partition=(start, end), threshold=threshold,
+                          threshold_next=self.scaler.threshold)
+        return out
+
+    def _allgather_indices(self, indices: torch.Tensor) -> List[torch.Tensor]:
+        """Every rank's selected indices, in rank order (see the module docstring for both modes)."""
+        if self.allgather == "uneven":
+            return [parts[0] for parts in sparse_allgatherv(self.comm, [indices])]
+        count = torch.tensor([indices.numel()], dtype=torch.int64, device=indices.device)
+        counts = [int(c) for c in recursive_doubling_allgather(self.comm, count)]
+        padded = torch.zeros(max(counts), dtype=indices.dtype, device=indices.device)
+        padded[:indices.numel()] = indices
+        blocks = recursive_doubling_allgather(self.comm, padded)
+        return [block[:c] for block, c in zip(blocks, counts)]
+
+
+# ---------------------------------------------------------------------- cost model
+@register_cost("exdyna")
+def _exdyna_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4,
+                 counts: Optional[Sequence[int]] = None, allgather: str = "uneven",
+                 allreduce: str = "rabenseifner", **_: Any) -> Cost:
+    """Traffic of one ExDyna step for rank ``rank`` given the per-rank selection ``counts``."""
+    exact = counts is not None
+    counts = list(counts) if counts is not None else chunk_sizes(k, P)
+    if len(counts) != P:
+        raise ValueError(f"exdyna cost: counts has {len(counts)} entries, expected P={P}")
+    index_size = torch.empty(0, dtype=index_dtype(n)).element_size()
+    if allgather == "uneven":
+        gather = Cost(*allgatherv_bytes([c * index_size for c in counts], rank))
+    else:
+        gather = _recursive_doubling_cost(P=P, n=1, rank=rank, itemsize=8) + \
+            _recursive_doubling_cost(P=P, n=max(counts), rank=rank, itemsize=index_size)
+    total = sum(counts)
+    reduce = _ALLREDUCE_COSTS[allreduce](P=P, n=total, rank=rank, itemsize=itemsize) if total else Cost(0, 0, 0)
+    result = gather + reduce
+    return result if exact else result.bound()

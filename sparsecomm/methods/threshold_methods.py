@@ -1,0 +1,215 @@
+"""ExDyna's all-gather comparators (Yoon and Oh, section III and V): Top-k, hard threshold, SIDCo.
+
+All three are :class:`~sparsecomm.methods.topka.TopkAllGather` with a different ``select`` hook:
+every rank picks entries of its own ``acc = grad + residual`` over the WHOLE gradient, so the ranks'
+picks overlap only by chance and the union grows with P (*gradient build-up*: up to P k non-zeros in
+the result), and every rank's count differs for threshold methods (padding overhead f(t) > 1 in an
+all-gather padded to the largest count; ours is sized per message, f(t) is reported as a metric).
+
+* ``topk``: exact local top-k (the paper's "Top-k"). Cost: TopkA's, (P-1) k (4 + s) bytes per rank.
+* ``threshold``: a fixed hard threshold (Aji and Heafield's sparsifier, ExDyna's "hard threshold"):
+  every ``|acc| >= threshold``. The paper tunes it before training; our default is ExDyna's initial
+  threshold 1 / (2 sqrt(k)), so the two start from the same point and only ExDyna adapts.
+* ``sidco``: SIDCo (Abdelmoniem et al., "An Efficient Statistical-based Gradient Compression
+  Technique for Distributed Training Systems", MLSys 2021): fit a sparsity-inducing distribution to
+  the magnitudes |acc| and take the threshold whose tail probability is the density.
+  ``distribution="exponential"`` (maximum likelihood: scale = mean), ``"gamma"`` (Minka's
+  closed-form approximation of the shape MLE, quantile by bisection on the regularized incomplete
+  gamma) or ``"gpd"`` (generalized Pareto, method of moments). With ``stages`` > 1 the fit is
+  repeated on the exceedances over the previous stage's threshold (peaks over threshold), each
+  stage keeping a fraction d^(1/stages): the tail is fitted where it matters. Our reading of SIDCo's
+  multi-stage scheme: later stages use the exponential for ``"exponential"`` and ``"gamma"``
+  (a gamma tail is exponential), the GPD for ``"gpd"``; SIDCo's adaptive choice of the number of
+  stages is not reproduced (``stages`` is fixed).
+
+Cost of ``threshold`` and ``sidco``: TopkA's with the per-rank message sizes, i.e.
+``cost(name, P, n, k, rank, counts=[k_0, ..., k_{P-1}])`` is exact; without ``counts`` it is TopkA's
+figure for k per rank, marked inexact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..costmodel import Cost, cost, register_cost
+from ..sparse import index_dtype
+from .exdyna_metrics import SparsificationMetrics
+from .topka import TopkAllGather
+from . import register_method
+
+__all__ = ["TopkComparator", "HardThresholdAllGather", "SIDCo", "sidco_threshold"]
+
+_DISTRIBUTIONS = ("exponential", "gamma", "gpd")
+
+
+@register_method("topk")
+class TopkComparator(SparsificationMetrics, TopkAllGather):
+    """ExDyna's "Top-k" baseline: exact local top-k, all-gather, sum (TopkA plus the paper's metrics).
+
+    Args:
+        density: k = ceil(density * n) per rank.
+        global_error: also report the global error (one extra exchange after the metered call).
+    """
+
+    def __init__(self, comm=None, *, density: float, global_error: bool = False) -> None:
+        super().__init__(comm, density=density, selector="topk")
+        self.track_global_error = bool(global_error)
+
+
+@register_method("threshold")
+class HardThresholdAllGather(SparsificationMetrics, TopkAllGather):
+    """Hard-threshold sparsifier: every ``|acc| >= threshold``, all-gather, sum.
+
+    Args:
+        density: the user-set density (metrics only, and the default threshold; density 1 sends all).
+        threshold: the fixed threshold (default 1 / (2 sqrt(k)), ExDyna's initial threshold).
+        global_error: also report the global error.
+    """
+
+    def __init__(self, comm=None, *, density: float, threshold: Optional[float] = None,
+                 global_error: bool = False) -> None:
+        super().__init__(comm, density=density, selector="threshold",
+                         threshold=0.0 if threshold is None else threshold)
+        self.fixed_threshold = threshold
+        self.track_global_error = bool(global_error)
+
+    def select(self, acc: Tensor) -> Tensor:
+        k = self.k(acc.numel())
+        if self.fixed_threshold is None:
+            self.selector.threshold = 1 / (2 * math.sqrt(k))
+        return self.selector(acc, k)
+
+
+def _gamma_fit(a: Tensor) -> tuple:
+    """(shape, scale) of a gamma fitted to positive samples ``a`` (Minka's approximation of the MLE)."""
+    mean = float(a.mean())
+    s = math.log(mean) - float(a.log().mean())
+    if s <= 0:  # all samples equal: a degenerate (very peaked) gamma
+        s = 1e-12
+    shape = (3 - s + math.sqrt((s - 3) ** 2 + 24 * s)) / (12 * s)
+    return shape, mean / shape
+
+
+def _gamma_tail_quantile(shape: float, scale: float, p: float) -> float:
+    """x with P(X > x) = p for X ~ gamma(shape, scale), by bisection on the regularized upper
+    incomplete gamma function (monotone in x)."""
+    alpha = torch.tensor(shape, dtype=torch.float64)
+
+    def tail(x: float) -> float:
+        return float(torch.special.gammaincc(alpha, torch.tensor(x / scale, dtype=torch.float64)))
+
+    lo, hi = 0.0, scale * max(1.0, shape)
+    while tail(hi) > p:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if tail(mid) > p:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _stage_threshold(a: Tensor, p: float, distribution: str) -> float:
+    """Threshold on samples ``a`` >= 0 whose fitted tail probability is p."""
+    if distribution == "exponential":
+        return float(a.mean()) * math.log(1 / p)
+    if distribution == "gamma":
+        positive = a[a > 0]
+        if positive.numel() < 2:
+            return float(a.max())
+        shape, scale = _gamma_fit(positive.double())
+        return _gamma_tail_quantile(shape, scale, p)
+    mean = float(a.mean())
+    var = float(a.var()) if a.numel() > 1 else 0.0
+    if var <= 0:
+        return mean
+    ratio = mean * mean / var
+    xi = (ratio - 1) / 2
+    sigma = mean * (ratio + 1) / 2
+    if abs(xi) < 1e-9:
+        return sigma * math.log(1 / p)
+    return sigma / xi * (p ** (-xi) - 1)
+
+
+def sidco_threshold(magnitudes: Tensor, density: float, distribution: str = "exponential",
+                    stages: int = 2) -> float:
+    """SIDCo's threshold for ``magnitudes`` = |acc|: ``stages`` fits, each keeping density^(1/stages)
+    of the previous stage's exceedances (see the module docstring)."""
+    if distribution not in _DISTRIBUTIONS:
+        raise ValueError(f"sidco: distribution={distribution!r} must be one of {_DISTRIBUTIONS}")
+    p = density ** (1 / stages)
+    threshold = 0.0
+    samples = magnitudes.double()
+    for stage in range(stages):
+        family = distribution if stage == 0 or distribution == "gpd" else "exponential"
+        threshold += _stage_threshold(samples, p, family)
+        samples = magnitudes[magnitudes > threshold].double() - threshold
+        if samples.numel() < 2:
+            break
+    return threshold
+
+
+@register_method("sidco")
+class SIDCo(SparsificationMetrics, TopkAllGather):
+    """SIDCo statistical threshold estimation, all-gather, sum (see the module docstring).
+
+    Args:
+        density: target fraction per rank.
+        distribution: ``"exponential"`` (default), ``"gamma"`` or ``"gpd"``.
+        stages: number of fitting stages (>= 1, default 2).
+        global_error: also report the global error.
+    """
+
+    def __init__(self, comm=None, *, density: float, distribution: str = "exponential", stages: int = 2,
+                 global_error: bool = False) -> None:
+        super().__init__(comm, density=density, selector="threshold", threshold=0.0)
+        if distribution not in _DISTRIBUTIONS:
+            raise ValueError(f"sidco: distribution={distribution!r} must be one of {_DISTRIBUTIONS}")
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"sidco: stages={stages!r} must be an integer >= 1")
+        self.distribution = distribution
+        self.stages = stages
+        self.track_global_error = bool(global_error)
+
+    def select(self, acc: Tensor) -> Tensor:
+        n = acc.numel()
+        k = self.k(n)
+        if k < n:
+            self.selector.threshold = sidco_threshold(acc.abs(), k / n, self.distribution, self.stages)
+            self.stats["threshold"] = self.selector.threshold
+        return self.selector(acc, k)
+
+
+# ---------------------------------------------------------------------- cost model
+def _message_cost(P: int, n: int, k: int, rank: int, itemsize: int,
+                  counts: Optional[Sequence[int]]) -> Cost:
+    """TopkA's all-gather with ``counts[q]`` (index, value) pairs from rank q."""
+    if counts is None:
+        return cost("topka", P=P, n=n, k=k, rank=rank, itemsize=itemsize).bound()
+    if len(counts) != P:
+        raise ValueError(f"counts has {len(counts)} entries, need one per rank (P={P})")
+    per_element = torch.empty(0, dtype=index_dtype(n)).element_size() + itemsize
+    return cost("topka", P=P, n=n, k=k, rank=rank, itemsize=itemsize,
+                message_bytes=[c * per_element for c in counts])
+
+
+@register_cost("topk")
+def _topk_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, **_: Any) -> Cost:
+    return cost("topka", P=P, n=n, k=k, rank=rank, itemsize=itemsize)
+
+
+@register_cost("threshold")
+def _threshold_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4,
+                    counts: Optional[Sequence[int]] = None, **_: Any) -> Cost:
+    return _message_cost(P, n, k, rank, itemsize, counts)
+
+
+@register_cost("sidco")
+def _sidco_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4,
+                counts: Optional[Sequence[int]] = None, **_: Any) -> Cost:
+    return _message_cost(P, n, k, rank, itemsize, counts)
