@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
 from sparsecomm import Communicator, TrafficMeter, run_workers
 from sparsecomm.collectives import ring_allreduce

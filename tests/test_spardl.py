@@ -206,7 +206,7 @@ def test_bad_options_raise_clear_errors():
 def _auto_choices(n):
     rank = dist.get_rank()
     timed = make_method("spardl", density=0.05, teams="auto", auto_trials=1)
-    teams, outs = [], []
+    teams = []
     for step in range(5):
         timed(make_gradient(n, rank, step))
         teams.append(timed.stats["teams"])

@@ -25,7 +25,7 @@ and the all-gather family from the gathered messages) and stores them in ``stats
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Sequence
 
 import torch
 
