@@ -6,9 +6,20 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.bootstrapped
 
-.PHONY: venv test test-slow demo bench clean
+# Offline data from Debian packages (Fashion-MNIST, fortunes text); skipped where apt or root is missing:
+# the commands that need them then say how to install them.
+DATA_PACKAGES := dataset-fashion-mnist fortunes-min
+
+.PHONY: venv data test test-slow demo bench clean
 
 venv: $(STAMP)
+
+data:
+	@if [ -d /usr/share/datasets/fashion-mnist ] && [ -d /usr/share/games/fortunes ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			$(DATA_PACKAGES) >/dev/null) || echo "warning: could not install $(DATA_PACKAGES); tests needing them skip"; \
+	else echo "note: install the Debian packages $(DATA_PACKAGES) for the Fashion-MNIST and fortunes data"; fi
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,13 +28,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) data
 	$(PY) -m pytest -q -ra
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) data
 	$(PY) -m pytest -q -ra -m slow
 
-demo: $(STAMP)
+demo: $(STAMP) data
 	$(VENV)/bin/sparsecomm demo
 
 clean:

@@ -18,7 +18,7 @@ import torch
 from .comm import Communicator
 from .costmodel import Cost, ceil_log2, chunk_sizes, register_cost
 
-__all__ = ["ring_reduce_scatter", "ring_allreduce", "rabenseifner_allreduce",
+__all__ = ["ring_reduce_scatter", "ring_allgather_into", "ring_allreduce", "rabenseifner_allreduce",
            "recursive_doubling_allgather", "bruck_allgatherv", "chunk_offsets"]
 
 
@@ -52,7 +52,7 @@ def ring_reduce_scatter(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
     return work[start:start + size].clone()
 
 
-def _ring_allgather_into(comm: Communicator, out: torch.Tensor) -> None:
+def ring_allgather_into(comm: Communicator, out: torch.Tensor) -> None:
     """Ring all-gather in place: rank r holds chunk r of ``out``; afterwards all chunks.
 
     Step t: send chunk (r-t) mod P to r+1, receive chunk (r-t-1) mod P from r-1.
@@ -76,7 +76,7 @@ def ring_allreduce(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     start, size = chunk_offsets(x.numel(), P)[r]
     out[start:start + size] = ring_reduce_scatter(comm, x)
-    _ring_allgather_into(comm, out)
+    ring_allgather_into(comm, out)
     return out
 
 

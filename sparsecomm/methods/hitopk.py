@@ -1,0 +1,148 @@
+"""HiTopKComm: hierarchical top-k communication for m nodes x L GPUs, Shi et al., "Towards Scalable
+Distributed Training of Deep Learning on Public Cloud Clusters" (003_2fa2388d6a23a217.txt), section
+3.2, Algorithm 2, equations (4)-(10).
+
+The P ranks form m = P / L nodes of L consecutive ranks (``local_size`` = L, see
+:func:`~sparsecomm.methods.torus2d.resolve_local_size`). Per call, on rank (node i, local rank j):
+
+1. Intra-node ring reduce-scatter of the gradient (Algorithm 2 lines 2-4, equation (4)): rank j
+   holds shard j = ``chunk_offsets(n, L)[j]`` summed over its node.
+2. Error feedback (not in Algorithm 2, which the paper runs inside MSTopK-SGD with residuals):
+   ``acc = shard + residual[shard]``. The residual lives on the shard's owner, the only rank that
+   ever sees that node-summed shard.
+3. ``k_j = ceil(density * c_j)`` entries of ``acc`` by MSTopK (lines 5-8, equation (5); ``selector``
+   option); the rest stays in ``residual[shard]``.
+4. Inter-node all-gather of the (indices, values) among the m ranks with local rank j (lines 11-14),
+   and their sum by index in node order (lines 15-20, equation (6)): the union of the m selections.
+5. Intra-node all-gather of the L shard unions (lines 21-23), sparse as equation (10) counts it;
+   every rank scatters them into zeros and divides by P.
+
+Every rank with local rank j sums the same m messages in the same order, so all ranks hold the same
+bits. Conservation: sum over ranks of (grad + old residual) = sum over shards of acc = (sum of the
+selections) + (new residuals) = P * out + sum of new residuals.
+
+Cost per rank (``s_i`` index bytes, ``s`` value bytes, c = chunk sizes of n over L, u_q the union
+size of shard q, ``AG(p, sizes, r)`` = :func:`~.topka.allgatherv_bytes`)::
+
+    reduce-scatter (7):   L-1 rounds,            (n - c_j) s sent,    (n - c_(j-1)) s received
+    inter-node AG (9):    ceil(log2 m) rounds,   AG(m, [k_j (s_i + s)] * m, i)
+    intra-node AG (10):   ceil(log2 L) rounds,   AG(L, [u_q (s_i + s) for q < L], j)
+
+Rounds are exact; bytes are exact given the union sizes (``union_sizes`` option, the ``union_nnz``
+stat of the L ranks of a node), otherwise a bound with u_q <= min(m k_q, c_q).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..collectives import chunk_offsets, ring_reduce_scatter
+from ..comm import Communicator
+from ..costmodel import Cost, chunk_sizes, register_cost
+from ..selectors import make as make_selector
+from ..sparse import SparseChunk, add_chunks, index_dtype
+from . import Layout, Method, register_method
+from .topka import allgatherv_bytes, sparse_allgatherv
+from .torus2d import resolve_local_size, split_nodes
+
+__all__ = ["HiTopKComm"]
+
+
+@register_method("hitopk")
+class HiTopKComm(Method):
+    """HiTopKComm (Algorithm 2) with error feedback on each shard's owner (see the module docstring).
+
+    Args:
+        density: fraction of each shard selected, k_j = ceil(density * c_j) (the paper's rho d / n).
+        local_size: ranks per node L (consecutive ranks share a node); must divide P. Default:
+            ``LOCAL_WORLD_SIZE`` from the environment (``torchrun`` sets it), else 1: every rank is
+            its own node and the method is MSTopK + the flat all-gather of equation (3).
+        selector: a name of :mod:`sparsecomm.selectors` (default ``"mstopk"``, Algorithm 1).
+        **selector_options: passed to ``sparsecomm.selectors.make(selector, ...)``.
+
+    Stats beyond the base class: ``union_nnz`` (the size of this rank's shard union after the
+    inter-node sum, u_j), ``local_size``.
+    """
+
+    sparse = True
+    has_residual = True
+
+    def __init__(self, comm: Optional[Communicator] = None, *, density: float,
+                 local_size: Optional[int] = None, selector: str = "mstopk", **selector_options: Any) -> None:
+        super().__init__(comm, density=density)
+        self.local_size, self.node, self.cross = split_nodes(self.comm, local_size)
+        self.selector_name = selector
+        self.selector = make_selector(selector, **selector_options)
+
+    def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
+        n = grad.numel()
+        start, size = chunk_offsets(n, self.node.size)[self.node.rank]
+        with self.timer("comm"):
+            shard = ring_reduce_scatter(self.node, grad) if self.node.size > 1 else grad.clone()
+        with self.timer("select"):
+            acc = self.residual_for(grad)[start:start + size]   # a view: the residual is updated in place
+            acc.add_(shard)
+            k = self.k(size)
+            idx = torch.sort(self.selector(acc, k)).values if k else acc.new_empty(0, dtype=torch.int64)
+            mine = SparseChunk.gather(acc, idx, offset=start, n=n)
+            acc[idx] = 0
+        self.stats["selected"] = idx.numel()
+        with self.timer("comm"):
+            across = sparse_allgatherv(self.cross, mine.parts())
+        with self.timer("select"):
+            union = add_chunks(SparseChunk(i, v) for i, v in across)
+        with self.timer("comm"):
+            shards = sparse_allgatherv(self.node, union.parts())
+        with self.timer("decompress"):
+            out = torch.zeros_like(grad)
+            for indices, values in shards:
+                out[indices.long()] = values
+            out.div_(self.comm.size)
+        self.stats["union_nnz"] = union.nnz
+        self.stats["local_size"] = self.local_size
+        return out
+
+    def extra_state(self) -> Dict[str, Any]:
+        return {"selector": self.selector.state_dict()}
+
+    def load_extra_state(self, state: Dict[str, Any]) -> None:
+        if "selector" in state:
+            self.selector.load_state_dict(state["selector"])
+
+    def __repr__(self) -> str:
+        return f"HiTopKComm(P={self.comm.size}, density={self.density:g}, local_size={self.local_size})"
+
+
+@register_cost("hitopk")
+def _hitopk_cost(P: int, n: int, rank: int, itemsize: int = 4, density: Optional[float] = None,
+                 local_size: Optional[int] = None, union_sizes: Optional[Sequence[int]] = None,
+                 **_: Any) -> Cost:
+    """Equations (7), (9), (10) in rounds and bytes (see the module docstring). Needs ``density``
+    (k is per shard, ceil(density * c_j)); ``union_sizes`` (one per local rank) makes bytes exact."""
+    if density is None:
+        raise ValueError("the hitopk cost needs density= (k is chosen per shard)")
+    L = resolve_local_size(P, local_size)
+    m = P // L
+    node_id, j = divmod(rank, L)
+    c = chunk_sizes(n, L)
+    k = [_shard_k(density, size) for size in c]
+    per_element = torch.empty(0, dtype=index_dtype(n)).element_size() + itemsize
+    exact = union_sizes is not None
+    if union_sizes is None:
+        union_sizes = [min(m * k[q], c[q]) for q in range(L)]
+    elif len(union_sizes) != L:
+        raise ValueError(f"union_sizes has {len(union_sizes)} entries, need one per local rank (L={L})")
+    rs = Cost(L - 1, (n - c[j]) * itemsize, (n - c[(j - 1) % L]) * itemsize) if L > 1 else Cost(0, 0, 0)
+    inter = Cost(*allgatherv_bytes([k[j] * per_element] * m, node_id))
+    intra = Cost(*allgatherv_bytes([u * per_element for u in union_sizes], j))
+    total = rs + inter + intra
+    return total if exact else total.bound()
+
+
+def _shard_k(density: float, size: int) -> int:
+    """k of a shard of ``size`` elements, as :meth:`Method.k` computes it."""
+    return min(size, max(1 if size else 0, math.ceil(density * size)))

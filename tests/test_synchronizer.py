@@ -1,0 +1,95 @@
+"""SparseSynchronizer: the average gradient without DDP, the DGC options, clear errors."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsecomm import available_methods, run_workers
+from sparsecomm.methods import method_class
+from sparsecomm.synchronizer import SparseSynchronizer
+
+SPARSE = [m for m in available_methods() if method_class(m).sparse]
+
+
+def _model():
+    torch.manual_seed(dist.get_rank())  # different on purpose: the synchronizer broadcasts rank 0's
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2))
+
+
+def _grads(method, options, sync_options):
+    model = _model()
+    sync = SparseSynchronizer(model, None, method, bucket_elements=20, **sync_options, **options)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    nn.functional.cross_entropy(model(torch.randn(4, 6, generator=gen)), torch.randint(2, (4,), generator=gen)).backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    stats = sync.synchronize()
+    return local, [p.grad.clone() for p in model.parameters()], [p.detach().clone() for p in model.parameters()], \
+        stats, len(sync.buckets)
+
+
+@pytest.mark.parametrize("method,options", [("dense", {})] + [(m, {"density": 1.0}) for m in SPARSE])
+def test_synchronized_gradient_is_the_average(method, options):
+    results = run_workers(3, _grads, method, options, {})
+    assert results[0][4] > 1  # several buckets
+    for local, synced, params, stats, _ in results:
+        assert all(torch.equal(a, b) for a, b in zip(params, results[0][2]))  # broadcast from rank 0
+        for i, g in enumerate(synced):
+            mean = sum(r[0][i] for r in results) / 3
+            assert torch.allclose(g, mean, atol=1e-6)
+            assert torch.equal(g, results[0][1][i])  # bit for bit on every rank
+        assert stats["n"] == sum(p.numel() for p in params)
+
+
+def test_local_clipping_scales_threshold_by_inverse_sqrt_p():
+    results = run_workers(4, _grads, "dense", {}, {"clip_norm": 1e-3})
+    # Each rank's gradient is clipped to 1e-3 / sqrt(4) before averaging: the average's norm is at most that.
+    norm = torch.sqrt(sum((g ** 2).sum() for g in results[0][1]))
+    assert norm <= 1e-3 / 2 + 1e-9
+
+
+def _construct(method, optimizer_momentum, sync_options):
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=optimizer_momentum)
+    try:
+        SparseSynchronizer(model, opt, method, **sync_options)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("method,momentum,options,needle", [
+    ("nope", 0.0, {}, "unknown method"),
+    ("dense", 0.0, {"clip_norm": -1.0}, "clip_norm"),
+    ("dense", 0.0, {"bucket_elements": 0}, "bucket_elements"),
+    ("topka", 0.9, {"density": 0.1, "momentum_correction": 0.9}, "momentum=0"),
+    ("dense", 0.0, {"momentum_correction": 0.9}, "last_sent"),
+    ("topka", 0.0, {"density": 0.1, "momentum_correction": 1.5}, "momentum=1.5"),
+])
+def test_bad_options_raise_at_construction(method, momentum, options, needle):
+    if method == "topka" and "topka" not in available_methods():
+        pytest.skip("topka not registered")
+    error = run_workers(1, _construct, method, momentum, options)[0]
+    assert error is not None and needle in error
+
+
+def _momentum_corrected_training(P_unused):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
+    sync = SparseSynchronizer(model, opt, "topka", density=0.2, momentum_correction=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        gen = torch.Generator().manual_seed(10 * dist.get_rank() + step)
+        nn.functional.cross_entropy(model(torch.randn(4, 6, generator=gen)), torch.randint(2, (4,), generator=gen)).backward()
+        sync.step()
+    velocity = sync.corrections[0].velocity
+    sent = sync.methods[0].last_sent
+    state = sync.state_dict()
+    return bool((velocity[sent] == 0).all()), [p.detach().clone() for p in model.parameters()], "momentum_correction" in state
+
+
+@pytest.mark.skipif("topka" not in available_methods(), reason="topka not registered")
+def test_momentum_correction_masks_sent_entries_and_stays_consistent():
+    results = run_workers(2, _momentum_corrected_training, 2)
+    assert all(r[0] and r[2] for r in results)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
