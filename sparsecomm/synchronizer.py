@@ -114,7 +114,7 @@ class SparseSynchronizer:
                                    if process_group is not None else 0, group=process_group)
 
     def _check_momentum_correction(self, momentum: float) -> None:
-        if not self.methods or not hasattr(self.methods[0], "last_sent"):
+        if not self.methods or not self.methods[0].tracks_sent:
             raise ValueError(f"momentum_correction needs a method that reports the indices it sent "
                              f"(last_sent); {self.method_name!r} does not")
         if self.optimizer is not None and any(group.get("momentum", 0) for group in self.optimizer.param_groups):

@@ -45,6 +45,8 @@ class Method:
     has_residual: bool = False
     #: True when the method takes ``density``.
     sparse: bool = False
+    #: True when every call sets :attr:`last_sent` (needed by DGC momentum masking).
+    tracks_sent: bool = False
 
     def __init__(self, comm: Optional[Communicator] = None, *, density: Optional[float] = None) -> None:
         self.comm = comm if comm is not None else Communicator()

@@ -176,6 +176,7 @@ class RedSync(Method):
     """
 
     sparse = True
+    tracks_sent = True
     has_residual = True
 
     def __init__(self, comm: Optional[Communicator] = None, *, density: float, quantize: Optional[str] = None,

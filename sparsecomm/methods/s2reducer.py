@@ -85,6 +85,7 @@ class SparseSketchReducer(Method):
     """
 
     sparse = True
+    tracks_sent = True
     has_residual = True
 
     def __init__(self, comm: Optional[Communicator] = None, *, density: float, sketch_ratio: float = 0.5,

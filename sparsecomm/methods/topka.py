@@ -133,6 +133,7 @@ class TopkAllGather(Method):
     """
 
     sparse = True
+    tracks_sent = True
     has_residual = True
 
     def __init__(self, comm: Optional[Communicator] = None, *, density: float, selector: str = "topk",
