@@ -10,6 +10,10 @@ with the worker's traceback; a worker that exits or is killed, or a call that ou
 also ends in a :class:`WorkerError` within the timeout. On every path all children are killed and
 reaped (children also die with their parent through ``PR_SET_PDEATHSIG``): no orphan processes.
 
+Start-up: under heavy load gloo's full-mesh connect occasionally fails on one rank (seen about once
+in 60 launches of P = 8 on a 2-core machine running 6 busy processes). All ranks then agree, through
+the store, to give up before running ``fn``, and the launcher starts them again (3 attempts).
+
 With ``net="1gbit"`` (any tc rate), every worker lives in its own network namespace on an emulated
 switch whose links are rate-limited (see :mod:`sparsecomm.netemu`); gloo binds that namespace's
 interface through ``GLOO_SOCKET_IFNAME``.
@@ -88,8 +92,15 @@ def _worker_main(rank: int, world_size: int, store_path: str, fn: Callable, args
             os.environ.update(network.enter(rank))
         _current_network = net
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        init_error = None
+        try:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # reported below, once every rank knows whether all connected
+            init_error = (f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        if not _all_ranks_connected(store, rank, world_size, init_error is None, timeout):
+            _send(conn, ("init_failed",) + (init_error or ("another rank failed to connect", "")))
+            return
         try:
             result = fn(*args)
         finally:
@@ -101,6 +112,21 @@ def _worker_main(rank: int, world_size: int, store_path: str, fn: Callable, args
             _send(conn, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     finally:
         conn.close()
+
+
+def _all_ranks_connected(store, rank: int, world_size: int, connected: bool, timeout: float) -> bool:
+    """Tell the others through the store whether this rank's process group came up; learn theirs.
+
+    Under heavy load gloo's full-mesh connect occasionally fails on one rank. No rank runs ``fn``
+    before every rank has said it connected, so when one reports a failure (at once; its peers may
+    be stuck in their own connect) the launcher can kill them all and start them again.
+    """
+    keys = [f"sparsecomm/connected/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1" if connected else "0")
+    if not connected:
+        return False
+    store.wait(keys, datetime.timedelta(seconds=timeout))
+    return all(store.get(key) == b"1" for key in keys)
 
 
 def _validate(world_size: Any, fn: Any, timeout: Any) -> None:
@@ -145,26 +171,51 @@ def run_workers(world_size: int, fn: Callable, *args: Any, net: Optional[str] = 
             raise RuntimeError(f"net={net!r} cannot be emulated here: {reason}")
         network_cm = EmulatedNetwork(world_size, net)
 
+    with network_cm as network:
+        for attempt in range(1, _LAUNCH_ATTEMPTS + 1):
+            try:
+                return _launch(world_size, fn, args, network, net, timeout, backend)
+            except _ConnectFailed as failure:
+                if attempt == _LAUNCH_ATTEMPTS:
+                    raise failure.error from None
+                log.warning("workers failed to connect (attempt %d of %d), starting them again: %s",
+                            attempt, _LAUNCH_ATTEMPTS, failure.error)
+    raise AssertionError("unreachable")
+
+
+_LAUNCH_ATTEMPTS = 3
+
+
+class _ConnectFailed(Exception):
+    """Every rank gave up before running ``fn`` because some process group failed to connect."""
+
+    def __init__(self, error: WorkerError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _launch(world_size: int, fn: Callable, args: tuple, network, net: Optional[str], timeout: float,
+            backend: str) -> List[Any]:
+    """One attempt: fork the workers, collect their results, reap them on every path."""
     ctx = mp.get_context("fork")
     tmpdir = tempfile.mkdtemp(prefix="sparsecomm-")
     procs: List[mp.process.BaseProcess] = []
     conns: List[mp.connection.Connection] = []
     finished = False
     try:
-        with network_cm as network:
-            store_path = os.path.join(tmpdir, "store")
-            for rank in range(world_size):
-                parent_end, child_end = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker_main, name=f"sparsecomm-rank{rank}",
-                                   args=(rank, world_size, store_path, fn, args, child_end,
-                                         network, net, timeout, backend), daemon=True)
-                proc.start()
-                child_end.close()
-                procs.append(proc)
-                conns.append(parent_end)
-            results = _collect(procs, conns, time.monotonic() + timeout, timeout)
-            finished = True
-            return results
+        store_path = os.path.join(tmpdir, "store")
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker_main, name=f"sparsecomm-rank{rank}",
+                               args=(rank, world_size, store_path, fn, args, child_end,
+                                     network, net, timeout, backend), daemon=True)
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+            conns.append(parent_end)
+        results = _collect(procs, conns, time.monotonic() + timeout, timeout)
+        finished = True
+        return results
     finally:
         _reap(procs, grace=2.0 if finished else 0.0)
         for conn in conns:
@@ -207,20 +258,24 @@ def _collect(procs: List[mp.process.BaseProcess], conns: List[mp.connection.Conn
             if message[0] == "ok":
                 results[rank] = message[1]
             else:
-                errors.append((rank, message[1], message[2]))
+                errors.append((rank, message[1], message[2], message[0] == "init_failed"))
         for conn, rank in list(pending.items()):
             if procs[rank].exitcode is not None and not conn.poll():
                 pending.pop(conn)
-                errors.append((rank, f"exited (exit code {procs[rank].exitcode}) without returning a result", ""))
+                errors.append((rank, f"exited (exit code {procs[rank].exitcode}) without returning a result",
+                               "", False))
         if errors and grace_end is None:
             grace_end = min(deadline, time.monotonic() + 2.0)
     if errors:
         primary = next((e for e in errors if not any(m in e[1] for m in _SECONDARY_FAILURE)), errors[0])
-        rank, summary, tb = primary
+        rank, summary, tb, _ = primary
         others = sorted(e[0] for e in errors if e is not primary)
         also = f" (rank(s) {others} failed too)" if others else ""
         verb = "raised " if tb else ""
-        raise WorkerError(f"rank {rank} {verb}{summary}{also}", rank=rank, worker_traceback=tb)
+        error = WorkerError(f"rank {rank} {verb}{summary}{also}", rank=rank, worker_traceback=tb)
+        if all(e[3] for e in errors):
+            raise _ConnectFailed(error)
+        raise error
     return results
 
 

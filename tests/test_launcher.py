@@ -86,3 +86,32 @@ def test_bad_timeout_and_fn():
         run_workers(2, _rank_and_size, timeout=0)
     with pytest.raises(TypeError, match="callable"):
         run_workers(2, "not a function")
+
+
+def test_a_failed_connect_is_retried_before_fn_runs(tmp_path, monkeypatch):
+    # Forked workers inherit this patch: rank 1's first connect fails, as gloo's does under load.
+    marker = tmp_path / "failed-once"
+    real_init = dist.init_process_group
+
+    def flaky_init(*args, rank, **kwargs):
+        if rank == 1 and not marker.exists():
+            marker.write_text("x")
+            raise RuntimeError("Gloo connectFullMesh failed (injected by the test)")
+        return real_init(*args, rank=rank, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", flaky_init)
+    assert run_workers(3, _rank_and_size, timeout=30) == [(0, 3), (1, 3), (2, 3)]
+    assert marker.exists()
+
+
+def test_a_connect_that_keeps_failing_is_reported(monkeypatch):
+    real_init = dist.init_process_group
+
+    def broken_init(*args, rank, **kwargs):
+        if rank == 2:
+            raise RuntimeError("no route (injected by the test)")
+        return real_init(*args, rank=rank, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", broken_init)
+    with pytest.raises(WorkerError, match=r"rank 2 raised RuntimeError: no route \(injected by the test\)"):
+        run_workers(3, _rank_and_size, timeout=30)
