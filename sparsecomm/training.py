@@ -53,6 +53,17 @@ log = logging.getLogger(__name__)
 BASELINES = ("ddp", "powersgd")
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def scheduled_lr(config: "TrainConfig", step: int, total_steps: int) -> float:
+    """The learning rate of global step ``step`` (0-based): a function of the step alone, so a
+    resumed run continues the schedule exactly."""
+    if config.lr_schedule == "cosine":
+        return config.lr * 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
+    return config.lr
+
+
 @dataclass
 class TrainConfig:
     """Everything that defines a training run (saved in its record)."""
@@ -65,6 +76,7 @@ class TrainConfig:
     epochs: int = 5
     batch_size: int = 16            # per worker
     lr: float = 0.1
+    lr_schedule: str = "constant"   # or "cosine": lr * (1 + cos(pi * step / total steps)) / 2
     momentum: float = 0.9
     weight_decay: float = 0.0
     seed: int = 0
@@ -91,6 +103,8 @@ class TrainConfig:
             method_class(self.method)  # unknown: ValueError with the list
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers={self.workers!r} must be an integer >= 1")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} must be one of {LR_SCHEDULES}")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"epochs={self.epochs!r} must be an integer >= 1")
         if self.is_sparse and not 0 < self.density <= 1:
@@ -256,6 +270,9 @@ def train_worker(config: TrainConfig, dataset: Dataset,
                 "time_method": 0.0, "bytes_sent": 0, "n": 0, "nnz_out": 0, "loss": 0.0, "correct": 0, "count": 0}
         for step, (x, y) in enumerate(loader, start=1):
             begin = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = scheduled_lr(config, epoch * steps_per_epoch + step - 1,
+                                           config.epochs * steps_per_epoch)
             optimizer.zero_grad()
             loss, correct, count = _loss_and_correct(sync.module, x, y, dataset.task)
             loss.backward()

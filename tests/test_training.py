@@ -40,13 +40,23 @@ def test_bad_method_fails_before_workers_start():
         train(dataclasses.replace(SMALL, method="nope"))
 
 
-@pytest.mark.slow
 def test_sparse_one_percent_close_to_dense_accuracy_on_digits():
-    base = TrainConfig(model="cnn", data="digits", workers=4, epochs=15, density=0.01)
+    # Same model, data, epochs, learning rate and cosine schedule; only the synchronization differs.
+    base = TrainConfig(model="cnn", data="digits", workers=4, epochs=15, density=0.01, lr=0.05,
+                       lr_schedule="cosine")
     dense = train(dataclasses.replace(base, method="dense"))
-    sparse = train(dataclasses.replace(base, method=_best_sparse(), dense_warmup_steps=22))  # 1 epoch
+    sparse = train(dataclasses.replace(base, method=_best_sparse()))
     assert sparse["consistent"] and dense["consistent"]
     assert sparse["final_accuracy"] >= dense["final_accuracy"] - 1.0, (sparse["final_accuracy"], dense["final_accuracy"])
+    assert 0.005 < sparse["epochs"][-1]["density"] <= 0.0105   # really sparse: ~1% (k = ceil per bucket)
+
+
+def test_cosine_schedule_and_bad_schedule():
+    from sparsecomm.training import scheduled_lr
+    config = dataclasses.replace(SMALL, lr=0.2, lr_schedule="cosine")
+    assert scheduled_lr(config, 0, 10) == pytest.approx(0.2) and scheduled_lr(config, 5, 10) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match=r"lr_schedule='step' must be one of \('constant', 'cosine'\)"):
+        dataclasses.replace(SMALL, lr_schedule="step").validate()
 
 
 def test_train_command_writes_record_and_report_renders(tmp_path, capfd):

@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=16, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                        help="cosine decays the learning rate to 0 over the run")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync", choices=["ddp", "synchronizer"], default="ddp",
@@ -48,7 +50,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=args.model, data=args.data or MODEL_DATA[args.model][0], method=args.method,
         density=args.density, workers=args.workers, epochs=args.epochs, batch_size=args.batch_size,
-        lr=args.lr, momentum=args.momentum, seed=args.seed, net=args.net, sync=args.sync,
+        lr=args.lr, lr_schedule=args.lr_schedule, momentum=args.momentum, seed=args.seed, net=args.net, sync=args.sync,
         dense_warmup_steps=args.dense_warmup_steps, clip_norm=args.clip_norm,
         momentum_correction=args.momentum_correction, density_warmup=args.density_warmup,
         method_options=json.loads(args.method_options), data_options=data_options,
