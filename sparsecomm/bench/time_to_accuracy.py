@@ -28,13 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-epochs", type=int, default=10)
     parser.add_argument("--evals-per-epoch", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.05, help="peak learning rate (cosine over --max-epochs)")
 
 
 def run(args: argparse.Namespace) -> int:
     net = None if args.net in ("none", "loopback") else args.net
     base = TrainConfig(model=args.model, data=args.data, workers=args.workers, epochs=args.max_epochs,
                        density=args.density, net=net, target_accuracy=args.target_accuracy,
-                       stop_at_target=True, evals_per_epoch=args.evals_per_epoch, seed=args.seed)
+                       stop_at_target=True, evals_per_epoch=args.evals_per_epoch, seed=args.seed,
+                       lr=args.lr, lr_schedule="cosine")
     rows, network = [], None
     for name in args.methods.split(","):
         record = train(dataclasses.replace(base, method=name))

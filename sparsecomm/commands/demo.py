@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="cnn")
     parser.add_argument("--data", default="digits", choices=["digits", "fashion-mnist"])
     parser.add_argument("--density", type=float, default=0.01)
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=0.05, help="peak learning rate (cosine schedule)")
     parser.add_argument("--target-accuracy", type=float, default=90.0)
     parser.add_argument("--methods", default=None,
                         help="comma-separated list (default: ddp, powersgd, dense and every sparse method)")
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.epochs} epochs, methods: {', '.join(methods)}", flush=True)
     base = TrainConfig(model=args.model, data=args.data, workers=args.workers, epochs=args.epochs,
                        density=args.density, net=net, target_accuracy=args.target_accuracy,
-                       evals_per_epoch=2)
+                       lr=args.lr, lr_schedule="cosine", evals_per_epoch=2)
     records = []
     start = time.perf_counter()
     for name in methods:

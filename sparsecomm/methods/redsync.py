@@ -38,7 +38,7 @@ from ..comm import Communicator
 from ..costmodel import Cost, ceil_log2, register_cost
 from ..sparse import SparseChunk, index_dtype
 from . import Layout, Method, register_method
-from .topka import allgatherv_bytes, make_selector, sparse_allgatherv
+from .topka import allgatherv_cost, make_selector, sparse_allgatherv
 
 __all__ = ["RedSync", "LayerSpec", "LayerPart", "plan_layers", "pack_message", "unpack_message",
            "message_nbytes", "equation1_seconds", "equation2_seconds"]
@@ -322,11 +322,8 @@ def _redsync_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, layout: 
         m, exact = _planned_message_bytes(n, layout, density, itemsize, policy)
         message_bytes = [m] * P
     else:
-        if len(message_bytes) != P:
-            raise ValueError(f"message_bytes has {len(message_bytes)} entries, need one per rank (P={P})")
         exact = True
-    rounds, sent, recv = allgatherv_bytes(list(message_bytes), rank)
-    return Cost(rounds, sent, recv, exact=exact)
+    return allgatherv_cost(message_bytes, P, rank, exact)
 
 
 def _planned_message_bytes(n: int, layout: Layout, density: float, itemsize: int,

@@ -36,7 +36,8 @@ from ..selectors import make as make_selector
 from ..sparse import SparseChunk, index_dtype
 from . import Layout, Method, register_method
 
-__all__ = ["TopkAllGather", "sparse_allgatherv", "recursive_doubling_allgatherv", "allgatherv_bytes"]
+__all__ = ["TopkAllGather", "sparse_allgatherv", "recursive_doubling_allgatherv", "allgatherv_bytes",
+           "allgatherv_cost"]
 
 
 
@@ -197,8 +198,13 @@ def _topka_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4,
         message_bytes = [count * per_element] * P
         exact = max_count is None
     else:
-        if len(message_bytes) != P:
-            raise ValueError(f"message_bytes has {len(message_bytes)} entries, need one per rank (P={P})")
         exact = True
+    return allgatherv_cost(message_bytes, P, rank, exact)
+
+
+def allgatherv_cost(message_bytes: Sequence[int], P: int, rank: int, exact: bool) -> Cost:
+    """Cost of :func:`sparse_allgatherv` for one packed message of ``message_bytes[q]`` bytes per rank q."""
+    if len(message_bytes) != P:
+        raise ValueError(f"message_bytes has {len(message_bytes)} entries, need one per rank (P={P})")
     rounds, sent, recv = allgatherv_bytes(list(message_bytes), rank)
     return Cost(rounds, sent, recv, exact=exact)
