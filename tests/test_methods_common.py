@@ -15,7 +15,8 @@ N = 1003  # not divisible by any P > 1 tested
 
 
 def _full_density_options(name):
-    return {"density": 1.0} if method_class(name).sparse else {}
+    cls = method_class(name)
+    return {"density": 1.0, **cls.exact_options} if cls.sparse else {}
 
 
 @pytest.mark.parametrize("name", available_methods())

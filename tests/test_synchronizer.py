@@ -28,7 +28,8 @@ def _grads(method, options, sync_options):
         stats, len(sync.buckets)
 
 
-@pytest.mark.parametrize("method,options", [("dense", {})] + [(m, {"density": 1.0}) for m in SPARSE])
+@pytest.mark.parametrize("method,options", [("dense", {})] + [(m, {"density": 1.0, **method_class(m).exact_options})
+                                            for m in SPARSE])
 def test_synchronized_gradient_is_the_average(method, options):
     results = run_workers(3, _grads, method, options, {})
     assert results[0][4] > 1  # several buckets

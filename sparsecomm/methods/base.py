@@ -47,6 +47,9 @@ class Method:
     sparse: bool = False
     #: True when every call sets :attr:`last_sent` (needed by DGC momentum masking).
     tracks_sent: bool = False
+    #: For methods whose result is an estimate (a sketch): options under which it is exact, so that
+    #: density 1 with them returns the dense average (DESIGN invariant 3). Empty for exact methods.
+    exact_options: Dict[str, Any] = {}
 
     def __init__(self, comm: Optional[Communicator] = None, *, density: Optional[float] = None) -> None:
         self.comm = comm if comm is not None else Communicator()

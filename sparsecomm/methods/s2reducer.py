@@ -86,6 +86,8 @@ class SparseSketchReducer(Method):
 
     sparse = True
     tracks_sent = True
+    #: one row with at least 2^ceil(log2 n) columns: the hash is a permutation, so no collisions
+    exact_options = {"rows": 1, "sketch_ratio": 2.0}
     has_residual = True
 
     def __init__(self, comm: Optional[Communicator] = None, *, density: float, sketch_ratio: float = 0.5,
