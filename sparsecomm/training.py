@@ -41,7 +41,7 @@ from torch import nn
 from .data import Dataset, load_dataset
 from .hook import SparseHookState, hook
 from .launcher import run_workers
-from .methods import available_methods, method_class
+from .methods import method_class
 from .models import make_model
 from .synchronizer import SparseSynchronizer
 
