@@ -35,7 +35,7 @@ stat of the L ranks of a node), otherwise a bound with u_q <= min(m k_q, c_q).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -46,14 +46,14 @@ from ..costmodel import Cost, chunk_sizes, register_cost
 from ..selectors import make as make_selector
 from ..sparse import SparseChunk, add_chunks, index_dtype
 from . import Layout, Method, register_method
-from .topka import allgatherv_bytes, sparse_allgatherv
+from .topka import SelectorStateMixin, allgatherv_bytes, sparse_allgatherv
 from .torus2d import resolve_local_size, split_nodes
 
 __all__ = ["HiTopKComm"]
 
 
 @register_method("hitopk")
-class HiTopKComm(Method):
+class HiTopKComm(SelectorStateMixin, Method):
     """HiTopKComm (Algorithm 2) with error feedback on each shard's owner (see the module docstring).
 
     Args:
@@ -105,13 +105,6 @@ class HiTopKComm(Method):
         self.stats["union_nnz"] = union.nnz
         self.stats["local_size"] = self.local_size
         return out
-
-    def extra_state(self) -> Dict[str, Any]:
-        return {"selector": self.selector.state_dict()}
-
-    def load_extra_state(self, state: Dict[str, Any]) -> None:
-        if "selector" in state:
-            self.selector.load_state_dict(state["selector"])
 
     def __repr__(self) -> str:
         return f"HiTopKComm(P={self.comm.size}, density={self.density:g}, local_size={self.local_size})"

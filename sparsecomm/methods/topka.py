@@ -37,7 +37,7 @@ from ..sparse import SparseChunk, index_dtype
 from . import Layout, Method, register_method
 
 __all__ = ["TopkAllGather", "sparse_allgatherv", "recursive_doubling_allgatherv", "allgatherv_bytes",
-           "allgatherv_cost"]
+           "allgatherv_cost", "SelectorStateMixin"]
 
 
 
@@ -115,8 +115,19 @@ def allgatherv_bytes(message_bytes: Sequence[int], rank: int) -> Tuple[int, int,
 
 
 # ---------------------------------------------------------------------- the method
+class SelectorStateMixin:
+    """Checkpoints ``self.selector``'s state (stateful selectors: thresholds, sampling counters)."""
+
+    def extra_state(self) -> Dict[str, Any]:
+        return {"selector": self.selector.state_dict()}  # type: ignore[attr-defined]
+
+    def load_extra_state(self, state: Dict[str, Any]) -> None:
+        if "selector" in state:
+            self.selector.load_state_dict(state["selector"])  # type: ignore[attr-defined]
+
+
 @register_method("topka")
-class TopkAllGather(Method):
+class TopkAllGather(SelectorStateMixin, Method):
     """TopkA: error-feedback top-k per rank, all-gather of (indices, values), sparse sum.
 
     Args:
@@ -174,12 +185,6 @@ class TopkAllGather(Method):
         self.stats["received_nnz"] = sum(self.stats["counts"])
         return out
 
-    def extra_state(self) -> Dict[str, Any]:
-        return {"selector": self.selector.state_dict()}
-
-    def load_extra_state(self, state: Dict[str, Any]) -> None:
-        if "selector" in state:
-            self.selector.load_state_dict(state["selector"])
 
 
 @register_cost("topka")
