@@ -10,12 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsecomm import selectors
-from sparsecomm.selectors import NonFiniteInputError
+from sparsecomm.selectors import NonFiniteInputError, scan
 
 EXACT = ["topk", "trimmed", "mstopk"]
 ALL = ["binary_search", "block_topk", "dgc", "mstopk", "sampled_binary_search", "scaled_threshold",
        "threshold", "topk", "trimmed"]
 OPTIONS = {"threshold": {"threshold": 0.5}}
+
+
+@pytest.fixture(autouse=True, scope="module", params=scan.available_kernels())
+def scan_kernel(request):
+    """Every test here runs once per scan implementation: the C kernel's variants and pure torch."""
+    with scan.use_kernel(request.param):
+        yield request.param
 
 
 def make(name, **options):
@@ -282,3 +289,5 @@ def test_bench_select_prints_a_row_per_selector(capsys):
     out = capsys.readouterr().out
     for name in ALL + ["torch.topk", "abs+compare pass"]:
         assert f"| {name} |" in out
+    if scan.kernel() != "torch":  # the kernel's own pass, and every selector timed on torch passes too
+        assert f"| fused scan ({scan.kernel()}) |" in out and "| ms (torch scan) |" in out

@@ -3,8 +3,12 @@
 For each density, one input of ``n`` elements; every selector is called ``--repeat`` times after one
 warm-up call and its median time reported, with its ratio to ``torch.topk(|x|, k)`` and to one
 abs+compare pass (``torch.abs`` then ``torch.ge`` into preallocated buffers: the cheapest thing a
-threshold selector can do), its count and its quality (:func:`captured_mass`). ``--quality`` instead
-prints the quality table on normal, Laplace, Student-t(3) data and on real gradients of a small MLP.
+threshold selector can do in torch), its count and its quality (:func:`captured_mass`). The selectors
+run on the scan implementation in use (:func:`sparsecomm.selectors.scan.kernel`, the C kernel where
+built); ``--scans`` adds, side by side, each selector's time on other implementations (by default the
+pure-torch path that CUDA tensors and other dtypes take), and the row "fused scan" times the kernel's
+bare pass (sum and max of ``|x|``, no candidates). ``--quality`` instead prints the quality table on
+normal, Laplace, Student-t(3) data and on real gradients of a small MLP.
 
 Threshold selectors are primed as after a previous step: ``threshold`` and ``scaled_threshold`` start at
 the exact k-th largest magnitude of the previous input (timing: the same input; quality: an independent
@@ -25,6 +29,7 @@ from torch import Tensor
 
 from .. import selectors
 from ..report_table import markdown_table
+from ..selectors import scan
 
 HELP = "time and quality of the top-k / threshold selectors (vs torch.topk and one memory pass)"
 
@@ -39,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch threads (default: the CPUs this process may use)")
     parser.add_argument("--selectors", nargs="+", default=None, help="names (default: all)")
+    parser.add_argument("--scans", nargs="+", default=None, choices=["avx2", "scalar", "torch"],
+                        help="scan implementations timed beside the one in use (default: torch, when "
+                             "the one in use is the C kernel)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quality", action="store_true",
                         help="print the quality table (normal, Laplace, Student-t(3), MLP gradients) instead")
@@ -72,7 +80,7 @@ def _median_seconds(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
-def _speed_rows(args: argparse.Namespace, names: List[str]) -> List[Dict[str, object]]:
+def _speed_rows(args: argparse.Namespace, names: List[str], others: List[str]) -> List[Dict[str, object]]:
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.n, generator=gen)
     rows = []
@@ -85,13 +93,25 @@ def _speed_rows(args: argparse.Namespace, names: List[str]) -> List[Dict[str, ob
                      "x topk": 1.0, "x pass": t_topk / t_pass, "count": k, "quality": 1.0})
         rows.append({"selector": "abs+compare pass", "density": density, "k": k, "ms": 1e3 * t_pass,
                      "x topk": t_pass / t_topk, "x pass": 1.0, "count": "", "quality": ""})
+        if scan.kernel() != "torch":
+            scratch = scan.Scratch()
+            t_scan = _median_seconds(lambda: scratch.scan(x, math.inf, name="bench", check_finite=True),
+                                     args.repeat)
+            rows.append({"selector": f"fused scan ({scan.kernel()})", "density": density, "k": k,
+                         "ms": 1e3 * t_scan, "x topk": t_scan / t_topk, "x pass": t_scan / t_pass, "count": "",
+                         "quality": ""})
         for name in names:
             sel = _make(name, x, k)
             result: List[Tensor] = []
             t = _median_seconds(lambda: result.append(sel(x, k)), args.repeat)
             indices = result[-1]
-            rows.append({"selector": name, "density": density, "k": k, "ms": 1e3 * t, "x topk": t / t_topk,
-                         "x pass": t / t_pass, "count": indices.numel(), "quality": captured_mass(x, indices, k)})
+            row = {"selector": name, "density": density, "k": k, "ms": 1e3 * t, "x topk": t / t_topk,
+                   "x pass": t / t_pass, "count": indices.numel(), "quality": captured_mass(x, indices, k)}
+            for other in others:
+                sel = _make(name, x, k)
+                with scan.use_kernel(other):
+                    row[f"ms ({other} scan)"] = 1e3 * _median_seconds(lambda: sel(x, k), args.repeat)
+            rows.append(row)
     return rows
 
 
@@ -160,7 +180,11 @@ def run(args: argparse.Namespace) -> int:
               f"threads = {torch.get_num_threads()}")
         print(markdown_table(_quality_rows(args, names)))
         return 0
+    others = args.scans if args.scans is not None else (["torch"] if scan.kernel() != "torch" else [])
+    others = [other for other in others if other != scan.kernel()]
     print(f"selection time, n = {args.n}, float32 N(0,1), median of {args.repeat} calls, "
-          f"threads = {torch.get_num_threads()}, torch {torch.__version__}")
-    print(markdown_table(_speed_rows(args, names)))
+          f"threads = {torch.get_num_threads()}, torch {torch.__version__}, scan: {scan.kernel()}"
+          + (f" (beside: {', '.join(others)})" if others else ""))
+    columns = ["selector", "density", "k", "ms", "x topk", "x pass", "count", "quality"]
+    print(markdown_table(_speed_rows(args, names, others), columns + [f"ms ({o} scan)" for o in others]))
     return 0

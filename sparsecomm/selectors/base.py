@@ -13,7 +13,6 @@ refuses NaN or Inf input with a ``ValueError``. Subclasses implement :meth:`Sele
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any, Dict
 
@@ -97,18 +96,3 @@ def assert_finite(x: Tensor, name: str) -> None:
         raise NonFiniteInputError(
             f"selector {name!r}: input holds {bad} NaN/Inf element(s); selection by magnitude needs finite "
             "values (pass check_finite=False to skip this check)")
-
-
-def finite_sum_of_magnitudes(a: Tensor, name: str, check_finite: bool) -> float:
-    """Sum of the magnitudes ``a = |x|`` in one pass, checking finiteness on the way.
-
-    A non-finite sum means NaN/Inf input or an overflowing sum; the second case is told apart by an
-    exact check and recomputed in float64, so legitimate large inputs are not refused.
-    """
-    acc = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
-    total = float(a.sum(dtype=acc))
-    if math.isfinite(total):
-        return total
-    if check_finite:
-        assert_finite(a, name)
-    return float(a.sum(dtype=torch.float64))

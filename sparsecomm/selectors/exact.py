@@ -10,7 +10,7 @@ import logging
 import torch
 from torch import Tensor
 
-from .base import Selector, assert_finite, finite_sum_of_magnitudes
+from .base import Selector, assert_finite
 from .registry import register_selector
 from .scan import MagnitudeView, Scratch, sample_floor
 
@@ -47,21 +47,16 @@ class TopK(Selector):
 
     def select(self, x: Tensor, k: int) -> Tensor:
         sampled = self.algorithm == "sampled" or (self.algorithm == "auto" and x.numel() >= _SAMPLED_MIN_N)
-        if not sampled:
-            if self.check_finite:
-                assert_finite(x, self.name)
-            return torch.topk(x.abs(), k, sorted=False).indices
-        a = self._scratch.magnitudes(x)
-        if self.check_finite:
-            finite_sum_of_magnitudes(a, self.name, True)
-        floor = sample_floor(a, k)
-        if floor is None:
-            return torch.topk(a, k, sorted=False).indices
-        view = MagnitudeView(a, self._scratch, floor)
-        if view.n_candidates < k:
+        floor = sample_floor(x, k) if sampled else None
+        if floor is not None:
+            view = MagnitudeView(x, self._scratch, floor, name=self.name, check_finite=self.check_finite,
+                                 count=k, need_mean=False)
+            if view.n_candidates >= k:
+                return view.topk_at_or_above(floor, k)
             log.debug("topk: sample floor left %d < k=%d candidates; full torch.topk", view.n_candidates, k)
-            return torch.topk(a, k, sorted=False).indices
-        return view.topk_at_or_above(floor, k)
+        elif self.check_finite:
+            assert_finite(x, self.name)
+        return torch.topk(x.abs(), k, sorted=False).indices
 
 
 @register_selector("trimmed")
@@ -91,10 +86,9 @@ class Trimmed(Selector):
         self._scratch = Scratch()
 
     def select(self, x: Tensor, k: int) -> Tensor:
-        a = self._scratch.magnitudes(x)
-        mean = finite_sum_of_magnitudes(a, self.name, self.check_finite) / a.numel()
-        view = MagnitudeView(a, self._scratch, sample_floor(a, k))
-        top = view.max()
+        view = MagnitudeView(x, self._scratch, sample_floor(x, k), name=self.name,
+                             check_finite=self.check_finite, count=k)
+        mean, top = view.mean, view.max()
         ratio = 1.0 - self.step
         while True:
             threshold = mean + ratio * (top - mean) if ratio >= 0.0 else 0.0

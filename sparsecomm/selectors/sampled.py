@@ -14,7 +14,7 @@ from typing import Any, Dict
 import torch
 from torch import Tensor
 
-from .base import Selector, finite_sum_of_magnitudes
+from .base import Selector
 from .registry import register_selector
 from .scan import MagnitudeView, Scratch
 
@@ -48,31 +48,33 @@ class DGC(Selector):
         self.generator = torch.Generator().manual_seed(int(seed))
         self._scratch = Scratch()
 
-    def _sample_threshold(self, a: Tensor, k: int) -> float:
-        n = a.numel()
+    def _sample_threshold(self, x: Tensor, k: int) -> float:
+        n = x.numel()
         stride = max(1, int(1.0 / self.sample_ratio))
         offset = int(torch.randint(0, min(stride, n), (1,), generator=self.generator))
-        sample = a[offset::stride]
+        sample = x[offset::stride].abs()
         rank = max(1, math.ceil(k * sample.numel() / n))
         return float(torch.topk(sample, rank, sorted=False).values.min())
 
     def select(self, x: Tensor, k: int) -> Tensor:
-        a = self._scratch.magnitudes(x)
-        if self.check_finite:
-            finite_sum_of_magnitudes(a, self.name, True)
         least = math.ceil(self.lower * k)
-        threshold = self._sample_threshold(a, k)
-        view = MagnitudeView(a, self._scratch, threshold)
+        threshold = self._sample_threshold(x, k)
+        view = self._view(x, threshold, k, check_finite=self.check_finite)
         for _ in range(self.max_adaptations):
             if view.n_candidates >= least:
                 break
             threshold *= self.lower
-            view = MagnitudeView(a, self._scratch, threshold)
+            view = self._view(x, threshold, k)
         if view.n_candidates < least:
-            view = MagnitudeView(a, self._scratch, 0.0)
+            view = self._view(x, 0.0, k)
         if view.n_candidates > k:
             return view.topk_at_or_above(view.floor, k)
         return view.indices
+
+    def _view(self, x: Tensor, threshold: float, k: int, check_finite: bool = False) -> MagnitudeView:
+        """The elements ``|x| >= threshold`` (the input is checked by the first view only)."""
+        return MagnitudeView(x, self._scratch, threshold, name=self.name, check_finite=check_finite, count=k,
+                             need_mean=False)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"generator": self.generator.get_state()}

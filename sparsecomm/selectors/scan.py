@@ -1,48 +1,186 @@
-"""Memory passes over ``|x|`` shared by the selectors: the building blocks that make them fast on CPU.
+"""Passes over ``|x|`` shared by the selectors: the building blocks that make them fast on CPU.
 
-On CPU a selector's time is its number of passes over the input (25M floats: ~12 ms per pass here),
-so every selector is written as few passes as possible:
+On CPU a selector's time is its number of passes over the input, so every selector is written as few
+passes as possible:
 
-1. ``|x|`` into a reused buffer (:class:`Scratch`; fresh 100 MB buffers would page-fault every call);
-2. a threshold *floor* estimated from a strided sample of ``|x|`` (:func:`sample_floor`), placed so
+1. a threshold *floor* estimated from a strided sample of ``|x|`` (:func:`sample_floor`), placed so
    that more than the wanted count of elements lie above it with high probability;
-3. one compare-and-compact pass gathering the *candidates* ``|x| >= floor`` (:class:`MagnitudeView`).
+2. one *scan* (:meth:`Scratch.scan`) giving, together, ``sum |x|`` (the mean of RedSync and MSTopK,
+   and the finiteness check), ``max |x|`` and the *candidates* ``|x| >= floor`` (indices and
+   magnitudes), wrapped in a :class:`MagnitudeView`.
 
 After that, the threshold searches of the papers (RedSync Algorithms 2 and 3, MSTopK) run on the
 candidates only: a count at a threshold at or above the floor is exact and costs O(#candidates); at a
 threshold below the floor the count is at least #candidates, which is all those searches need to know
-as long as #candidates exceeds their target, and otherwise a full pass gives the exact count. The
+as long as #candidates exceeds their target, and otherwise a full scan gives the exact count. The
 results are therefore exactly those of the algorithms as written, only cheaper.
 
-Index extraction uses a word trick: the boolean mask is viewed as int64 words, ``nonzero`` runs on
-the 8x shorter word array, and only the words holding a hit are expanded (6x faster than ``nonzero``
-on the mask at 0.1% density).
+The scan has two implementations with the same results:
+
+* the fused C kernel ``sparsecomm.selectors._scan`` (built at install, optional): one read of ``x``,
+  AVX2 where the CPU has it, else portable C, on the calling thread; used for contiguous float32
+  tensors on the CPU;
+* torch operations for everything else (CUDA tensors, other dtypes, or no compiled kernel):
+  ``|x|`` into a reused buffer (:class:`Scratch`; fresh 100 MB buffers would page-fault every call),
+  a sum, a compare into a reused mask, and index extraction by a word trick (the boolean mask viewed
+  as int64 words, ``nonzero`` on the 8x shorter word array, only the words holding a hit expanded).
+
+``SPARSECOMM_SCAN=auto|avx2|scalar|torch`` (environment, read at import) or :func:`use_kernel` picks the
+implementation; ``auto`` (default) takes the fastest available. :func:`kernel` tells which is in use.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from typing import Optional, Tuple
+import os
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["Scratch", "MagnitudeView", "sample_floor"]
+from .base import assert_finite
+
+__all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "kernel", "available_kernels",
+           "use_kernel"]
+
+log = logging.getLogger(__name__)
+
+try:
+    from . import _scan as _compiled
+except ImportError:  # built optionally (setup.py): no compiler at install time
+    _compiled = None
 
 #: a sample is used when it is at most this fraction of the input; below, the input is scanned whole
 _MAX_SAMPLE_FRACTION = 1 / 8
 
 
-class Scratch:
-    """Reusable buffers for inputs of one size, dtype and device: ``|x|`` and a padded bool mask.
+def available_kernels() -> list:
+    """The scan implementations this installation can run, fastest first; ``"torch"`` is always there."""
+    names = []
+    if _compiled is not None:
+        if _compiled.has_avx2():
+            names.append("avx2")
+        names.append("scalar")
+    return names + ["torch"]
 
-    A selector owns one; buffers are reallocated only when the input's size, dtype or device changes.
+
+def _choose(name: str) -> str:
+    if name == "auto":
+        return available_kernels()[0]
+    if name not in ("avx2", "scalar", "torch"):
+        raise ValueError(f"scan kernel must be 'auto', 'avx2', 'scalar' or 'torch', got {name!r}")
+    if name not in available_kernels():
+        raise ValueError(f"scan kernel {name!r} is not available here (available: {available_kernels()}); "
+                         "'avx2' needs an x86-64 CPU with AVX2, 'avx2' and 'scalar' the compiled extension "
+                         "sparsecomm.selectors._scan (reinstall with a C compiler)")
+    return name
+
+
+_kernel = _choose(os.environ.get("SPARSECOMM_SCAN", "auto"))
+if _compiled is None:
+    log.info("sparsecomm.selectors._scan is not built: selectors use torch passes (slower on CPU)")
+
+
+def kernel() -> str:
+    """The scan implementation used for contiguous float32 CPU tensors: 'avx2', 'scalar' or 'torch'."""
+    return _kernel
+
+
+@contextlib.contextmanager
+def use_kernel(name: str) -> Iterator[str]:
+    """Use the scan implementation ``name`` ('auto', 'avx2', 'scalar', 'torch') inside the block."""
+    global _kernel
+    previous, _kernel = _kernel, _choose(name)
+    try:
+        yield _kernel
+    finally:
+        _kernel = previous
+
+
+class ScanResult(NamedTuple):
+    """What one scan of ``x`` gives: the candidates ``|x| >= floor`` and statistics of ``|x|``."""
+
+    #: increasing int64 indices of the candidates (a fresh tensor)
+    indices: Tensor
+    #: ``|x|`` at those indices, in x's dtype
+    values: Tensor
+    #: ``sum |x|``: ``nan`` when the torch path was not asked for it, else non-finite only for NaN/Inf input
+    total: float
+    #: ``max |x|``, or ``None`` when the torch path did not compute it
+    max: Optional[float]
+
+
+class Scratch:
+    """Reusable buffers for one selector: ``|x|`` and a bool mask (torch path), the kernel's output.
+
+    Buffers are reallocated only when the input's size, dtype or device changes (or, for the kernel's
+    output, when more candidates come than fit).
     """
 
     def __init__(self) -> None:
         self._abs: Optional[Tensor] = None
         self._mask: Optional[Tensor] = None  # length rounded up to a multiple of 8, tail always False
+        self._out_indices: Optional[Tensor] = None
+        self._out_values: Optional[Tensor] = None
 
+    # -- the scan ---------------------------------------------------------------------------------------
+    def scan(self, x: Tensor, floor: float, *, name: str, check_finite: bool, need_total: bool = True,
+             expected: int = 0) -> ScanResult:
+        """Candidates ``|x| >= floor`` with ``sum |x|`` and ``max |x|``, in one pass where possible.
+
+        With ``check_finite``, NaN or Inf in ``x`` raises :class:`~sparsecomm.selectors.NonFiniteInputError`
+        (naming the selector ``name``). ``expected`` sizes the kernel's output buffer (a guess; more
+        candidates cost a second pass). ``need_total=False`` lets the torch path skip the sum when the
+        caller needs neither the mean nor the check.
+        """
+        if self._use_compiled(x):
+            result = self._scan_compiled(x, floor, expected)
+        else:
+            a = self.magnitudes(x)
+            total = _sum_of_magnitudes(a) if need_total or check_finite else math.nan
+            indices = self.indices_ge(a, floor)
+            result = ScanResult(indices, a.index_select(0, indices), total, None)
+        if check_finite and not math.isfinite(result.total):
+            assert_finite(x, name)  # raises: with finite input the sums above cannot overflow
+        return result
+
+    def count_ge(self, x: Tensor, t: float) -> int:
+        """Exact ``#{i : |x_i| >= t}`` (one pass, no indices kept)."""
+        if self._use_compiled(x):
+            return self._run_compiled(x, t, 0)[0]
+        return int(torch.count_nonzero(self._mask_ge(self.magnitudes(x), t)))
+
+    @staticmethod
+    def _use_compiled(x: Tensor) -> bool:
+        return (_kernel != "torch" and x.device.type == "cpu" and x.dtype == torch.float32
+                and x.is_contiguous())
+
+    def _run_compiled(self, x: Tensor, floor: float, capacity: int) -> tuple:
+        """(count, total, max) of one kernel call writing up to ``capacity`` candidates."""
+        idx_ptr = val_ptr = 0
+        if capacity:
+            idx_ptr, val_ptr = self._out_indices.data_ptr(), self._out_values.data_ptr()
+        return _compiled.scan_ge(x.data_ptr(), x.numel(), float(floor), idx_ptr, val_ptr, capacity,
+                                 _kernel == "avx2")
+
+    def _scan_compiled(self, x: Tensor, floor: float, expected: int) -> ScanResult:
+        if self._out_indices is None or self._out_indices.numel() < expected:
+            self._grow(max(expected, 1024))
+        count, total, top = self._run_compiled(x, floor, self._out_indices.numel())
+        if count > self._out_indices.numel():  # more candidates than fit: grow and scan again
+            log.debug("scan: %d candidates overflowed a buffer of %d; scanning again", count,
+                      self._out_indices.numel())
+            self._grow(count + count // 4)
+            count, total, top = self._run_compiled(x, floor, self._out_indices.numel())
+        return ScanResult(self._out_indices[:count].clone(), self._out_values[:count].clone(), total, top)
+
+    def _grow(self, capacity: int) -> None:
+        self._out_indices = torch.empty(capacity, dtype=torch.int64)
+        self._out_values = torch.empty(capacity, dtype=torch.float32)
+
+    # -- torch path -------------------------------------------------------------------------------------
     def magnitudes(self, x: Tensor) -> Tensor:
         """``|x|`` written into the reused buffer (valid until the next call)."""
         n = x.numel()
@@ -54,60 +192,71 @@ class Scratch:
 
     def _mask_ge(self, a: Tensor, t: float) -> Tensor:
         mask = self._mask
-        if mask is None or mask.numel() < a.numel() or mask.device != a.device:
-            raise RuntimeError("Scratch.magnitudes(x) must be called before a pass over |x|")
         torch.ge(a, t, out=mask[: a.numel()])
         return mask
 
-    def count_ge(self, a: Tensor, t: float) -> int:
-        """#{i : a[i] >= t} for ``a`` returned by :meth:`magnitudes` (one pass)."""
-        return int(torch.count_nonzero(self._mask_ge(a, t)))
-
     def indices_ge(self, a: Tensor, t: float) -> Tensor:
-        """Increasing int64 indices of ``a >= t`` (one compare pass, then ``nonzero`` on int64 words)."""
+        """Increasing int64 indices of ``a >= t`` for ``a`` returned by :meth:`magnitudes` (one compare
+        pass, then ``nonzero`` on int64 words)."""
         mask = self._mask_ge(a, t)
         words = torch.nonzero(mask.view(torch.int64)).squeeze(1)
         row, col = torch.nonzero(mask.view(-1, 8).index_select(0, words), as_tuple=True)
         return words.index_select(0, row).mul_(8).add_(col)
 
 
-def sample_floor(a: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 4.0) -> Optional[float]:
-    """A threshold with more than ``count`` elements of ``a`` at or above it, with high probability.
+def _sum_of_magnitudes(a: Tensor) -> float:
+    """``sum a`` for ``a = |x|``; a float32 sum that overflows with finite input is redone in float64."""
+    acc = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
+    total = float(a.sum(dtype=acc))
+    if math.isfinite(total) or not bool(torch.isfinite(a).all()):
+        return total
+    return float(a.sum(dtype=torch.float64))
 
-    Takes a strided sample of ``a`` large enough to hold about ``min_hits`` elements above the
+
+def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 4.0) -> Optional[float]:
+    """A threshold with more than ``count`` elements of ``|x|`` at or above it, with high probability.
+
+    Takes a strided sample of ``|x|`` large enough to hold about ``min_hits`` elements above the
     ``count``-th largest value, and returns the sample's order statistic ``sigmas`` standard deviations
-    (binomial) below that. Returns ``None`` when such a sample would not be much smaller than ``a``
-    (the caller then scans ``a`` whole). The answer is a guess: callers check the real count.
+    (binomial) below that. Returns ``None`` when such a sample would not be much smaller than ``x``
+    (the caller then scans ``x`` whole). The answer is a guess: callers check the real count.
     """
-    n = a.numel()
+    n = x.numel()
     if count <= 0 or count >= n:
         return None
     size = math.ceil(min_hits * n / count)
     if size > n * _MAX_SAMPLE_FRACTION:
         return None
-    sample = a[:: n // size]
+    sample = x[:: n // size].abs()
     hits = count * sample.numel() / n
     rank = min(sample.numel(), int(hits + sigmas * math.sqrt(hits)) + 2)
     return float(torch.topk(sample, rank, sorted=False).values.min())
 
 
 class MagnitudeView:
-    """Exact counts and index sets of ``a >= t`` for ``a = |x|``, cheap at thresholds above a floor.
+    """Exact counts and index sets of ``|x| >= t``, cheap at thresholds above a floor.
 
-    Built with one compare-and-compact pass gathering the candidates ``a >= floor`` (with
-    ``floor=None`` every element is a candidate and nothing is gathered).
+    Built with one scan (:meth:`Scratch.scan`) gathering the candidates ``|x| >= floor`` and the sum
+    and max of ``|x|``; with ``floor=None`` every element is a candidate. ``count`` is the number of
+    elements the floor was placed above (it sizes the scan's output buffer).
     """
 
-    def __init__(self, a: Tensor, scratch: Scratch, floor: Optional[float]) -> None:
-        self.a = a
+    def __init__(self, x: Tensor, scratch: Scratch, floor: Optional[float], *, name: str, check_finite: bool,
+                 count: int = 0, need_mean: bool = True) -> None:
+        self.x = x
         self.scratch = scratch
         self.floor = floor
+        self.name = name
+        scan = scratch.scan(x, math.inf if floor is None else floor, name=name, check_finite=check_finite,
+                            need_total=need_mean, expected=count + count // 2)
+        self.mean = scan.total / max(1, x.numel())
+        self._max = scan.max
         if floor is None:
             self.indices: Optional[Tensor] = None
-            self.values = a
+            self.values = scratch.magnitudes(x)
         else:
-            self.indices = scratch.indices_ge(a, floor)
-            self.values = a.index_select(0, self.indices)
+            self.indices = scan.indices
+            self.values = scan.values
 
     @property
     def n_candidates(self) -> int:
@@ -117,16 +266,18 @@ class MagnitudeView:
         return self.floor is None or t >= self.floor
 
     def max(self) -> float:
-        """max |x| (from the candidates, which hold it, when there are any)."""
-        return float((self.values if self.n_candidates else self.a).max())
+        """max |x| (from the scan, or from the candidates, which hold it, when there are any)."""
+        if self._max is None:
+            self._max = float(self.values.max() if self.n_candidates else self.x.abs().max())
+        return self._max
 
     def count(self, t: float) -> int:
-        """Exact #{a >= t}; a full pass when ``t`` is below the floor."""
+        """Exact #{|x| >= t}; a full pass when ``t`` is below the floor."""
         if self._covers(t):
             return int(torch.count_nonzero(self.values >= t))
-        return self.scratch.count_ge(self.a, t)
+        return self.scratch.count_ge(self.x, t)
 
-    def count_exceeds(self, t: float, m: int) -> Tuple[bool, int]:
+    def count_exceeds(self, t: float, m: int) -> tuple:
         """``(count(t) > m, count)``; without a pass when ``t`` is below the floor and the candidates
         alone exceed ``m`` (then the returned count is only the lower bound #candidates)."""
         if not self._covers(t) and self.n_candidates > m:
@@ -137,25 +288,29 @@ class MagnitudeView:
     def _global(self, positions: Tensor) -> Tensor:
         return positions if self.indices is None else self.indices.index_select(0, positions)
 
+    def _rescan(self, t: float) -> ScanResult:
+        """A full scan at ``t`` below the floor (the input was checked by the first scan)."""
+        return self.scratch.scan(self.x, t, name=self.name, check_finite=False, need_total=False)
+
     def indices_ge(self, t: float) -> Tensor:
-        """Increasing indices of ``a >= t``."""
+        """Increasing indices of ``|x| >= t``."""
         if self._covers(t):
             return self._global(torch.nonzero(self.values >= t).squeeze(1))
-        return self.scratch.indices_ge(self.a, t)
+        return self._rescan(t).indices
 
     def indices_between(self, lo: float, hi: float) -> Tensor:
-        """Increasing indices of ``lo <= a < hi``."""
+        """Increasing indices of ``lo <= |x| < hi``."""
         if self._covers(lo):
             v = self.values
             return self._global(torch.nonzero((v >= lo) & (v < hi)).squeeze(1))
-        idx = self.scratch.indices_ge(self.a, lo)
-        return idx[self.a.index_select(0, idx) < hi]
+        below = self._rescan(lo)
+        return below.indices[below.values < hi]
 
     def topk_at_or_above(self, t: float, k: int) -> Tensor:
-        """Indices of the ``k`` largest elements among ``a >= t`` (needs ``count(t) >= k``).
+        """Indices of the ``k`` largest elements among ``|x| >= t`` (needs ``count(t) >= k``).
 
         When ``t`` is at or below the floor and the candidates number at least ``k``, the candidates
-        hold the ``k`` largest elements of all of ``a``, so they answer without a pass.
+        hold the ``k`` largest elements of all of ``|x|``, so they answer without a pass.
         """
         if self.floor is not None and t <= self.floor and self.n_candidates >= k:
             return self._global(torch.topk(self.values, k, sorted=False).indices)
@@ -163,5 +318,5 @@ class MagnitudeView:
             positions = torch.nonzero(self.values >= t).squeeze(1)
             best = torch.topk(self.values.index_select(0, positions), k, sorted=False).indices
             return self._global(positions.index_select(0, best))
-        idx = self.scratch.indices_ge(self.a, t)
-        return idx.index_select(0, torch.topk(self.a.index_select(0, idx), k, sorted=False).indices)
+        below = self._rescan(t)
+        return below.indices.index_select(0, torch.topk(below.values, k, sorted=False).indices)

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import Tensor
 
-from .base import Selector, finite_sum_of_magnitudes
+from .base import Selector
 from .registry import register_selector
 from .scan import MagnitudeView, Scratch, sample_floor
 
@@ -23,14 +23,14 @@ __all__ = ["BinarySearch", "SampledBinarySearch", "MSTopK"]
 log = logging.getLogger(__name__)
 
 
-def _band_search(view: MagnitudeView, mean: float, k: int, eps: float) -> Optional[float]:
+def _band_search(view: MagnitudeView, k: int, eps: float) -> Optional[float]:
     """RedSync Algorithm 3's loop: a threshold whose count lies in [k, 2k], or None if none found.
 
     Deviation from the paper's text: its line 9 lowers the threshold only when the count is below
     k/2 (and raises it for counts in [k/2, k), moving away from the band); here any count below k
     lowers it. The band is closed, [k, 2k], where the paper's is open.
     """
-    top = view.max()
+    mean, top = view.mean, view.max()
     lo, hi = 0.0, 1.0
     while hi - lo > eps:
         ratio = lo + (hi - lo) / 2
@@ -68,10 +68,9 @@ class BinarySearch(Selector):
 
     def _search(self, x: Tensor, k: int) -> tuple:
         """(indices, threshold or None when completed to exact top-k)."""
-        a = self._scratch.magnitudes(x)
-        mean = finite_sum_of_magnitudes(a, self.name, self.check_finite) / a.numel()
-        view = MagnitudeView(a, self._scratch, sample_floor(a, 2 * k))
-        threshold = _band_search(view, mean, k, self.eps)
+        view = MagnitudeView(x, self._scratch, sample_floor(x, 2 * k), name=self.name,
+                             check_finite=self.check_finite, count=2 * k)
+        threshold = _band_search(view, k, self.eps)
         if threshold is None:
             log.debug("%s: no threshold in [k, 2k] for k=%d; exact top-k instead", self.name, k)
             return view.topk_at_or_above(0.0, k), None
@@ -106,10 +105,8 @@ class SampledBinarySearch(BinarySearch):
         reusable = (self.threshold is not None and self.searched_for == (k, x.numel())
                     and self.calls_since_search < self.interval)
         if reusable:
-            a = self._scratch.magnitudes(x)
-            if self.check_finite:
-                finite_sum_of_magnitudes(a, self.name, True)
-            indices = self._scratch.indices_ge(a, self.threshold)
+            indices = self._scratch.scan(x, self.threshold, name=self.name, check_finite=self.check_finite,
+                                         need_total=False, expected=2 * k).indices
             if k <= indices.numel() <= 2 * k:
                 self.calls_since_search += 1
                 return indices
@@ -157,10 +154,9 @@ class MSTopK(Selector):
         self._scratch = Scratch()
 
     def select(self, x: Tensor, k: int) -> Tensor:
-        a = self._scratch.magnitudes(x)
-        mean = finite_sum_of_magnitudes(a, self.name, self.check_finite) / a.numel()
-        view = MagnitudeView(a, self._scratch, sample_floor(a, k))
-        top = view.max()
+        view = MagnitudeView(x, self._scratch, sample_floor(x, k), name=self.name,
+                             check_finite=self.check_finite, count=k)
+        mean, top = view.mean, view.max()
         lo, hi = 0.0, 1.0
         thres1, thres2 = float("inf"), 0.0
         for _ in range(self.samplings):
@@ -173,13 +169,13 @@ class MSTopK(Selector):
                 lo, thres2 = ratio, threshold
             else:
                 hi, thres1 = ratio, threshold
-        upper = view.indices_ge(thres1) if thres1 != float("inf") else a.new_empty(0, dtype=torch.int64)
+        upper = view.indices_ge(thres1) if thres1 != float("inf") else x.new_empty(0, dtype=torch.int64)
         missing = k - upper.numel()
         if missing == 0:
             return upper
         between = view.indices_between(thres2, thres1)
         if between.numel() < missing:  # only NaN input (check_finite=False) breaks the bracket
-            return torch.topk(a, k, sorted=False).indices
+            return torch.topk(x.abs(), k, sorted=False).indices
         start = int(torch.randint(0, between.numel() - missing + 1, (1,), generator=self.generator))
         return torch.cat([upper, between[start:start + missing]])
 

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 
 from torch import Tensor
 
-from .base import Selector, finite_sum_of_magnitudes
+from .base import Selector
 from .registry import register_selector
 from .scan import Scratch
 
@@ -23,12 +23,13 @@ class _ThresholdSelector(Selector):
     def __init__(self, *, check_finite: bool = True) -> None:
         super().__init__(check_finite=check_finite)
         self._scratch = Scratch()
+        self._last_count = 0
 
     def _pick(self, x: Tensor, threshold: float) -> Tensor:
-        a = self._scratch.magnitudes(x)
-        if self.check_finite:
-            finite_sum_of_magnitudes(a, self.name, True)
-        return self._scratch.indices_ge(a, threshold)
+        indices = self._scratch.scan(x, threshold, name=self.name, check_finite=self.check_finite,
+                                     need_total=False, expected=self._last_count + self._last_count // 4).indices
+        self._last_count = indices.numel()
+        return indices
 
 
 def _check_threshold(name: str, value: Any) -> float:

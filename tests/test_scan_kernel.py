@@ -1,0 +1,182 @@
+"""The scan under every selector (sparsecomm.selectors.scan): the C kernel against a torch reference.
+
+Each implementation (AVX2, portable C, torch) must give the same candidates ``|x| >= floor`` (indices
+in increasing order and their magnitudes), the same ``max |x|``, and ``sum |x|`` up to rounding, for
+any length, any thread count and any output capacity (overflow is reported, then scanned again).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsecomm import run_workers, selectors
+from sparsecomm.selectors import NonFiniteInputError, scan
+
+KERNELS = scan.available_kernels()
+COMPILED = [k for k in KERNELS if k != "torch"]
+needs_compiled = pytest.mark.skipif(not COMPILED, reason="sparsecomm.selectors._scan is not built")
+
+
+def reference(x, floor):
+    a = x.abs()
+    indices = torch.nonzero(a >= floor).squeeze(1)
+    return indices, a[indices], float(a.double().sum()), float(a.max()) if x.numel() else 0.0
+
+
+def assert_scan_matches(result, x, floor):
+    indices, values, total, top = reference(x, floor)
+    assert torch.equal(result.indices, indices)
+    assert torch.equal(result.values, values)
+    assert result.total == pytest.approx(total, rel=1e-5, abs=1e-30)
+    if result.max is not None:
+        assert result.max == top
+
+
+def test_kernel_is_built_where_a_compiler_exists():
+    """`pip install` builds the kernel optionally: a machine with a C compiler must have it."""
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler here: the torch path is used")
+    assert COMPILED, "a C compiler exists but sparsecomm.selectors._scan was not built (see setup.py)"
+    assert scan.kernel() == COMPILED[0]
+
+
+magnitudes = st.one_of(st.floats(-1e6, 1e6, allow_nan=False, width=32),
+                       st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, 1e-40, -3e38]))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@settings(max_examples=80, deadline=None)
+@given(values=st.lists(magnitudes, max_size=200), floor_pick=st.integers(0, 1000), scale=st.floats(0.0, 2.0))
+def test_scan_equals_the_torch_reference(kernel, values, floor_pick, scale):
+    x = torch.tensor(values, dtype=torch.float32)
+    # floors on the data (ties at the floor are candidates) and between data
+    floor = float(x.abs()[floor_pick % len(values)]) * scale if values else scale
+    with scan.use_kernel(kernel):
+        result = scan.Scratch().scan(x, floor, name="t", check_finite=True)
+    assert_scan_matches(result, x, floor)
+
+
+@needs_compiled
+@pytest.mark.parametrize("kernel", COMPILED)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100_003])
+def test_raw_kernel_counts_beyond_its_capacity(kernel, n):
+    from sparsecomm.selectors import _scan
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    floor = 1.0
+    ref_idx, ref_val, ref_total, ref_max = reference(x, floor)
+    cap = ref_idx.numel() // 2  # too small: the count stays exact, the first cap candidates are written
+    idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap)
+    count, total, top = _scan.scan_ge(x.data_ptr(), n, floor, idx.data_ptr(), val.data_ptr(), cap,
+                                      kernel == "avx2")
+    assert count == ref_idx.numel() and top == ref_max
+    assert total == pytest.approx(ref_total, rel=1e-6)
+    assert torch.equal(idx, ref_idx[:cap]) and torch.equal(val, ref_val[:cap])
+
+
+@needs_compiled
+def test_raw_kernel_refuses_bad_sizes():
+    from sparsecomm.selectors import _scan
+
+    x = torch.zeros(10)
+    with pytest.raises(ValueError, match="n=-1"):
+        _scan.scan_ge(x.data_ptr(), -1, 0.0, 0, 0, 0, False)
+    with pytest.raises(ValueError, match="cap=-2"):
+        _scan.scan_ge(x.data_ptr(), 10, 0.0, 0, 0, -2, False)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_scratch_grows_when_the_guess_is_too_small(kernel):
+    x = torch.randn(300_000, generator=torch.Generator().manual_seed(1))
+    scratch = scan.Scratch()
+    with scan.use_kernel(kernel):
+        first = scratch.scan(x, 0.5, name="t", check_finite=True, expected=10)  # ~62% of x qualifies
+        assert_scan_matches(first, x, 0.5)
+        again = scratch.scan(x * 2, 0.5, name="t", check_finite=True)
+        assert_scan_matches(again, x * 2, 0.5)
+        assert not again.indices.data_ptr() == first.indices.data_ptr(), "results must not alias buffers"
+        assert scratch.count_ge(x, 1.0) == int((x.abs() >= 1.0).sum())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_scan_refuses_non_finite_input_or_passes_it_through(kernel, bad):
+    x = torch.randn(70_001)
+    x[12_345] = bad
+    with scan.use_kernel(kernel):
+        with pytest.raises(NonFiniteInputError, match="1 NaN/Inf element"):
+            scan.Scratch().scan(x, 1.0, name="mine", check_finite=True)
+        result = scan.Scratch().scan(x, 1.0, name="mine", check_finite=False)
+    assert not math.isfinite(result.total)
+    assert (12_345 in result.indices.tolist()) == (not math.isnan(bad))  # NaN passes no threshold
+
+
+def test_largest_finite_floats_are_not_mistaken_for_inf():
+    x = torch.full((4096,), 3e38)
+    for kernel in KERNELS:
+        with scan.use_kernel(kernel):
+            result = scan.Scratch().scan(x, 1.0, name="t", check_finite=True)
+        assert result.total == pytest.approx(4096 * 3e38, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", selectors.available())
+def test_every_kernel_makes_the_same_selection(name):
+    options = {"threshold": {"threshold": 1.5}}.get(name, {})
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(1 << 18, generator=gen) for _ in range(3)]
+    picks = {}
+    for kernel in KERNELS:
+        sel = selectors.make(name, **options)
+        with scan.use_kernel(kernel):
+            picks[kernel] = [sel(x, k).sort().values for x in xs for k in (262, 2622)]
+    first = picks[KERNELS[0]]
+    for kernel in KERNELS[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, picks[kernel])), kernel
+
+
+def test_use_kernel_rejects_unknown_and_unavailable_names():
+    with pytest.raises(ValueError, match="'fastest'"):
+        with scan.use_kernel("fastest"):
+            pass
+    if "avx2" not in KERNELS:
+        with pytest.raises(ValueError, match="not available"):
+            with scan.use_kernel("avx2"):
+                pass
+    before = scan.kernel()
+    with scan.use_kernel("torch") as chosen:
+        assert chosen == "torch" == scan.kernel()
+    assert scan.kernel() == before
+
+
+def _kernel_in_a_fresh_interpreter(value):
+    env = {**os.environ, "SPARSECOMM_SCAN": value}
+    return subprocess.run([sys.executable, "-c", "from sparsecomm.selectors import scan; print(scan.kernel())"],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_environment_variable_picks_the_kernel():
+    assert _kernel_in_a_fresh_interpreter("torch").stdout.strip() == "torch"
+    bad = _kernel_in_a_fresh_interpreter("gpu")
+    assert bad.returncode != 0 and "'gpu'" in bad.stderr
+
+
+def _select_in_worker(n, k):
+    sel = selectors.make("binary_search")
+    x = torch.randn(n, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    return scan.kernel(), sel(x, k).numel()
+
+
+def test_forked_workers_use_the_kernel_after_the_parent_did():
+    n, k = 1 << 18, 1000
+    selectors.make("binary_search")(torch.randn(n), k)
+    results = run_workers(3, _select_in_worker, n, k, timeout=60)
+    assert all(kernel == scan.kernel() and k <= c <= 2 * k for kernel, c in results)
