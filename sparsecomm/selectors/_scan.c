@@ -116,6 +116,10 @@ __attribute__((target("avx2"))) static void scan_avx2(scan_t *c) {
         max1 = _mm256_max_ps(max1, a1);
         unsigned hits = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a0, floor, _CMP_GE_OQ)) |
                         ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a1, floor, _CMP_GE_OQ)) << 8);
+        if (count >= c->cap) { /* nothing more to write (a count-only scan has cap 0): just count */
+            count += __builtin_popcount(hits);
+            continue;
+        }
         while (hits) {
             int l = __builtin_ctz(hits);
             hits &= hits - 1;

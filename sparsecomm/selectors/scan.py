@@ -124,6 +124,14 @@ class Scratch:
         self._mask: Optional[Tensor] = None  # length rounded up to a multiple of 8, tail always False
         self._out_indices: Optional[Tensor] = None
         self._out_values: Optional[Tensor] = None
+        self._candidates: Optional[Scratch] = None
+
+    @property
+    def candidates(self) -> "Scratch":
+        """A second scratch, for scans of the candidates that a scan of this one gathered."""
+        if self._candidates is None:
+            self._candidates = Scratch()
+        return self._candidates
 
     # -- the scan ---------------------------------------------------------------------------------------
     def scan(self, x: Tensor, floor: float, *, name: str, check_finite: bool, need_total: bool = True,
@@ -272,9 +280,9 @@ class MagnitudeView:
         return self._max
 
     def count(self, t: float) -> int:
-        """Exact #{|x| >= t}; a full pass when ``t`` is below the floor."""
+        """Exact #{|x| >= t}: a scan of the candidates, or of all of ``x`` when ``t`` is below the floor."""
         if self._covers(t):
-            return int(torch.count_nonzero(self.values >= t))
+            return self.scratch.candidates.count_ge(self.values, t)
         return self.scratch.count_ge(self.x, t)
 
     def count_exceeds(self, t: float, m: int) -> tuple:
@@ -285,26 +293,25 @@ class MagnitudeView:
         c = self.count(t)
         return c > m, c
 
-    def _global(self, positions: Tensor) -> Tensor:
-        return positions if self.indices is None else self.indices.index_select(0, positions)
-
-    def _rescan(self, t: float) -> ScanResult:
-        """A full scan at ``t`` below the floor (the input was checked by the first scan)."""
-        return self.scratch.scan(self.x, t, name=self.name, check_finite=False, need_total=False)
+    def _at_or_above(self, t: float) -> ScanResult:
+        """Increasing indices into ``x`` and magnitudes of ``|x| >= t``: a scan of the candidates, or
+        of all of ``x`` when ``t`` is below the floor (the input was checked by the first scan)."""
+        if not self._covers(t):
+            return self.scratch.scan(self.x, t, name=self.name, check_finite=False, need_total=False)
+        within = self.scratch.candidates.scan(self.values, t, name=self.name, check_finite=False,
+                                              need_total=False)
+        if self.indices is None:
+            return within
+        return within._replace(indices=self.indices.index_select(0, within.indices))
 
     def indices_ge(self, t: float) -> Tensor:
         """Increasing indices of ``|x| >= t``."""
-        if self._covers(t):
-            return self._global(torch.nonzero(self.values >= t).squeeze(1))
-        return self._rescan(t).indices
+        return self._at_or_above(t).indices
 
     def indices_between(self, lo: float, hi: float) -> Tensor:
         """Increasing indices of ``lo <= |x| < hi``."""
-        if self._covers(lo):
-            v = self.values
-            return self._global(torch.nonzero((v >= lo) & (v < hi)).squeeze(1))
-        below = self._rescan(lo)
-        return below.indices[below.values < hi]
+        above = self._at_or_above(lo)
+        return above.indices[above.values < hi]
 
     def topk_at_or_above(self, t: float, k: int) -> Tensor:
         """Indices of the ``k`` largest elements among ``|x| >= t`` (needs ``count(t) >= k``).
@@ -313,10 +320,6 @@ class MagnitudeView:
         hold the ``k`` largest elements of all of ``|x|``, so they answer without a pass.
         """
         if self.floor is not None and t <= self.floor and self.n_candidates >= k:
-            return self._global(torch.topk(self.values, k, sorted=False).indices)
-        if self._covers(t):
-            positions = torch.nonzero(self.values >= t).squeeze(1)
-            best = torch.topk(self.values.index_select(0, positions), k, sorted=False).indices
-            return self._global(positions.index_select(0, best))
-        below = self._rescan(t)
-        return below.indices.index_select(0, torch.topk(below.values, k, sorted=False).indices)
+            return self.indices.index_select(0, torch.topk(self.values, k, sorted=False).indices)
+        above = self._at_or_above(t)
+        return above.indices.index_select(0, torch.topk(above.values, k, sorted=False).indices)
