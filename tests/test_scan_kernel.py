@@ -65,6 +65,15 @@ def test_scan_equals_the_torch_reference(kernel, values, floor_pick, scale):
     assert_scan_matches(result, x, floor)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_thresholds_are_rounded_to_float32_as_torch_does(kernel):
+    """A threshold between two float32 values compares as its float32 rounding, in every path."""
+    x = torch.tensor([1.0, 0.5, 2.0, 16777216.0])
+    with scan.use_kernel(kernel):
+        assert scan.Scratch().scan(x, 1.0 + 1e-9, name="t", check_finite=True).indices.tolist() == [0, 2, 3]
+        assert scan.Scratch().scan(x, 16777217.0, name="t", check_finite=True).indices.tolist() == [3]
+
+
 @needs_compiled
 @pytest.mark.parametrize("kernel", COMPILED)
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100_003])
@@ -180,3 +189,18 @@ def test_forked_workers_use_the_kernel_after_the_parent_did():
     selectors.make("binary_search")(torch.randn(n), k)
     results = run_workers(3, _select_in_worker, n, k, timeout=60)
     assert all(kernel == scan.kernel() and k <= c <= 2 * k for kernel, c in results)
+
+
+@pytest.mark.parametrize("count", [1, 10, 300, 5000, 100_000])
+def test_sample_floor_keeps_candidates_few_even_for_tiny_counts(count):
+    """Without a floor a search would scan all of x at every step; a tiny count still gets one."""
+    x = torch.randn(1 << 21, generator=torch.Generator().manual_seed(count))
+    floor = scan.sample_floor(x, count)
+    assert floor is not None
+    above = int((x.abs() >= floor).sum())
+    assert count < above <= max(2 * count, x.numel() // 64)
+
+
+def test_sample_floor_gives_up_on_small_inputs():
+    assert scan.sample_floor(torch.randn(5000), 10) is None
+    assert scan.sample_floor(torch.randn(5000), 0) is None

@@ -52,8 +52,9 @@ try:
 except ImportError:  # built optionally (setup.py): no compiler at install time
     _compiled = None
 
-#: a sample is used when it is at most this fraction of the input; below, the input is scanned whole
+#: a sample is at most this fraction of the input, and at most _MAX_SAMPLE elements
 _MAX_SAMPLE_FRACTION = 1 / 8
+_MAX_SAMPLE = 1 << 16
 
 
 def available_kernels() -> list:
@@ -226,14 +227,20 @@ def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 
 
     Takes a strided sample of ``|x|`` large enough to hold about ``min_hits`` elements above the
     ``count``-th largest value, and returns the sample's order statistic ``sigmas`` standard deviations
-    (binomial) below that. Returns ``None`` when such a sample would not be much smaller than ``x``
-    (the caller then scans ``x`` whole). The answer is a guess: callers check the real count.
+    (binomial) below that. The sample holds at most ``_MAX_SAMPLE`` elements and 1/8 of ``x``: where
+    ``count`` would need more, the floor is placed for the larger count such a sample resolves (more
+    candidates than asked for, which the kernel gathers cheaply, instead of a large ``torch.topk``).
+    Returns ``None`` when that count is not much below ``n`` (small inputs: the caller then scans ``x``
+    whole). The answer is a guess: callers check the real count.
     """
     n = x.numel()
     if count <= 0 or count >= n:
         return None
-    size = math.ceil(min_hits * n / count)
-    if size > n * _MAX_SAMPLE_FRACTION:
+    size = min(math.ceil(min_hits * n / count), _MAX_SAMPLE, int(n * _MAX_SAMPLE_FRACTION))
+    if size < min_hits:
+        return None
+    count = max(count, math.ceil(min_hits * n / size))
+    if count > n * _MAX_SAMPLE_FRACTION:
         return None
     sample = x[:: n // size].abs()
     hits = count * sample.numel() / n
@@ -271,7 +278,9 @@ class MagnitudeView:
         return self.values.numel()
 
     def _covers(self, t: float) -> bool:
-        return self.floor is None or t >= self.floor
+        """Whether the candidates answer for threshold ``t``: at or above the floor, or NaN (a NaN
+        threshold, from NaN/Inf input under ``check_finite=False``, selects nothing anywhere)."""
+        return self.floor is None or not t < self.floor
 
     def max(self) -> float:
         """max |x| (from the scan, or from the candidates, which hold it, when there are any)."""
