@@ -23,13 +23,10 @@ class _ThresholdSelector(Selector):
     def __init__(self, *, check_finite: bool = True) -> None:
         super().__init__(check_finite=check_finite)
         self._scratch = Scratch()
-        self._last_count = 0
 
     def _pick(self, x: Tensor, threshold: float) -> Tensor:
-        indices = self._scratch.scan(x, threshold, name=self.name, check_finite=self.check_finite,
-                                     need_total=False, expected=self._last_count + self._last_count // 4).indices
-        self._last_count = indices.numel()
-        return indices
+        return self._scratch.scan(x, threshold, name=self.name, check_finite=self.check_finite,
+                                  need_total=False).indices
 
 
 def _check_threshold(name: str, value: Any) -> float:
