@@ -108,3 +108,14 @@ def test_sidco_multi_stage_fits_a_normal_tail_better_than_one_stage():
         achieved = float((magnitudes >= sidco_threshold(magnitudes, 0.001, "exponential", stages)).double().mean())
         errors.append(abs(achieved / 0.001 - 1))
     assert errors[1] < errors[0]
+
+
+def test_l2_norm_is_accurate_without_a_float64_copy_or_overflow():
+    from sparsecomm.methods.exdyna_metrics import l2_norm
+
+    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0))
+    assert l2_norm(x) == pytest.approx(float(x.double().norm()), rel=1e-6)
+    assert l2_norm(x.double()) == pytest.approx(float(x.double().norm()), rel=1e-12)
+    big = torch.full((1000,), 1e30)  # its square overflows float32
+    assert l2_norm(big) == pytest.approx(float(big[0]) * 1000 ** 0.5, rel=1e-12)
+    assert l2_norm(torch.empty(0)) == 0.0

@@ -31,7 +31,25 @@ import torch
 
 from ..collectives import recursive_doubling_allgather
 
-__all__ = ["padding_overhead", "SparsificationMetrics"]
+__all__ = ["padding_overhead", "l2_norm", "SparsificationMetrics"]
+
+#: elements per chunk in :func:`l2_norm`
+_NORM_CHUNK = 1 << 16
+
+
+def l2_norm(x: torch.Tensor) -> float:
+    """``||x||_2`` for a metric: norms of 65536-element chunks in x's dtype, combined in float64.
+
+    Relative error about 2e-7 for float32 (measured on normal data up to n = 25M), with no copy of
+    the vector: a float64 copy of a 25M residual (200 MB of fresh memory) cost 0.98 s per step with
+    8 workers on 2 cores, this 0.04 s. Chunks whose squares overflow x's dtype are redone in float64.
+    """
+    if x.numel() == 0:
+        return 0.0
+    chunks = torch.stack([torch.linalg.vector_norm(c) for c in x.split(_NORM_CHUNK)]).double()
+    if not bool(torch.isfinite(chunks).all()):
+        chunks = torch.stack([torch.linalg.vector_norm(c, dtype=torch.float64) for c in x.split(_NORM_CHUNK)])
+    return float(torch.linalg.vector_norm(chunks))
 
 
 def padding_overhead(counts: Sequence[int]) -> float:
@@ -58,7 +76,7 @@ class SparsificationMetrics:
         if "padding_overhead" not in stats:  # a method without an all-gather sets its own
             stats["padding_overhead"] = padding_overhead(stats["counts"])
         residual = self.residual  # type: ignore[attr-defined]
-        local = 0.0 if residual is None else float(torch.linalg.vector_norm(residual.double()))
+        local = 0.0 if residual is None else l2_norm(residual)
         stats["local_error"] = local
         if self.track_global_error:
             stats["global_error"] = self._global_error(local, grad.device)
