@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ..costmodel import Cost, cost, register_cost
+from ..selectors.scan import Scratch
 from ..sparse import index_dtype
 from .exdyna_metrics import SparsificationMetrics
 from .topka import TopkAllGather
@@ -136,21 +137,31 @@ def _stage_threshold(a: Tensor, p: float, distribution: str) -> float:
     return sigma / xi * (p ** (-xi) - 1)
 
 
-def sidco_threshold(magnitudes: Tensor, density: float, distribution: str = "exponential",
-                    stages: int = 2) -> float:
-    """SIDCo's threshold for ``magnitudes`` = |acc|: ``stages`` fits, each keeping density^(1/stages)
-    of the previous stage's exceedances (see the module docstring)."""
+def sidco_threshold(x: Tensor, density: float, distribution: str = "exponential", stages: int = 2,
+                    scratch: Optional[Scratch] = None) -> float:
+    """SIDCo's threshold for the magnitudes ``|x|``: ``stages`` fits, each keeping density^(1/stages)
+    of the previous stage's exceedances (see the module docstring).
+
+    The exponential first stage needs only the mean of ``|x|`` and each later stage the exceedances
+    ``|x| > threshold``: both come from the selectors' one-pass scan
+    (:meth:`~sparsecomm.selectors.scan.Scratch.scan`; pass a ``scratch`` to reuse its buffers), so no
+    copy of ``|x|`` is made. The gamma and GPD first stages fit all of ``|x|`` (in float64).
+    """
     if distribution not in _DISTRIBUTIONS:
         raise ValueError(f"sidco: distribution={distribution!r} must be one of {_DISTRIBUTIONS}")
+    scratch = Scratch() if scratch is None else scratch
     p = density ** (1 / stages)
-    threshold = 0.0
-    samples = magnitudes.double()
-    for stage in range(stages):
-        family = distribution if stage == 0 or distribution == "gpd" else "exponential"
-        threshold += _stage_threshold(samples, p, family)
-        samples = magnitudes[magnitudes > threshold].double() - threshold
+    if distribution == "exponential":
+        total = scratch.scan(x, math.inf, name="sidco", check_finite=False).total
+        threshold = total / max(1, x.numel()) * math.log(1 / p)
+    else:
+        threshold = _stage_threshold(x.abs().double(), p, distribution)
+    for _ in range(1, stages):
+        above = scratch.scan(x, threshold, name="sidco", check_finite=False).values
+        samples = above[above > threshold].double() - threshold
         if samples.numel() < 2:
             break
+        threshold += _stage_threshold(samples, p, "gpd" if distribution == "gpd" else "exponential")
     return threshold
 
 
@@ -175,12 +186,13 @@ class SIDCo(SparsificationMetrics, TopkAllGather):
         self.distribution = distribution
         self.stages = stages
         self.track_global_error = bool(global_error)
+        self._scratch = Scratch()
 
     def select(self, acc: Tensor) -> Tensor:
         n = acc.numel()
         k = self.k(n)
         if k < n:
-            self.selector.threshold = sidco_threshold(acc.abs(), k / n, self.distribution, self.stages)
+            self.selector.threshold = sidco_threshold(acc, k / n, self.distribution, self.stages, self._scratch)
             self.stats["threshold"] = self.selector.threshold
         return self.selector(acc, k)
 
