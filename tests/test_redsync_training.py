@@ -81,19 +81,28 @@ def test_training_keeps_replicas_identical_and_learns():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_redsync_with_dgc_reaches_dense_accuracy_at_0_1_percent():
-    epochs = 40
-    rows, acc = [], {}
-    for mode, quantize in (("dense", None), ("redsync+dgc", None), ("redsync+dgc", "asq"), ("redsync", None)):
-        results = run_workers(4, train_digits, mode, epochs, 0.001, quantize, timeout=900)
-        accuracy, params, selected, after_warmup = results[0]
-        assert all(torch.equal(params, r[1]) for r in results)
+    """Means over 3 seeds: one run's accuracy varies by about a point from seed to seed (4 seeds
+    measured: dense 97.49-98.61%), so single runs cannot be compared to within a point."""
+    epochs, seeds = 40, (0, 1, 2)
+    runs = (("dense", None), ("redsync+dgc", None), ("redsync+dgc", "asq"), ("redsync", None))
+    rows, mean = [], {}
+    for mode, quantize in runs:
         label = mode + (" + ASQ" if quantize else "")
-        acc[label] = accuracy
-        rows.append({"run": label, "test accuracy %": round(100 * accuracy, 2),
-                     "selected / step / worker (mean)": round(selected, 1),
+        accuracies = []
+        for seed in seeds:
+            results = run_workers(4, train_digits, mode, epochs, 0.001, quantize, 0.1, 16, 5.0, 4, seed,
+                                  timeout=900)
+            accuracy, params, selected, after_warmup = results[0]
+            assert all(torch.equal(params, r[1]) for r in results), "replicas diverged"
+            accuracies.append(accuracy)
+        mean[label] = sum(accuracies) / len(accuracies)
+        rows.append({"run": label, **{f"seed {s} %": round(100 * a, 2) for s, a in zip(seeds, accuracies)},
+                     "mean %": round(100 * mean[label], 2), "selected / step / worker (mean)": round(selected, 1),
                      "after warm-up": round(after_warmup, 1)})
     print(f"\nP=4, MLP 64-128-64-10 ({int(rows[0]['after warm-up'])} parameters), {epochs} epochs, "
           f"batch 16 per worker, lr 0.1, momentum {MOMENTUM}, target density 0.1% per layer\n")
     print(markdown_table(rows))
-    assert acc["redsync+dgc"] >= acc["dense"] - 0.01
+    assert mean["redsync+dgc"] >= mean["dense"] - 0.01
+    assert mean["redsync+dgc"] > mean["redsync"], "momentum correction should beat momentum on the sparse update"
