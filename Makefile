@@ -10,7 +10,7 @@ STAMP := $(VENV)/.bootstrapped
 # the commands that need them then say how to install them.
 DATA_PACKAGES := dataset-fashion-mnist fortunes-min
 
-.PHONY: venv data test test-slow demo bench clean
+.PHONY: venv data lint test test-slow demo bench clean
 
 venv: $(STAMP)
 
@@ -21,14 +21,18 @@ data:
 			$(DATA_PACKAGES) >/dev/null) || echo "warning: could not install $(DATA_PACKAGES); tests needing them skip"; \
 	else echo "note: install the Debian packages $(DATA_PACKAGES) for the Fashion-MNIST and fortunes data"; fi
 
-$(STAMP): pyproject.toml setup.py sparsecomm/selectors/_scan.c
+$(STAMP): pyproject.toml setup.py sparsecomm/blocks/selectors/_scan.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-test: $(STAMP) data
+lint: $(STAMP)
+	$(VENV)/bin/ruff check sparsecomm tests
+	$(VENV)/bin/mypy
+
+test: $(STAMP) data lint
 	$(PY) -m pytest -q -ra
 
 test-slow: $(STAMP) data

@@ -5,16 +5,19 @@ Inside a worker (``run_workers`` or torchrun)::
     method = sparsecomm.make_method("spardl", density=0.01)
     averaged = method(flat_grad)          # identical on every rank
 
-See the README and ``docs/`` for the methods, the DDP hook and the CLI.
+See the README and ``docs/`` for the methods, the DDP hook and the CLI. The package is layered
+(``docs/architecture.md``): ``core`` < ``transport`` < ``blocks`` < ``methods`` < ``integration`` <
+``app``; this module re-exports the public names.
 """
 
-from .comm import Communicator
-from .hook import SparseHookState, hook
-from .launcher import WorkerError, run_workers
-from .meter import TrafficMeter
-from .methods import Method, available_methods, make_method, register_method
-from .synchronizer import SparseSynchronizer
+from .app.launcher import WorkerError, run_workers
+from .blocks import selectors
+from .integration.hook import SparseHookState, hook
+from .integration.synchronizer import SparseSynchronizer
+from .methods import Method, Stats, available_methods, cost, make_method, register_method
+from .transport import Communicator, SparseChunk, TrafficMeter
 
-__all__ = ["Communicator", "TrafficMeter", "run_workers", "WorkerError", "Method", "make_method",
-           "available_methods", "register_method", "SparseHookState", "hook", "SparseSynchronizer"]
+__all__ = ["Communicator", "TrafficMeter", "SparseChunk", "run_workers", "WorkerError", "Method", "Stats",
+           "make_method", "available_methods", "register_method", "cost", "SparseHookState", "hook",
+           "SparseSynchronizer", "selectors"]
 __version__ = "0.1.0"

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from sparsecomm.bench.common import parse_networks, parse_size
-from sparsecomm.cli import build_parser, main
+from sparsecomm.app.bench.common import parse_count, parse_networks
+from sparsecomm.app.cli import build_parser, main
 
 
 def test_bench_collectives_prints_a_table(capsys):
@@ -16,9 +16,9 @@ def test_bench_collectives_prints_a_table(capsys):
 
 
 def test_parsers():
-    assert parse_size("25M") == 25_000_000 and parse_size("2.5k") == 2500 and parse_size("7") == 7
+    assert parse_count("25M") == 25_000_000 and parse_count("2.5k") == 2500 and parse_count("7") == 7
     with pytest.raises(ValueError, match="size 'lots' must be a number"):
-        parse_size("lots")
+        parse_count("lots")
     assert parse_networks("loopback,1gbit") == [None, "1gbit"]
 
 
@@ -28,5 +28,5 @@ def test_help_lists_bench_targets():
 
 
 def test_console_script_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "sparsecomm.cli", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "sparsecomm", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "bench" in proc.stdout

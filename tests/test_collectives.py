@@ -6,8 +6,10 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import Communicator, run_workers
-from sparsecomm import collectives as C
-from sparsecomm.costmodel import cost
+from sparsecomm.core.cost import chunk_offsets
+from sparsecomm.methods import cost
+from sparsecomm.transport import collectives as C
+from sparsecomm.transport import sparse_collectives as SC
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -31,16 +33,16 @@ def _collectives_worker(n: int):
     mark = comm.meter.snapshot()
     gathered = C.recursive_doubling_allgather(comm, x)
     t = comm.meter.since(mark)
-    out["recursive_doubling_allgather"] = (all(torch.equal(a, b) for a, b in zip(gathered, gathered_ref)),
+    out["recursive_doubling_allgather"] = (all(torch.equal(a, b) for a, b in zip(gathered, gathered_ref, strict=False)),
                                            t.rounds, t.bytes_sent, t.bytes_recv, True)
     mark = comm.meter.snapshot()
-    gathered = C.bruck_allgatherv(comm, [x])
+    gathered = SC.bruck_allgatherv(comm, [x])
     t = comm.meter.since(mark)
-    out["bruck_allgather"] = (all(torch.equal(a[0], b) for a, b in zip(gathered, gathered_ref)),
+    out["bruck_allgather"] = (all(torch.equal(a[0], b) for a, b in zip(gathered, gathered_ref, strict=False)),
                               t.rounds, t.bytes_sent, t.bytes_recv, True)
     mark = comm.meter.snapshot()
     piece = C.ring_reduce_scatter(comm, x)
-    start, size = C.chunk_offsets(n, P)[r]
+    start, size = chunk_offsets(n, P)[r]
     out["reduce_scatter"] = (torch.equal(piece, ref[start:start + size]), comm.meter.since(mark).rounds)
     return out
 
@@ -64,7 +66,7 @@ def _uneven_bruck_worker():
     r = comm.rank
     idx = torch.arange(r * 3, dtype=torch.int32)          # rank r contributes 3r entries
     val = torch.full((r * 3,), float(r), dtype=torch.bfloat16)
-    gathered = C.bruck_allgatherv(comm, [idx, val])
+    gathered = SC.bruck_allgatherv(comm, [idx, val])
     return [(g[0].tolist(), g[1].float().tolist()) for g in gathered], comm.meter.totals().rounds
 
 

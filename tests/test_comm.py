@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsecomm import Communicator, TrafficMeter, run_workers
-from sparsecomm.collectives import ring_allreduce
+from sparsecomm.transport.collectives import ring_allreduce
 
 
 def _ring_exchange():

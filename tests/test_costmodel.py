@@ -2,7 +2,8 @@
 
 import pytest
 
-from sparsecomm.costmodel import Cost, available_costs, ceil_log2, chunk_sizes, cost, fit_alpha_beta
+from sparsecomm.core.cost import Cost, ceil_log2, chunk_sizes, fit_alpha_beta
+from sparsecomm.methods import available_costs, cost
 
 
 def test_helpers():
@@ -18,7 +19,7 @@ def test_ring_formula_matches_textbook_when_divisible():
 
 def test_registry_and_errors():
     assert {"dense", "ring", "rabenseifner", "bruck_allgather"} <= set(available_costs())
-    with pytest.raises(KeyError, match="no cost formula for method 'nope'"):
+    with pytest.raises(ValueError, match="unknown cost formula 'nope'; available: .*ring"):
         cost("nope", P=2, n=10)
     with pytest.raises(ValueError, match="invalid P=0"):
         cost("ring", P=0, n=10)

@@ -10,10 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsecomm import WorkerError, run_workers
-from sparsecomm.costmodel import cost
-from sparsecomm.methods import make_method
+from sparsecomm.app.testing import assert_conserved, assert_consistent, make_gradient, trace_method
+from sparsecomm.methods import cost, make_method
 from sparsecomm.methods.exdyna import allocated_partition, block_partition, rebalance
-from sparsecomm.testing import assert_conserved, assert_consistent, make_gradient, trace_method
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -106,7 +105,7 @@ def _assert_partitions_tile_each_step(traces, n):
         ids = [trace[step]["stats"]["partition_id"] for trace in traces]
         assert sorted(ids) == list(range(P)), f"step {step}: partition ids {ids}"
         assert ranges[0][0] == 0 and ranges[-1][1] == n
-        for (a_start, a_end), (b_start, b_end) in zip(ranges, ranges[1:]):
+        for (_a_start, a_end), (b_start, _b_end) in zip(ranges, ranges[1:], strict=False):
             assert a_end == b_start, f"step {step}: partitions {ranges} overlap or leave a gap"
 
 
@@ -153,7 +152,7 @@ def test_padded_and_uneven_all_gathers_give_the_same_bits_and_rebalance():
     base = {"density": 0.05, "initial_threshold": 2.5}
     uneven = run_workers(P, _trace_skewed, {**base, "allgather": "uneven"}, N, 8, timeout=90)
     padded = run_workers(P, _trace_skewed, {**base, "allgather": "padded"}, N, 8, timeout=90)
-    for a, b in zip(uneven[0], padded[0]):
+    for a, b in zip(uneven[0], padded[0], strict=False):
         assert torch.equal(a["out"], b["out"])
     # the heavy first quarter made partition 0 (or its neighbour) give blocks away
     first = sorted(t[0]["stats"]["partition"] for t in uneven)

@@ -6,11 +6,17 @@ import math
 import pytest
 
 from sparsecomm import run_workers
-from sparsecomm.costmodel import chunk_sizes, cost
-from sparsecomm.launcher import WorkerError
-from sparsecomm.methods.torus2d import resolve_local_size
-from sparsecomm.testing import (assert_consistent, assert_conserved, assert_equals_dense,
-                                assert_traffic_matches, trace_method)
+from sparsecomm.app.launcher import WorkerError
+from sparsecomm.app.testing import (
+    assert_conserved,
+    assert_consistent,
+    assert_equals_dense,
+    assert_traffic_matches,
+    trace_method,
+)
+from sparsecomm.core.cost import chunk_sizes
+from sparsecomm.methods import cost
+from sparsecomm.transport.topology import resolve_local_size
 
 N = 997
 DENSITY = 0.05

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sparsecomm import available_methods, run_workers
-from sparsecomm.hook import SparseHookState, hook
+from sparsecomm.integration.hook import SparseHookState, hook
 from sparsecomm.methods import method_class
 
 SPARSE_METHODS = [m for m in available_methods() if method_class(m).sparse]
@@ -43,9 +43,9 @@ def _hook_vs_ddp_grads(method: str, options: dict, steps: int):
             net.zero_grad()
             nn.functional.cross_entropy(net(x), y).backward()
         diffs.append(max((a.grad - b.grad).abs().max().item()
-                         for a, b in zip(plain.parameters(), hooked.parameters())))
+                         for a, b in zip(plain.parameters(), hooked.parameters(), strict=False)))
         with torch.no_grad():  # move both models the same way so later steps see new weights
-            for a, b in zip(plain.parameters(), hooked.parameters()):
+            for a, b in zip(plain.parameters(), hooked.parameters(), strict=False):
                 a -= 0.1 * a.grad
                 b -= 0.1 * a.grad
     return diffs, [p.grad.clone() for p in hooked.parameters()]
@@ -57,7 +57,7 @@ def test_dense_hook_equals_plain_ddp(P):
     for diffs, _ in results:
         assert max(diffs) < 1e-6
     for _, grads in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0][1], grads))
+        assert all(torch.equal(a, b) for a, b in zip(results[0][1], grads, strict=False))
 
 
 @pytest.mark.parametrize("method", SPARSE_METHODS)
@@ -66,7 +66,7 @@ def test_sparse_hook_at_density_one_equals_plain_ddp(method):
     for diffs, _ in results:
         assert max(diffs) < 1e-5, f"{method}: hook gradient differs from DDP's by {max(diffs):g}"
     for _, grads in results[1:]:  # consistency: bit for bit on every rank
-        assert all(torch.equal(a, b) for a, b in zip(results[0][1], grads))
+        assert all(torch.equal(a, b) for a, b in zip(results[0][1], grads, strict=False))
 
 
 BAD_OPTIONS = [
@@ -94,7 +94,7 @@ def _construct_all(cases):
 def test_bad_options_fail_at_construction():
     cases = [(SPARSE_METHODS[0] if m == "SPARSE" else m, o, n) for m, o, n in BAD_OPTIONS]
     errors = run_workers(1, _construct_all, cases)[0]
-    for (method, options, needle), error in zip(cases, errors):
+    for (method, options, needle), error in zip(cases, errors, strict=False):
         assert error is not None and needle in error, (method, options, error)
 
 
@@ -124,7 +124,7 @@ def _train_steps(method: str, steps: int, state_blob=None, params=None):
     model = _model()
     if params is not None:
         with torch.no_grad():
-            for p, saved in zip(model.parameters(), params):
+            for p, saved in zip(model.parameters(), params, strict=False):
                 p.copy_(saved)
     net = DDP(model)
     state = SparseHookState(None, method=method, density=0.1) if state_blob is None else pickle.loads(state_blob)
@@ -148,7 +148,7 @@ def test_pickled_state_resumes_exactly(method):
     for rank in range(2):
         params, _, iters = resumed[0][rank]
         assert iters == 6
-        assert all(torch.equal(a, b) for a, b in zip(params, straight[rank][0]))
+        assert all(torch.equal(a, b) for a, b in zip(params, straight[rank][0], strict=False))
 
 
 def _resume_rank(method, params_per_rank, blobs_per_rank):

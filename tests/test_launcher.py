@@ -39,7 +39,10 @@ def _alive(pid: int) -> bool:
 
 
 def _assert_no_worker_left(directory):
-    pids = [int(open(os.path.join(directory, name)).read()) for name in os.listdir(directory)]
+    pids = []
+    for name in os.listdir(directory):
+        with open(os.path.join(directory, name)) as handle:
+            pids.append(int(handle.read()))
     assert pids, "the workers never started"
     left = [pid for pid in pids if _alive(pid)]
     assert not left, f"worker processes {left} outlived run_workers"

@@ -6,9 +6,14 @@ import torch
 
 import sparsecomm
 from sparsecomm import WorkerError, available_methods, make_method, run_workers
+from sparsecomm.app.testing import (
+    assert_conserved,
+    assert_consistent,
+    assert_equals_dense,
+    assert_traffic_matches,
+    trace_method,
+)
 from sparsecomm.methods import method_class
-from sparsecomm.testing import (assert_conserved, assert_consistent, assert_equals_dense,
-                                assert_traffic_matches, trace_method)
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 N = 1003  # not divisible by any P > 1 tested
@@ -87,7 +92,7 @@ def test_available_methods_lists_the_dense_baselines():
 
 
 def _checkpoint_roundtrip(name, options):
-    from sparsecomm.testing import make_gradient
+    from sparsecomm.app.testing import make_gradient
     rank = torch.distributed.get_rank()
     a = make_method(name, **options)
     a(make_gradient(200, rank, 0))

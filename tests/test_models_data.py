@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from sparsecomm import data as data_module
-from sparsecomm.data import DatasetUnavailable, load_dataset
-from sparsecomm.models import MODEL_DATA, make_model
+from sparsecomm.app import data as data_module
+from sparsecomm.app.data import DatasetUnavailable, load_dataset
+from sparsecomm.app.models import MODEL_DATA, make_model
 
 
 def test_digits_split_is_seeded_and_disjoint():

@@ -9,11 +9,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsecomm import WorkerError, make_method, run_workers
-from sparsecomm.costmodel import cost
-from sparsecomm.methods.redsync import (LayerPart, LayerSpec, equation1_seconds, equation2_seconds,
-                                        pack_message, plan_layers, unpack_message)
-from sparsecomm.testing import (assert_conserved, assert_consistent, assert_traffic_matches,
-                                make_gradient, trace_method)
+from sparsecomm.app.testing import (
+    assert_conserved,
+    assert_consistent,
+    assert_traffic_matches,
+    make_gradient,
+    trace_method,
+)
+from sparsecomm.methods import cost
+from sparsecomm.methods.redsync import (
+    LayerPart,
+    LayerSpec,
+    equation1_seconds,
+    equation2_seconds,
+    pack_message,
+    plan_layers,
+    unpack_message,
+)
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 N = 1003
@@ -165,9 +177,10 @@ def test_packed_message_round_trips(message, index_type):
     # the bytes that travel: one contiguous payload, as Communicator.exchange_many sends it
     payload = torch.cat([t.view(torch.uint8) for t in (counts, indices, values)])
     sizes = [t.numel() * t.element_size() for t in (counts, indices, values)]
-    c, i, v = (p.clone().view(dt) for p, dt in zip(payload.split(sizes), (torch.int32, index_type, values.dtype)))
+    dtypes = (torch.int32, index_type, values.dtype)
+    c, i, v = (p.clone().view(dt) for p, dt in zip(payload.split(sizes), dtypes, strict=True))
     back = unpack_message(specs, c, i, v)
-    for spec, part, got in zip(specs, parts, back):
+    for spec, part, got in zip(specs, parts, back, strict=False):
         assert torch.equal(got.values, part.values)
         if spec.dense:
             assert got.indices is None

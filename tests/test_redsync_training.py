@@ -13,10 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.data import load_digits
-from sparsecomm.models import MLP
-from sparsecomm.report_table import markdown_table
-from sparsecomm.techniques import MomentumCorrection, clip_local_gradients, density_schedule
+from sparsecomm.app.data import load_digits
+from sparsecomm.app.models import MLP
+from sparsecomm.app.report_table import markdown_table
+from sparsecomm.integration.dgc import MomentumCorrection, clip_local_gradients, density_schedule
 
 MOMENTUM = 0.9
 
@@ -62,14 +62,15 @@ def train_digits(mode, epochs, density=0.001, quantize=None, lr=0.1, batch=16, m
                 else:
                     update = method(flat, layout)
                 selected.append((epoch, method.stats["selected"]))
-            for p, (o, m) in zip(params, layout):
+            for p, (o, m) in zip(params, layout, strict=False):
                 p.grad.copy_(update[o:o + m].view_as(p))
             opt.step()
     with torch.no_grad():
         accuracy = (model(data.x_test).argmax(1) == data.y_test).float().mean().item()
     flat_params = torch.cat([p.detach().reshape(-1) for p in params])
     after = [c for e, c in selected if e >= warmup_epochs]
-    mean = (lambda xs: sum(xs) / len(xs) if xs else float(offset))
+    def mean(xs):
+        return (sum(xs) / len(xs) if xs else float(offset))
     return accuracy, flat_params, mean([c for _, c in selected]), mean(after)
 
 
@@ -98,7 +99,8 @@ def test_redsync_with_dgc_reaches_dense_accuracy_at_0_1_percent():
             assert all(torch.equal(params, r[1]) for r in results), "replicas diverged"
             accuracies.append(accuracy)
         mean[label] = sum(accuracies) / len(accuracies)
-        rows.append({"run": label, **{f"seed {s} %": round(100 * a, 2) for s, a in zip(seeds, accuracies)},
+        per_seed = {f"seed {s} %": round(100 * a, 2) for s, a in zip(seeds, accuracies, strict=True)}
+        rows.append({"run": label, **per_seed,
                      "mean %": round(100 * mean[label], 2), "selected / step / worker (mean)": round(selected, 1),
                      "after warm-up": round(after_warmup, 1)})
     print(f"\nP=4, MLP 64-128-64-10 ({int(rows[0]['after warm-up'])} parameters), {epochs} epochs, "

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from sparsecomm.sparse import SparseChunk, add_chunks, index_dtype
+from sparsecomm.transport.chunk import SparseChunk, add_chunks, index_dtype
 
 
 @st.composite

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.techniques import DenseWarmup, MomentumCorrection, clip_local_gradients, density_schedule
+from sparsecomm.integration.dgc import MomentumCorrection, clip_local_gradients, density_schedule
 
 
 def test_momentum_correction_matches_hand_computed_example():
@@ -90,9 +90,3 @@ def test_density_schedule_is_dgc_exponential_warmup():
     assert density_schedule(0, 0.5) == 0.5                          # never below the target
     with pytest.raises(ValueError, match="target=0 must be a density"):
         density_schedule(0, 0)
-
-
-def test_dense_warmup():
-    warm = DenseWarmup(2)
-    assert [warm.dense(e) for e in (0, 1.5, 2, 3)] == [True, True, False, False]
-    assert not DenseWarmup(0).dense(0)

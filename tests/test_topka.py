@@ -6,11 +6,18 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import run_workers
-from sparsecomm.comm import Communicator
-from sparsecomm.costmodel import cost
-from sparsecomm.methods.topka import TopkAllGather, allgatherv_bytes, sparse_allgatherv
-from sparsecomm.testing import (assert_conserved, assert_consistent, assert_traffic_matches,
-                                make_gradient, trace_method)
+from sparsecomm.app.testing import (
+    assert_conserved,
+    assert_consistent,
+    assert_traffic_matches,
+    make_gradient,
+    trace_method,
+)
+from sparsecomm.methods import cost
+from sparsecomm.methods.topka import TopkAllGather
+from sparsecomm.transport.comm import Communicator
+from sparsecomm.transport.sparse_collectives import allgatherv as sparse_allgatherv
+from sparsecomm.transport.sparse_collectives import allgatherv_traffic as allgatherv_bytes
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 N = 1003

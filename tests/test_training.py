@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from sparsecomm import available_methods
-from sparsecomm.cli import main
-from sparsecomm.training import TrainConfig, train
+from sparsecomm.app.cli import main
+from sparsecomm.app.training import TrainConfig, train
 
 SMALL = TrainConfig(model="mlp", data="digits", workers=2, epochs=2, batch_size=32, density=0.05,
                     model_options={"hidden": [32]})
@@ -30,7 +30,7 @@ def test_resumed_run_matches_uninterrupted(tmp_path, sync):
     train(dataclasses.replace(config, epochs=1, checkpoint_dir=ckpt))
     resumed = train(dataclasses.replace(config, checkpoint_dir=ckpt, resume=True), keep_params=True)
     for rank in range(config.workers):
-        for a, b in zip(straight["params"][rank], resumed["params"][rank]):
+        for a, b in zip(straight["params"][rank], resumed["params"][rank], strict=False):
             assert torch.equal(a, b)
     assert [h["test_accuracy"] for h in resumed["history"]] == [h["test_accuracy"] for h in straight["history"]]
 
@@ -47,12 +47,13 @@ def test_sparse_one_percent_close_to_dense_accuracy_on_digits():
     dense = train(dataclasses.replace(base, method="dense"))
     sparse = train(dataclasses.replace(base, method=_best_sparse()))
     assert sparse["consistent"] and dense["consistent"]
-    assert sparse["final_accuracy"] >= dense["final_accuracy"] - 1.0, (sparse["final_accuracy"], dense["final_accuracy"])
+    assert sparse["final_accuracy"] >= dense["final_accuracy"] - 1.0, \
+        (sparse["final_accuracy"], dense["final_accuracy"])
     assert 0.005 < sparse["epochs"][-1]["density"] <= 0.0105   # really sparse: ~1% (k = ceil per bucket)
 
 
 def test_cosine_schedule_and_bad_schedule():
-    from sparsecomm.training import scheduled_lr
+    from sparsecomm.app.training import scheduled_lr
     config = dataclasses.replace(SMALL, lr=0.2, lr_schedule="cosine")
     assert scheduled_lr(config, 0, 10) == pytest.approx(0.2) and scheduled_lr(config, 5, 10) == pytest.approx(0.1)
     with pytest.raises(ValueError, match=r"lr_schedule='step' must be one of \('constant', 'cosine'\)"):
@@ -67,7 +68,8 @@ def test_train_command_writes_record_and_report_renders(tmp_path, capfd):
     assert "epoch   1" in out and "kB/step" in out
     files = os.listdir(runs)
     assert len(files) == 1
-    record = json.load(open(os.path.join(runs, files[0])))
+    with open(os.path.join(runs, files[0])) as handle:
+        record = json.load(handle)
     assert 0 < record["epochs"][0]["density"] <= 1 and record["epochs"][0]["bytes_per_step"] > 0
     assert record["final_accuracy"] > 20 and record["consistent"]
     report = str(tmp_path / "report")

@@ -1,65 +1,72 @@
-"""Registry of synchronization methods: one module per method in this package, found automatically.
+"""Synchronization methods: one module per method in this package, found automatically.
 
 ``make_method(name, **options)`` builds one inside a worker; ``available_methods()`` lists the
-names. A module registers its class with ``@register_method("name")`` and its cost formula with
-``@sparsecomm.costmodel.register_cost("name")``.
+names; ``cost(name, P, n, k, ...)`` evaluates a method's (or collective's) registered cost formula.
+A module registers its class with ``@register_method("name")`` (:mod:`.base`) and its formula with
+``@register_cost("name")`` (:mod:`sparsecomm.core.cost`), next to the code that sends.
+
+Method modules never import each other; what several share lives in :mod:`.base`,
+:mod:`.stats`, :mod:`.select_allgather` or a lower layer.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable, Dict, List, Type
+from typing import Any
 
-from .base import Layout, Method
+from ..core.cost import COSTS, Cost, evaluate
+from ..transport import collectives, sparse_collectives  # noqa: F401  (register the collectives' formulas)
+from ..transport.comm import Communicator
+from .base import METHODS, Layout, Method, register_method
+from .stats import Stats
 
-__all__ = ["Method", "Layout", "register_method", "make_method", "available_methods", "method_class"]
+__all__ = ["Method", "Layout", "Stats", "register_method", "make_method", "available_methods", "method_class",
+           "cost", "available_costs", "load_all"]
 
-_REGISTRY: Dict[str, Type[Method]] = {}
+_SHARED_MODULES = {"base", "stats", "select_allgather"}
 _loaded = False
 
 
-def register_method(name: str) -> Callable[[Type[Method]], Type[Method]]:
-    """Class decorator registering a :class:`Method` subclass under ``name``."""
-
-    def wrap(cls: Type[Method]) -> Type[Method]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"method name {name!r} is already registered by {_REGISTRY[name].__name__}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def _load_all() -> None:
+def load_all() -> None:
+    """Import every method module (registering its class and cost formula); idempotent."""
     global _loaded
     if _loaded:
         return
     _loaded = True
     for info in pkgutil.iter_modules(__path__):
-        if info.name != "base":
+        if info.name not in _SHARED_MODULES:
             importlib.import_module(f"{__name__}.{info.name}")
 
 
-def available_methods() -> List[str]:
+def available_methods() -> list[str]:
     """Names accepted by :func:`make_method`, sorted."""
-    _load_all()
-    return sorted(_REGISTRY)
+    load_all()
+    return METHODS.names()
 
 
-def method_class(name: str) -> Type[Method]:
-    _load_all()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+def method_class(name: str) -> type[Method]:
+    """The class registered as ``name``; ``ValueError`` listing the available names otherwise."""
+    load_all()
+    return METHODS.get(name)
 
 
-def make_method(name: str, comm=None, **options) -> Method:
+def make_method(name: str, comm: Communicator | None = None, **options: Any) -> Method:
     """Build method ``name`` over ``comm`` (default: all ranks of the default process group).
 
     Every sparse method takes ``density`` (k = ceil(density * n)); see each method's docstring for
     its other options. Unknown options raise ``TypeError`` naming them.
     """
-    cls = method_class(name)
-    return cls(comm, **options)
+    return method_class(name)(comm, **options)
+
+
+def available_costs() -> list[str]:
+    """Names with a registered cost formula (methods and collectives)."""
+    load_all()
+    return COSTS.names()
+
+
+def cost(name: str, P: int, n: int, k: int = 0, rank: int = 0, itemsize: int = 4, **options: Any) -> Cost:
+    """This rank's cost of method (or collective) ``name`` for P workers, n elements, k selected."""
+    load_all()
+    return evaluate(name, P=P, n=n, k=k, rank=rank, itemsize=itemsize, **options)

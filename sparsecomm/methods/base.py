@@ -15,20 +15,22 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from ..comm import Communicator
+from ..core.registry import Registry
+from ..core.validate import check_fraction
+from ..transport.comm import Communicator
+from .stats import PHASES, Stats
 
-__all__ = ["Method", "Layout"]
+__all__ = ["Method", "Layout", "METHODS", "register_method", "selection_count"]
 
 log = logging.getLogger(__name__)
 
-Layout = Optional[Sequence[Tuple[int, int]]]
+Layout = Sequence[tuple[int, int]] | None
 """Optional (offset, numel) of each layer packed in the flat gradient, in order."""
-
-_TIMED_PHASES = ("select", "comm", "decompress")
 
 
 class Method:
@@ -49,38 +51,36 @@ class Method:
     tracks_sent: bool = False
     #: For methods whose result is an estimate (a sketch): options under which it is exact, so that
     #: density 1 with them returns the dense average (DESIGN invariant 3). Empty for exact methods.
-    exact_options: Dict[str, Any] = {}
+    exact_options: dict[str, Any] = {}
 
-    def __init__(self, comm: Optional[Communicator] = None, *, density: Optional[float] = None) -> None:
+    def __init__(self, comm: Communicator | None = None, *, density: float | None = None) -> None:
         self.comm = comm if comm is not None else Communicator()
         if self.sparse:
             if density is None:
                 raise ValueError(f"method {self.name!r} needs density= (a fraction in (0, 1])")
-            if isinstance(density, bool) or not isinstance(density, (int, float)) \
-                    or not math.isfinite(density) or not 0 < density <= 1:
-                raise ValueError(f"density={density!r} must be a number in (0, 1]")
+            check_fraction("density", density)
         elif density is not None:
             raise ValueError(f"method {self.name!r} is dense and takes no density (got {density!r})")
         self.density = None if density is None else float(density)
-        self.residual: Optional[torch.Tensor] = None
+        self.residual: torch.Tensor | None = None
         #: local int64 indices whose accumulated value this rank sent in the last call (None when
         #: the method does not track them); DGC momentum masking uses it.
-        self.last_sent: Optional[torch.Tensor] = None
+        self.last_sent: torch.Tensor | None = None
         self.step = 0
-        self.stats: Dict[str, Any] = {}
-        self._validated_n: Optional[int] = None
-        self._times: Dict[str, float] = {}
+        self.stats = Stats()
+        self._validated_n: int | None = None
+        self._times: dict[str, float] = {}
 
     # ------------------------------------------------------------------ to implement
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         """Return the average over ranks of the communicated gradient (subclasses implement)."""
         raise NotImplementedError
 
-    def extra_state(self) -> Dict[str, Any]:
+    def extra_state(self) -> dict[str, Any]:
         """Method-specific state to checkpoint besides residual and step."""
         return {}
 
-    def load_extra_state(self, state: Dict[str, Any]) -> None:
+    def load_extra_state(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"method {self.name!r} has no extra state, got keys {sorted(state)}")
 
@@ -88,11 +88,11 @@ class Method:
     def k(self, n: int) -> int:
         """Number of elements to select out of n: ceil(density * n), at least 1 when n > 0."""
         assert self.density is not None
-        return min(n, max(1 if n else 0, math.ceil(self.density * n)))
+        return selection_count(self.density, n)
 
     @contextlib.contextmanager
     def timer(self, phase: str) -> Iterator[None]:
-        """Add the wall time of the ``with`` block to ``stats['time_' + phase]``."""
+        """Add the wall time of the ``with`` block to ``stats.time_<phase>``."""
         start = time.perf_counter()
         try:
             yield
@@ -111,30 +111,29 @@ class Method:
         """Average ``grad`` (this rank's 1-D float gradient) over all ranks with this method."""
         self._validate(grad, layout)
         self._times = {}
-        self.stats = {"selected": grad.numel() if not self.sparse else 0, "nnz_out": 0}
+        n = grad.numel()
+        self.stats = Stats(n=n, selected=0 if self.sparse else n)
         mark = self.comm.meter.snapshot()
         start = time.perf_counter()
         with self.comm.meter.phase(self.name):
             out = self.reduce(grad, layout)
         total = time.perf_counter() - start
         traffic = self.comm.meter.since(mark)
-        n = grad.numel()
-        self.stats.setdefault("nnz_out", 0)
-        if not self.stats["nnz_out"]:
-            self.stats["nnz_out"] = int(torch.count_nonzero(out))
-        self.stats.update(
-            n=n,
-            density=self.stats["nnz_out"] / n if n else 0.0,
-            bytes_sent=traffic.bytes_sent,
-            bytes_recv=traffic.bytes_recv,
-            header_bytes=traffic.header_bytes_sent,
-            rounds=traffic.rounds,
-            time_total=total,
-        )
-        for phase in _TIMED_PHASES:
-            self.stats[f"time_{phase}"] = self._times.get(phase, 0.0)
+        stats = self.stats
+        if not self.sparse:
+            stats.nnz_out = n  # a dense method sends and returns every element
+        elif not stats.nnz_out:
+            stats.nnz_out = int(torch.count_nonzero(out))
+        if not stats.modelled_bytes:
+            stats.bytes_sent, stats.bytes_recv = traffic.bytes_sent, traffic.bytes_recv
+        stats.header_bytes = traffic.header_bytes_sent
+        stats.rounds = traffic.rounds
+        stats.time_total = total
+        for phase in PHASES:
+            setattr(stats, f"time_{phase}", self._times.get(phase, 0.0))
         for phase, seconds in self._times.items():
-            self.stats.setdefault(f"time_{phase}", seconds)
+            if phase not in PHASES:
+                stats.extra[f"time_{phase}"] = seconds
         self.step += 1
         return out
 
@@ -157,13 +156,13 @@ class Method:
             self._validated_n = n
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Residual, step and method-specific state; enough to resume without losing a residual."""
         return {"name": self.name, "step": self.step,
                 "residual": None if self.residual is None else self.residual.clone(),
                 "extra": self.extra_state()}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("name") != self.name:
             raise ValueError(f"state_dict of method {state.get('name')!r} cannot load into {self.name!r}")
         self.step = int(state["step"])
@@ -175,7 +174,7 @@ class Method:
         return f"{type(self).__name__}(P={self.comm.size}{dens})"
 
 
-def _check_layout(layout: Layout, n: int, name: str) -> List[Tuple[int, int]]:
+def _check_layout(layout: Layout, n: int, name: str) -> list[tuple[int, int]]:
     spans = [(int(o), int(m)) for o, m in layout]  # type: ignore[union-attr]
     end = 0
     for offset, numel in spans:
@@ -184,3 +183,17 @@ def _check_layout(layout: Layout, n: int, name: str) -> List[Tuple[int, int]]:
                              f"non-overlapping and inside [0, n={n})")
         end = offset + numel
     return spans
+
+
+def selection_count(density: float, n: int) -> int:
+    """k for ``density`` over n elements: ceil(density * n), at least 1 when n > 0, at most n."""
+    return min(n, max(1 if n else 0, math.ceil(density * n)))
+
+
+#: Every method class by name (``@register_method("name")`` adds one).
+METHODS: Registry[type[Method]] = Registry("method")
+
+
+def register_method(name: str) -> Callable[[type[Method]], type[Method]]:
+    """Class decorator registering a :class:`Method` subclass under ``name`` (sets ``cls.name``)."""
+    return METHODS.register(name)

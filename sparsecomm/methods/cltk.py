@@ -20,18 +20,16 @@ from typing import Any
 
 import torch
 
-from ..collectives import _rabenseifner_cost, _ring_cost, rabenseifner_allreduce, ring_allreduce
-from ..comm import Communicator
-from ..costmodel import Cost, register_cost
-from ..selectors import make as make_selector
-from ..sparse import index_dtype
-from . import Layout, Method, register_method
-from .exdyna_metrics import SparsificationMetrics
+from ..blocks.metrics import SparsificationMetrics
+from ..blocks.selectors import make as make_selector
+from ..core.cost import Cost, register_cost
+from ..transport.chunk import index_dtype
+from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
+from ..transport.comm import Communicator
+from .base import Layout, Method, register_method
 
 __all__ = ["CyclicLocalTopk", "binomial_broadcast"]
 
-_ALLREDUCES = {"rabenseifner": rabenseifner_allreduce, "ring": ring_allreduce}
-_ALLREDUCE_COSTS = {"rabenseifner": _rabenseifner_cost, "ring": _ring_cost}
 
 
 def binomial_broadcast(comm: Communicator, tensor: torch.Tensor, root: int) -> torch.Tensor:
@@ -85,9 +83,7 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
     def __init__(self, comm=None, *, density: float, allreduce: str = "rabenseifner",
                  global_error: bool = False) -> None:
         super().__init__(comm, density=density)
-        if allreduce not in _ALLREDUCES:
-            raise ValueError(f"cltk: allreduce={allreduce!r} must be one of {tuple(_ALLREDUCES)}")
-        self.allreduce = allreduce
+        self.allreduce = check_allreduce(allreduce, "cltk")
         self.track_global_error = bool(global_error)
         self.selector = make_selector("topk")
 
@@ -104,7 +100,7 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
         with self.timer("comm"):
             binomial_broadcast(self.comm, indices, leader)
             chosen = indices.long()
-            summed = _ALLREDUCES[self.allreduce](self.comm, acc[chosen])
+            summed = allreduce(self.comm, acc[chosen], self.allreduce)
         with self.timer("decompress"):
             out = torch.zeros_like(grad)
             out[chosen] = summed.div_(P)
@@ -117,6 +113,6 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
 @register_cost("cltk")
 def _cltk_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, leader: int = 0,
                allreduce: str = "rabenseifner", **_: Any) -> Cost:
-    index_size = torch.empty(0, dtype=index_dtype(n)).element_size()
+    index_size = index_dtype(n).itemsize
     broadcast = _binomial_broadcast_cost(P, k, rank, leader % P, index_size)
-    return broadcast + _ALLREDUCE_COSTS[allreduce](P=P, n=k, rank=rank, itemsize=itemsize)
+    return broadcast + allreduce_cost(allreduce, P=P, n=k, rank=rank, itemsize=itemsize)

@@ -1,18 +1,19 @@
 """Dense baselines: torch's native all-reduce and this library's ring and Rabenseifner all-reduce.
 
 Each returns sum / P of the local gradients. The ring and Rabenseifner variants are built from the
-metered point-to-point transport (:mod:`sparsecomm.collectives`), so their bytes and rounds are
+metered point-to-point transport (:mod:`sparsecomm.transport.collectives`), so their bytes and rounds are
 measured; ``dense`` calls the backend's own all_reduce (gloo or NCCL), whose internal messages the
-meter cannot see: its stats carry one round and no bytes, and its model figure is the ring formula.
+meter cannot see: its stats carry one round and, marked ``modelled_bytes``, the ring formula's bytes
+(the figure a ring all-reduce would send; gloo and NCCL use ring-like algorithms for large messages).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..collectives import rabenseifner_allreduce, ring_allreduce
-from ..costmodel import Cost, register_cost
-from . import Layout, Method, register_method
+from ..core.cost import Cost, register_cost
+from ..transport.collectives import rabenseifner_allreduce, ring_allreduce, ring_cost
+from .base import Layout, Method, register_method
 
 
 @register_method("dense")
@@ -24,16 +25,15 @@ class DenseAllReduce(Method):
             out = self.comm.native_all_reduce(grad.clone())
         with self.timer("decompress"):
             out.div_(self.comm.size)
+        modelled = ring_cost(P=self.comm.size, n=grad.numel(), rank=self.comm.rank, itemsize=grad.element_size())
+        self.stats.update(bytes_sent=modelled.bytes_sent, bytes_recv=modelled.bytes_recv, modelled_bytes=True)
         return out
 
 
 @register_cost("dense")
 def _dense_cost(P: int, n: int, rank: int, itemsize: int = 4, **_) -> Cost:
-    from ..collectives import _ring_cost
-
     # The backend's algorithm is its own: the ring figures are an estimate, not a bound to check.
-    ring = _ring_cost(P=P, n=n, rank=rank, itemsize=itemsize)
-    return Cost(ring.rounds, ring.bytes_sent, ring.bytes_recv, exact=False, rounds_exact=False)
+    return ring_cost(P=P, n=n, rank=rank, itemsize=itemsize).estimate()
 
 
 @register_method("ring")

@@ -24,7 +24,7 @@ One step on rank r (Algorithm 1):
    coordinates; the partitions are disjoint, so the union is the concatenation, ordered by partition,
    hence sorted), divided by P. ``allreduce="rabenseifner"`` (default) or ``"ring"``.
 6. ``acc`` is zeroed at the union on every rank and becomes the new residual.
-7. Online threshold scaling (Algorithm 5, :class:`~sparsecomm.selectors.threshold.ScaledThreshold`'s
+7. Online threshold scaling (Algorithm 5, :class:`~sparsecomm.blocks.selectors.threshold.ScaledThreshold`'s
    factor) from the *global* count: k' / k; x (1 + gamma) above ``threshold_band``, x (1 + gamma/4)
    inside (1/band, band], x (1 - gamma) below.
 
@@ -37,9 +37,10 @@ num_blocks / (4P), ``balance_ratio`` 1.05, one block moved, ``threshold_band`` 1
 0.005 (factors 1.005, 1.00125, 0.995), initial threshold 1 / (2 sqrt(k)).
 
 Cost per rank (``allgather="uneven"``, counts k_0..k_{P-1}, K' = sum): variable-size all-gather of
-the index blocks (ceil(log2 P) rounds, bytes as replayed by :func:`~sparsecomm.methods.topka.allgatherv_bytes`) +
+the index blocks (ceil(log2 P) rounds, bytes as replayed by
+:func:`~sparsecomm.transport.sparse_collectives.allgatherv_traffic`) +
 the chosen all-reduce of K' values; ``"padded"``: recursive-doubling all-gather of one int64 count
-and of m_t = max k_i indices per rank, + the same all-reduce. Register: ``costmodel.cost("exdyna",
+and of m_t = max k_i indices per rank, + the same all-reduce. Register: ``sparsecomm.methods.cost("exdyna",
 P, n, k, rank, counts=[...], allgather=..., allreduce=...)``; without ``counts`` the figure assumes
 perfectly balanced counts (k / P each) and is marked inexact.
 """
@@ -48,26 +49,31 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 
-from ..collectives import (_rabenseifner_cost, _recursive_doubling_cost, _ring_cost,
-                           rabenseifner_allreduce, recursive_doubling_allgather, ring_allreduce)
-from ..costmodel import Cost, chunk_sizes, register_cost
-from ..selectors.threshold import ScaledThreshold
-from ..sparse import index_dtype
-from . import Layout, Method, register_method
-from .exdyna_metrics import SparsificationMetrics
-from .topka import allgatherv_bytes, sparse_allgatherv
+from ..blocks.metrics import SparsificationMetrics
+from ..blocks.selectors.threshold import ScaledThreshold
+from ..core.cost import Cost, chunk_sizes, register_cost
+from ..core.validate import check_int
+from ..transport.chunk import index_dtype
+from ..transport.collectives import (
+    allreduce,
+    allreduce_cost,
+    check_allreduce,
+    recursive_doubling_allgather,
+    recursive_doubling_cost,
+)
+from ..transport.sparse_collectives import allgatherv, allgatherv_traffic
+from .base import Layout, Method, register_method
 
 __all__ = ["ExDyna", "BlockPartitions", "block_partition", "rebalance", "allocated_partition"]
 
 log = logging.getLogger(__name__)
 
-_ALLREDUCES = {"rabenseifner": rabenseifner_allreduce, "ring": ring_allreduce}
-_ALLREDUCE_COSTS = {"rabenseifner": _rabenseifner_cost, "ring": _ring_cost}
 _ALLGATHERS = ("uneven", "padded")
 
 
@@ -82,14 +88,14 @@ class BlockPartitions:
 
     n: int
     block_size: int
-    blocks: Tuple[int, ...]
-    starts: Tuple[int, ...]
+    blocks: tuple[int, ...]
+    starts: tuple[int, ...]
 
     @property
     def num_blocks(self) -> int:
         return sum(self.blocks)
 
-    def bounds(self, p: int) -> Tuple[int, int]:
+    def bounds(self, p: int) -> tuple[int, int]:
         """``(start, end)`` element range of partition p."""
         start = self.starts[p] * self.block_size
         end = self.n if p == len(self.blocks) - 1 else (self.starts[p] + self.blocks[p]) * self.block_size
@@ -113,8 +119,7 @@ def block_partition(n: int, P: int, num_blocks: int = 1024, align: int = 32) -> 
             count, block = P, n // P
         log.debug("exdyna: n=%d too short for %d blocks of a multiple of %d; using %d blocks of %d",
                   n, num_blocks, align, count, block)
-    quotient, remainder = divmod(count, P)
-    blocks = [quotient + (1 if i < remainder else 0) for i in range(P)]
+    blocks = chunk_sizes(count, P)
     starts = [0] * P
     for i in range(1, P):
         starts[i] = starts[i - 1] + blocks[i - 1]
@@ -190,28 +195,24 @@ class ExDyna(SparsificationMetrics, Method):
     has_residual = True
 
     def __init__(self, comm=None, *, density: float, num_blocks: int = 1024, block_align: int = 32,
-                 min_blocks: Optional[int] = None, move_blocks: int = 1, balance_ratio: float = 1.05,
+                 min_blocks: int | None = None, move_blocks: int = 1, balance_ratio: float = 1.05,
                  threshold_band: float = 1.1, gamma: float = 0.005,
-                 initial_threshold: Optional[float] = None, allgather: str = "uneven",
+                 initial_threshold: float | None = None, allgather: str = "uneven",
                  allreduce: str = "rabenseifner", global_error: bool = False) -> None:
         super().__init__(comm, density=density)
         for label, value in (("num_blocks", num_blocks), ("block_align", block_align),
                              ("move_blocks", move_blocks)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"exdyna: {label}={value!r} must be an integer >= 1")
-        if min_blocks is not None and (not isinstance(min_blocks, int) or min_blocks < 0):
-            raise ValueError(f"exdyna: min_blocks={min_blocks!r} must be an integer >= 0")
-        for label, value in (("balance_ratio", balance_ratio), ("threshold_band", threshold_band)):
-            if not value > 1:
-                raise ValueError(f"exdyna: {label}={value!r} must be > 1")
+            check_int(f"exdyna: {label}", value, minimum=1)
+        check_int("exdyna: min_blocks", min_blocks, minimum=0, allow_none=True)
+        for label, ratio in (("balance_ratio", balance_ratio), ("threshold_band", threshold_band)):
+            if not ratio > 1:
+                raise ValueError(f"exdyna: {label}={ratio!r} must be > 1")
         if not 0 < gamma < 1:
             raise ValueError(f"exdyna: gamma={gamma!r} must lie in (0, 1)")
         if initial_threshold is not None and not initial_threshold > 0:
             raise ValueError(f"exdyna: initial_threshold={initial_threshold!r} must be > 0")
         if allgather not in _ALLGATHERS:
             raise ValueError(f"exdyna: allgather={allgather!r} must be one of {_ALLGATHERS}")
-        if allreduce not in _ALLREDUCES:
-            raise ValueError(f"exdyna: allreduce={allreduce!r} must be one of {tuple(_ALLREDUCES)}")
         self.num_blocks = num_blocks
         self.block_align = block_align
         self.min_blocks_option = min_blocks
@@ -221,12 +222,12 @@ class ExDyna(SparsificationMetrics, Method):
         self.gamma = float(gamma)
         self.initial_threshold = initial_threshold
         self.allgather = allgather
-        self.allreduce = allreduce
+        self.allreduce = check_allreduce(allreduce, "exdyna")
         self.track_global_error = bool(global_error)
         # State, identical on every rank; (re)built on the first call and whenever n changes.
-        self.partitions: Optional[BlockPartitions] = None
-        self.partition_counts: Optional[List[int]] = None  # previous step's counts, by partition
-        self.scaler: Optional[ScaledThreshold] = None  # holds the threshold; Algorithm 5's factor
+        self.partitions: BlockPartitions | None = None
+        self.partition_counts: list[int] | None = None  # previous step's counts, by partition
+        self.scaler: ScaledThreshold | None = None  # holds the threshold; Algorithm 5's factor
 
     # ------------------------------------------------------------------ state
     def _ensure_state(self, n: int) -> None:
@@ -245,14 +246,14 @@ class ExDyna(SparsificationMetrics, Method):
         assert self.partitions is not None
         return max(1, self.partitions.num_blocks // (4 * self.comm.size))
 
-    def extra_state(self) -> Dict[str, Any]:
+    def extra_state(self) -> dict[str, Any]:
         parts = self.partitions
         return {"threshold": None if self.scaler is None else self.scaler.state_dict(),
                 "partition_counts": None if self.partition_counts is None else list(self.partition_counts),
                 "partitions": None if parts is None else
                 (parts.n, parts.block_size, list(parts.blocks), list(parts.starts))}
 
-    def load_extra_state(self, state: Dict[str, Any]) -> None:
+    def load_extra_state(self, state: dict[str, Any]) -> None:
         if state["threshold"] is None:
             self.scaler = None
         else:
@@ -267,6 +268,8 @@ class ExDyna(SparsificationMetrics, Method):
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         n, P, r = grad.numel(), self.comm.size, self.comm.rank
         self._ensure_state(n)
+        assert self.partitions is not None and self.scaler is not None  # built by _ensure_state
+        assert self.scaler.threshold is not None
         k = self.k(n)
         acc = self.residual_for(grad).add_(grad)
         with self.timer("select"):
@@ -287,7 +290,7 @@ class ExDyna(SparsificationMetrics, Method):
             union = torch.cat([gathered[owner[p]] for p in range(P)]).long()
             counts = [int(g.numel()) for g in gathered]
             total = len(union)
-            summed = _ALLREDUCES[self.allreduce](self.comm, acc[union]) if total else acc[:0].clone()
+            summed = allreduce(self.comm, acc[union], self.allreduce) if total else acc[:0].clone()
         with self.timer("decompress"):
             out = torch.zeros_like(grad)
             out[union] = summed.div_(P)
@@ -300,35 +303,35 @@ class ExDyna(SparsificationMetrics, Method):
                           threshold_next=self.scaler.threshold)
         return out
 
-    def _allgather_indices(self, indices: torch.Tensor) -> List[torch.Tensor]:
+    def _allgather_indices(self, indices: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's selected indices, in rank order (see the module docstring for both modes)."""
         if self.allgather == "uneven":
-            return [parts[0] for parts in sparse_allgatherv(self.comm, [indices])]
+            return [parts[0] for parts in allgatherv(self.comm, [indices])]
         count = torch.tensor([indices.numel()], dtype=torch.int64, device=indices.device)
         counts = [int(c) for c in recursive_doubling_allgather(self.comm, count)]
         padded = torch.zeros(max(counts), dtype=indices.dtype, device=indices.device)
         padded[:indices.numel()] = indices
         blocks = recursive_doubling_allgather(self.comm, padded)
-        return [block[:c] for block, c in zip(blocks, counts)]
+        return [block[:c] for block, c in zip(blocks, counts, strict=False)]
 
 
 # ---------------------------------------------------------------------- cost model
 @register_cost("exdyna")
 def _exdyna_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4,
-                 counts: Optional[Sequence[int]] = None, allgather: str = "uneven",
+                 counts: Sequence[int] | None = None, allgather: str = "uneven",
                  allreduce: str = "rabenseifner", **_: Any) -> Cost:
     """Traffic of one ExDyna step for rank ``rank`` given the per-rank selection ``counts``."""
     exact = counts is not None
     counts = list(counts) if counts is not None else chunk_sizes(k, P)
     if len(counts) != P:
         raise ValueError(f"exdyna cost: counts has {len(counts)} entries, expected P={P}")
-    index_size = torch.empty(0, dtype=index_dtype(n)).element_size()
+    index_size = index_dtype(n).itemsize
     if allgather == "uneven":
-        gather = Cost(*allgatherv_bytes([c * index_size for c in counts], rank))
+        gather = Cost(*allgatherv_traffic([c * index_size for c in counts], rank))
     else:
-        gather = _recursive_doubling_cost(P=P, n=1, rank=rank, itemsize=8) + \
-            _recursive_doubling_cost(P=P, n=max(counts), rank=rank, itemsize=index_size)
+        gather = recursive_doubling_cost(P=P, n=1, rank=rank, itemsize=8) + \
+            recursive_doubling_cost(P=P, n=max(counts), rank=rank, itemsize=index_size)
     total = sum(counts)
-    reduce = _ALLREDUCE_COSTS[allreduce](P=P, n=total, rank=rank, itemsize=itemsize) if total else Cost(0, 0, 0)
+    reduce = allreduce_cost(allreduce, P=P, n=total, rank=rank, itemsize=itemsize)
     result = gather + reduce
     return result if exact else result.bound()

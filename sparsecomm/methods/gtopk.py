@@ -21,21 +21,19 @@ k-sparse vectors may hold fewer than k non-zeros), so the formula is an upper bo
 
 from __future__ import annotations
 
-from typing import List, Tuple
-
 import torch
 
-from ..costmodel import Cost, register_cost
-from ..sparse import SparseChunk, add_chunks, index_dtype
-from . import Layout, Method, register_method
+from ..core.cost import Cost, register_cost
+from ..transport.chunk import SparseChunk, add_chunks, index_dtype
+from .base import Layout, Method, register_method
 
 
-def tree_schedule(P: int, rank: int) -> List[Tuple[str, int]]:
+def tree_schedule(P: int, rank: int) -> list[tuple[str, int]]:
     """This rank's reduction-tree steps in order: ``("recv", child)`` or ``("send", parent)``.
 
     The broadcast tree is the same list reversed with the roles swapped.
     """
-    steps: List[Tuple[str, int]] = []
+    steps: list[tuple[str, int]] = []
     mask = 1
     while mask < P:
         if rank & mask:
@@ -65,20 +63,21 @@ class GlobalTopk(Method):
         acc = residual.add_(grad)                      # the residual buffer now holds grad + residual
         with self.timer("select"):
             local_idx = torch.topk(acc.abs(), k, sorted=False).indices
-            current = SparseChunk.gather(acc, local_idx)
+            held = SparseChunk.gather(acc, local_idx)
             acc[local_idx] = 0                         # residual = acc minus what is sent
         self.stats["selected"] = k
+        current: SparseChunk | None = held          # None once this rank handed its chunk to its parent
         for role, peer in tree_schedule(comm.size, comm.rank):
             if role == "send":
                 with self.timer("comm"):
-                    comm.exchange_many(peer, current.parts(), None, count=0)
+                    comm.exchange_many(peer, held.parts(), None, count=0)
                 current = None
                 break
             with self.timer("comm"):
                 received = self._receive(peer, n, grad)
             with self.timer("select"):
-                merged = add_chunks([current, received])
-                current, dropped = merged.top(k)
+                held, dropped = add_chunks([held, received]).top(k)
+                current = held
                 dropped.scatter_add_(acc)              # in-procedure residual stays here
         with self.timer("comm"):
             current = self._broadcast(current, n, grad)
@@ -89,14 +88,16 @@ class GlobalTopk(Method):
         self.stats["nnz_out"] = current.nnz
         return out
 
-    def _broadcast(self, chunk, n: int, grad: torch.Tensor) -> SparseChunk:
+    def _broadcast(self, chunk: SparseChunk | None, n: int, grad: torch.Tensor) -> SparseChunk:
         """Send the root's chunk down the reduction tree, in reverse order of its edges."""
         comm = self.comm
         for role, peer in reversed(tree_schedule(comm.size, comm.rank)):
             if role == "send":      # my parent in the reduction tree is my parent here: receive
                 chunk = self._receive(peer, n, grad)
             else:
+                assert chunk is not None, "a rank forwards down the tree only after it holds the result"
                 comm.exchange_many(peer, chunk.parts(), None, count=0)
+        assert chunk is not None
         return chunk
 
     def _receive(self, peer: int, n: int, grad: torch.Tensor) -> SparseChunk:

@@ -22,7 +22,7 @@ bits. Conservation: sum over ranks of (grad + old residual) = sum over shards of
 selections) + (new residuals) = P * out + sum of new residuals.
 
 Cost per rank (``s_i`` index bytes, ``s`` value bytes, c = chunk sizes of n over L, u_q the union
-size of shard q, ``AG(p, sizes, r)`` = :func:`~.topka.allgatherv_bytes`)::
+size of shard q, ``AG(p, sizes, r)`` = :func:`~sparsecomm.transport.sparse_collectives.allgatherv_traffic`)::
 
     reduce-scatter (7):   L-1 rounds,            (n - c_j) s sent,    (n - c_(j-1)) s received
     inter-node AG (9):    ceil(log2 m) rounds,   AG(m, [k_j (s_i + s)] * m, i)
@@ -34,20 +34,21 @@ stat of the L ranks of a node), otherwise a bound with u_q <= min(m k_q, c_q).
 
 from __future__ import annotations
 
-import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..collectives import chunk_offsets, ring_reduce_scatter
-from ..comm import Communicator
-from ..costmodel import Cost, chunk_sizes, register_cost
-from ..selectors import make as make_selector
-from ..sparse import SparseChunk, add_chunks, index_dtype
-from . import Layout, Method, register_method
-from .topka import SelectorStateMixin, allgatherv_bytes, sparse_allgatherv
-from .torus2d import resolve_local_size, split_nodes
+from ..blocks.selectors import make as make_selector
+from ..core.cost import Cost, chunk_offsets, chunk_sizes, register_cost
+from ..transport.chunk import SparseChunk, add_chunks, pair_bytes
+from ..transport.collectives import ring_reduce_scatter
+from ..transport.comm import Communicator
+from ..transport.sparse_collectives import allgather_chunks, allgatherv_traffic
+from ..transport.topology import resolve_local_size, split_nodes
+from .base import Layout, Method, register_method, selection_count
+from .select_allgather import SelectorStateMixin
 
 __all__ = ["HiTopKComm"]
 
@@ -61,8 +62,8 @@ class HiTopKComm(SelectorStateMixin, Method):
         local_size: ranks per node L (consecutive ranks share a node); must divide P. Default:
             ``LOCAL_WORLD_SIZE`` from the environment (``torchrun`` sets it), else 1: every rank is
             its own node and the method is MSTopK + the flat all-gather of equation (3).
-        selector: a name of :mod:`sparsecomm.selectors` (default ``"mstopk"``, Algorithm 1).
-        **selector_options: passed to ``sparsecomm.selectors.make(selector, ...)``.
+        selector: a name of :mod:`sparsecomm.blocks.selectors` (default ``"mstopk"``, Algorithm 1).
+        **selector_options: passed to ``sparsecomm.blocks.selectors.make(selector, ...)``.
 
     Stats beyond the base class: ``union_nnz`` (the size of this rank's shard union after the
     inter-node sum, u_j), ``local_size``.
@@ -71,8 +72,8 @@ class HiTopKComm(SelectorStateMixin, Method):
     sparse = True
     has_residual = True
 
-    def __init__(self, comm: Optional[Communicator] = None, *, density: float,
-                 local_size: Optional[int] = None, selector: str = "mstopk", **selector_options: Any) -> None:
+    def __init__(self, comm: Communicator | None = None, *, density: float,
+                 local_size: int | None = None, selector: str = "mstopk", **selector_options: Any) -> None:
         super().__init__(comm, density=density)
         self.local_size, self.node, self.cross = split_nodes(self.comm, local_size)
         self.selector_name = selector
@@ -92,15 +93,15 @@ class HiTopKComm(SelectorStateMixin, Method):
             acc[idx] = 0
         self.stats["selected"] = idx.numel()
         with self.timer("comm"):
-            across = sparse_allgatherv(self.cross, mine.parts())
+            across = allgather_chunks(self.cross, mine)
         with self.timer("select"):
-            union = add_chunks(SparseChunk(i, v) for i, v in across)
+            union = add_chunks(across)
         with self.timer("comm"):
-            shards = sparse_allgatherv(self.node, union.parts())
+            shards = allgather_chunks(self.node, union)
         with self.timer("decompress"):
             out = torch.zeros_like(grad)
-            for indices, values in shards:
-                out[indices.long()] = values
+            for shard_chunk in shards:
+                out[shard_chunk.indices.long()] = shard_chunk.values
             out.div_(self.comm.size)
         self.stats["union_nnz"] = union.nnz
         self.stats["local_size"] = self.local_size
@@ -111,8 +112,8 @@ class HiTopKComm(SelectorStateMixin, Method):
 
 
 @register_cost("hitopk")
-def _hitopk_cost(P: int, n: int, rank: int, itemsize: int = 4, density: Optional[float] = None,
-                 local_size: Optional[int] = None, union_sizes: Optional[Sequence[int]] = None,
+def _hitopk_cost(P: int, n: int, rank: int, itemsize: int = 4, density: float | None = None,
+                 local_size: int | None = None, union_sizes: Sequence[int] | None = None,
                  **_: Any) -> Cost:
     """Equations (7), (9), (10) in rounds and bytes (see the module docstring). Needs ``density``
     (k is per shard, ceil(density * c_j)); ``union_sizes`` (one per local rank) makes bytes exact."""
@@ -122,20 +123,15 @@ def _hitopk_cost(P: int, n: int, rank: int, itemsize: int = 4, density: Optional
     m = P // L
     node_id, j = divmod(rank, L)
     c = chunk_sizes(n, L)
-    k = [_shard_k(density, size) for size in c]
-    per_element = torch.empty(0, dtype=index_dtype(n)).element_size() + itemsize
+    k = [selection_count(density, size) for size in c]
+    per_element = pair_bytes(n, itemsize)
     exact = union_sizes is not None
     if union_sizes is None:
         union_sizes = [min(m * k[q], c[q]) for q in range(L)]
     elif len(union_sizes) != L:
         raise ValueError(f"union_sizes has {len(union_sizes)} entries, need one per local rank (L={L})")
     rs = Cost(L - 1, (n - c[j]) * itemsize, (n - c[(j - 1) % L]) * itemsize) if L > 1 else Cost(0, 0, 0)
-    inter = Cost(*allgatherv_bytes([k[j] * per_element] * m, node_id))
-    intra = Cost(*allgatherv_bytes([u * per_element for u in union_sizes], j))
+    inter = Cost(*allgatherv_traffic([k[j] * per_element] * m, node_id))
+    intra = Cost(*allgatherv_traffic([u * per_element for u in union_sizes], j))
     total = rs + inter + intra
     return total if exact else total.bound()
-
-
-def _shard_k(density: float, size: int) -> int:
-    """k of a shard of ``size`` elements, as :meth:`Method.k` computes it."""
-    return min(size, max(1 if size else 0, math.ceil(density * size)))

@@ -14,7 +14,7 @@ Per call (Algorithm 1, one bucket), on every rank:
    ``unquantized_layers`` (default: the last, the output layer) and dense layers are not quantized.
 3. The packed message (:func:`pack_message`): per-layer counts (int32, one per layer), the global
    indices of the sparse layers, then the values (dense layers' values, sparse layers' values, one mean
-   per quantized layer), all-gathered in one round per step (``sparse_allgatherv``: recursive doubling
+   per quantized layer), all-gathered in one round per step (``allgatherv``: recursive doubling
    for powers of two, Bruck otherwise; ceil(log2 P) rounds).
 4. Decompression (section 2.3): every rank scatter-adds the P messages in rank order, divides by P.
 
@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..comm import Communicator
-from ..costmodel import Cost, ceil_log2, register_cost
-from ..sparse import SparseChunk, index_dtype
-from . import Layout, Method, register_method
-from .topka import allgatherv_cost, make_selector, sparse_allgatherv
+from ..blocks.selectors import make as make_selector
+from ..core.cost import Cost, ceil_log2, register_cost
+from ..transport.chunk import SparseChunk, index_dtype
+from ..transport.comm import Communicator
+from ..transport.sparse_collectives import allgatherv, allgatherv_cost
+from .base import Layout, Method, register_method
 
 __all__ = ["RedSync", "LayerSpec", "LayerPart", "plan_layers", "pack_message", "unpack_message",
            "message_nbytes", "equation1_seconds", "equation2_seconds"]
@@ -65,9 +67,9 @@ class LayerSpec:
         return self.selector == "dense"
 
 
-def plan_layers(spans: Sequence[Tuple[int, int]], *, small_limit: int, large_limit: int, small: str,
-                medium: str, large: str, quantize: Optional[str],
-                unquantized_layers: Sequence[int]) -> List[LayerSpec]:
+def plan_layers(spans: Sequence[tuple[int, int]], *, small_limit: int, large_limit: int, small: str,
+                medium: str, large: str, quantize: str | None,
+                unquantized_layers: Sequence[int]) -> list[LayerSpec]:
     """RedSync's hybrid policy (section 2.1): the selector and quantization of every layer.
 
     ``numel <= small_limit``: ``small`` (``"topk"`` or ``"dense"``); ``numel > large_limit``:
@@ -90,12 +92,12 @@ class LayerPart:
     """One layer's share of a message: global ``indices`` (None for a dense layer) and ``values``
     (one per index; the layer's ``numel`` values when dense; ONE mean when quantized)."""
 
-    indices: Optional[Tensor]
+    indices: Tensor | None
     values: Tensor
 
 
 def pack_message(specs: Sequence[LayerSpec], parts: Sequence[LayerPart],
-                 index_type: torch.dtype) -> List[Tensor]:
+                 index_type: torch.dtype) -> list[Tensor]:
     """The three tensors of one rank's message: ``[counts (int32, one per layer), indices, values]``.
 
     ``counts[l]`` is the number of entries of layer l (its numel when dense). Indices of the sparse
@@ -104,7 +106,7 @@ def pack_message(specs: Sequence[LayerSpec], parts: Sequence[LayerPart],
     if len(specs) != len(parts):
         raise ValueError(f"pack_message: {len(specs)} layer specs but {len(parts)} parts")
     counts, indices, values = [], [], []
-    for spec, part in zip(specs, parts):
+    for spec, part in zip(specs, parts, strict=False):
         if spec.dense:
             if part.indices is not None or part.values.numel() != spec.numel:
                 raise ValueError(f"pack_message: dense layer at offset {spec.offset} needs no indices and "
@@ -125,12 +127,12 @@ def pack_message(specs: Sequence[LayerSpec], parts: Sequence[LayerPart],
             torch.cat([v.to(dtype) for v in values])]
 
 
-def unpack_message(specs: Sequence[LayerSpec], counts: Tensor, indices: Tensor, values: Tensor) -> List[LayerPart]:
+def unpack_message(specs: Sequence[LayerSpec], counts: Tensor, indices: Tensor, values: Tensor) -> list[LayerPart]:
     """Inverse of :func:`pack_message`; raises ``ValueError`` when the lengths do not add up."""
     if counts.numel() != len(specs):
         raise ValueError(f"unpack_message: {counts.numel()} counts for {len(specs)} layers")
     parts, i_at, v_at = [], 0, 0
-    for spec, count in zip(specs, counts.tolist()):
+    for spec, count in zip(specs, counts.tolist(), strict=False):
         if spec.dense:
             if count != spec.numel:
                 raise ValueError(f"unpack_message: dense layer at offset {spec.offset} has count {count}, "
@@ -179,11 +181,11 @@ class RedSync(Method):
     tracks_sent = True
     has_residual = True
 
-    def __init__(self, comm: Optional[Communicator] = None, *, density: float, quantize: Optional[str] = None,
+    def __init__(self, comm: Communicator | None = None, *, density: float, quantize: str | None = None,
                  small_limit: int = 32768, large_limit: int = 4194304, small: str = "topk",
-                 medium: str = "trimmed", large: Optional[str] = None,
+                 medium: str = "trimmed", large: str | None = None,
                  unquantized_layers: Sequence[int] = (-1,),
-                 selector_options: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+                 selector_options: dict[str, dict[str, Any]] | None = None) -> None:
         super().__init__(comm, density=density)
         if quantize not in (None, "asq"):
             raise ValueError(f"quantize={quantize!r} must be None or 'asq'")
@@ -199,19 +201,19 @@ class RedSync(Method):
             raise ValueError(f"small_limit={small_limit!r} and large_limit={large_limit!r} must satisfy "
                              "0 <= small_limit <= large_limit")
         self.quantize = quantize
-        self.policy = dict(small_limit=int(small_limit), large_limit=int(large_limit), small=small,
+        self.policy: dict[str, Any] = dict(small_limit=int(small_limit), large_limit=int(large_limit), small=small,
                            medium=medium, large=large, quantize=quantize,
                            unquantized_layers=tuple(int(i) for i in unquantized_layers))
         self.selector_options = dict(selector_options or {})
         for name in {small, medium, large} - {"dense"}:
             make_selector(name, **self.selector_options.get(name, {}))  # fail early on a bad name/option
-        self._spans: Optional[List[Tuple[int, int]]] = None
-        self._specs: List[LayerSpec] = []
-        self._selectors: Dict[int, Any] = {}
-        self._pending_selector_state: Dict[int, Dict[str, Any]] = {}
+        self._spans: list[tuple[int, int]] | None = None
+        self._specs: list[LayerSpec] = []
+        self._selectors: dict[int, Any] = {}
+        self._pending_selector_state: dict[int, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ plan
-    def _layers(self, n: int, layout: Layout) -> List[LayerSpec]:
+    def _layers(self, n: int, layout: Layout) -> list[LayerSpec]:
         spans = [(0, n)] if layout is None else [(int(o), int(m)) for o, m in layout]
         covered = sum(m for _, m in spans)
         if covered != n:
@@ -231,7 +233,7 @@ class RedSync(Method):
         return self._specs
 
     # ------------------------------------------------------------------ compression of one layer
-    def _compress(self, i: int, spec: LayerSpec, x: Tensor, sign: int) -> Tuple[LayerPart, Tensor]:
+    def _compress(self, i: int, spec: LayerSpec, x: Tensor, sign: int) -> tuple[LayerPart, Tensor]:
         """(this layer's part of the message, local indices sent); updates ``x`` (the residual) in place."""
         if spec.dense:
             part = LayerPart(None, x.clone())
@@ -269,7 +271,7 @@ class RedSync(Method):
         self.stats["message_bytes"] = message_nbytes(message)
         self.stats["asq_sign"] = sign if self.quantize else 0
         with self.timer("comm"):
-            gathered = sparse_allgatherv(self.comm, message)
+            gathered = allgatherv(self.comm, message)
         with self.timer("decompress"):
             out = torch.zeros_like(grad)
             for counts, indices, values in gathered:
@@ -278,10 +280,10 @@ class RedSync(Method):
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def extra_state(self) -> Dict[str, Any]:
+    def extra_state(self) -> dict[str, Any]:
         return {"selectors": {i: sel.state_dict() for i, sel in self._selectors.items()}}
 
-    def load_extra_state(self, state: Dict[str, Any]) -> None:
+    def load_extra_state(self, state: dict[str, Any]) -> None:
         self._pending_selector_state = {int(i): s for i, s in state.get("selectors", {}).items()}
         for i in list(self._pending_selector_state):
             if i in self._selectors:
@@ -291,12 +293,12 @@ class RedSync(Method):
 def _scatter_message(out: Tensor, specs: Sequence[LayerSpec], parts: Sequence[LayerPart]) -> None:
     """Add one rank's unpacked message into ``out`` (dense slices, then one scatter-add)."""
     indices, values = [], []
-    for spec, part in zip(specs, parts):
+    for spec, part in zip(specs, parts, strict=False):
         if spec.dense:
             out[spec.offset:spec.offset + spec.numel] += part.values
-        elif part.indices.numel():  # type: ignore[union-attr]
+        elif part.indices is not None and part.indices.numel():
             indices.append(part.indices)
-            values.append(part.values.expand(part.indices.numel()) if spec.quantized else part.values)  # type: ignore[union-attr]
+            values.append(part.values.expand(part.indices.numel()) if spec.quantized else part.values)
     if indices:
         SparseChunk(torch.cat(indices), torch.cat(values)).scatter_add_(out)
 
@@ -304,7 +306,7 @@ def _scatter_message(out: Tensor, specs: Sequence[LayerSpec], parts: Sequence[La
 # ---------------------------------------------------------------------- cost model
 @register_cost("redsync")
 def _redsync_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, layout: Layout = None,
-                  message_bytes: Optional[Sequence[int]] = None, density: Optional[float] = None,
+                  message_bytes: Sequence[int] | None = None, density: float | None = None,
                   **policy: Any) -> Cost:
     """Equation (1)'s communication terms: ceil(log2 P) rounds and, with equal messages of m bytes,
     (P-1) m sent and received per rank.
@@ -327,7 +329,7 @@ def _redsync_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, layout: 
 
 
 def _planned_message_bytes(n: int, layout: Layout, density: float, itemsize: int,
-                           policy: Dict[str, Any]) -> Tuple[int, bool]:
+                           policy: dict[str, Any]) -> tuple[int, bool]:
     defaults = dict(small_limit=32768, large_limit=4194304, small="topk", medium="trimmed", large=None,
                     quantize=None, unquantized_layers=(-1,))
     unknown = set(policy) - set(defaults)
@@ -337,7 +339,7 @@ def _planned_message_bytes(n: int, layout: Layout, density: float, itemsize: int
     if opts["large"] is None:
         opts["large"] = "binary_search" if opts["quantize"] else "sampled_binary_search"
     spans = [(0, n)] if layout is None else [(int(o), int(m)) for o, m in layout]
-    index_size = torch.empty(0, dtype=index_dtype(n)).element_size()
+    index_size = index_dtype(n).itemsize
     total, exact = _COUNT_DTYPE.itemsize * len(spans), True
     for spec in plan_layers(spans, **opts):
         if spec.dense:

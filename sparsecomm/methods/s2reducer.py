@@ -7,7 +7,7 @@ Per call, on every rank:
 1. ``acc = grad + residual``; block-wise top-K by L2 norm (``selectors.make("block_topk")``, section
    2.2) picks whole blocks of ``block_size`` elements, at least k = ceil(density * n) elements; the
    rest of ``acc`` stays in the residual (error feedback).
-2. Insert the selected values into a ``rows`` x ``cols`` count-sketch (:mod:`sparsecomm.sketch`)
+2. Insert the selected values into a ``rows`` x ``cols`` count-sketch (:mod:`sparsecomm.blocks.sketch`)
    with ``rows * cols ~= sketch_ratio * k`` (the paper's lambda, 0.5 its best setting); mark the
    selected blocks in the bitmap (Algorithm 1 lines 2-7). The hashes are seeded by ``(seed, step)``,
    the same on every rank.
@@ -31,7 +31,7 @@ ranks that selected it (int32 when P > 255), since the all-reduce sums; a bit-pa
 smaller. The sketch size uses the target k, known to every rank before selection.
 
 Cost per rank: ``AR(P, x, s)`` = the all-reduce's cost for x elements of s bytes
-(``cost("rabenseifner", ...)`` or ``cost("ring", ...)``); exact::
+(:func:`~sparsecomm.transport.collectives.allreduce_cost`); exact::
 
     AR(P, rows * cols, itemsize) + AR(P, ceil(n / block_size), bitmap bytes)
     [+ AR(P, n, itemsize) with measure_error]
@@ -40,22 +40,22 @@ Cost per rank: ``AR(P, x, s)`` = the all-reduce's cost for x elements of s bytes
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..collectives import rabenseifner_allreduce, ring_allreduce
-from ..comm import Communicator
-from ..costmodel import Cost, cost, register_cost
-from ..selectors import make as make_selector
-from ..sketch import CountSketch
-from . import Layout, Method, register_method
+from ..blocks.selectors import make as make_selector
+from ..blocks.sketch import CountSketch
+from ..core.cost import Cost, register_cost
+from ..core.validate import check_int, is_number
+from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
+from ..transport.comm import Communicator
+from .base import Layout, Method, register_method
 
 __all__ = ["SparseSketchReducer", "sketch_shape", "bitmap_dtype"]
 
 #: the all-reduce functions by option name; each name is also that algorithm's cost formula
-_ALLREDUCE = {"rabenseifner": rabenseifner_allreduce, "ring": ring_allreduce}
 _SEED_STRIDE = 1_000_003
 
 
@@ -90,24 +90,19 @@ class SparseSketchReducer(Method):
     exact_options = {"rows": 1, "sketch_ratio": 2.0}
     has_residual = True
 
-    def __init__(self, comm: Optional[Communicator] = None, *, density: float, sketch_ratio: float = 0.5,
+    def __init__(self, comm: Communicator | None = None, *, density: float, sketch_ratio: float = 0.5,
                  rows: int = 3, block_size: int = 32, seed: int = 0, allreduce: str = "rabenseifner",
                  measure_error: bool = False) -> None:
         super().__init__(comm, density=density)
-        if isinstance(sketch_ratio, bool) or not isinstance(sketch_ratio, (int, float)) \
-                or not math.isfinite(sketch_ratio) or sketch_ratio <= 0:
+        if not is_number(sketch_ratio) or sketch_ratio <= 0:
             raise ValueError(f"sketch_ratio={sketch_ratio!r} must be a positive number (sketch buckets "
                              f"per selected element)")
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-            raise ValueError(f"rows={rows!r} must be an int >= 1")
-        if allreduce not in _ALLREDUCE:
-            raise ValueError(f"allreduce={allreduce!r} must be one of {sorted(_ALLREDUCE)}")
+        check_int("rows", rows, minimum=1)
         self.sketch_ratio = float(sketch_ratio)
         self.rows = rows
         self.block_size = block_size
         self.seed = int(seed)
-        self.allreduce_name = allreduce
-        self._allreduce = _ALLREDUCE[allreduce]
+        self.allreduce_name = check_allreduce(allreduce, "s2reducer")
         self.measure_error = bool(measure_error)
         self.selector = make_selector("block_topk", block_size=block_size)
 
@@ -126,8 +121,8 @@ class SparseSketchReducer(Method):
         self.last_sent = idx
         self.stats["selected"] = idx.numel()
         with self.timer("comm"):
-            table = self._allreduce(self.comm, table.reshape(-1)).view(rows, cols)
-            bitmap = self._allreduce(self.comm, bitmap)
+            table = allreduce(self.comm, table.reshape(-1), self.allreduce_name).view(rows, cols)
+            bitmap = allreduce(self.comm, bitmap, self.allreduce_name)
         with self.timer("decompress"):
             blocks = torch.nonzero(bitmap).reshape(-1)
             offsets = torch.arange(B, dtype=torch.int64, device=grad.device)
@@ -147,7 +142,7 @@ class SparseSketchReducer(Method):
         selected = torch.zeros_like(out)
         selected[idx] = values
         with self.timer("comm"):
-            exact = self._allreduce(self.comm, selected).div_(self.comm.size)
+            exact = allreduce(self.comm, selected, self.allreduce_name).div_(self.comm.size)
         err = out.double() - exact.double()
         scale = exact.double().norm().item()
         self.stats["sketch_error"] = err.norm().item() / scale if scale else err.norm().item()
@@ -163,12 +158,11 @@ def _s2reducer_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, sketch
                     rows: int = 3, block_size: int = 32, allreduce: str = "rabenseifner",
                     measure_error: bool = False, **_: Any) -> Cost:
     """Exact: the all-reduce of the sketch table and of the bitmap (see the module docstring)."""
-    if allreduce not in _ALLREDUCE:
-        raise ValueError(f"allreduce={allreduce!r} must be one of {sorted(_ALLREDUCE)}")
+    check_allreduce(allreduce, "s2reducer")
     r, c = sketch_shape(k, sketch_ratio, rows)
-    bitmap_bytes = torch.empty(0, dtype=bitmap_dtype(P)).element_size()
-    total = cost(allreduce, P=P, n=r * c, rank=rank, itemsize=itemsize) + \
-        cost(allreduce, P=P, n=math.ceil(n / block_size), rank=rank, itemsize=bitmap_bytes)
+    bitmap_bytes = bitmap_dtype(P).itemsize
+    total = allreduce_cost(allreduce, P=P, n=r * c, rank=rank, itemsize=itemsize) + \
+        allreduce_cost(allreduce, P=P, n=math.ceil(n / block_size), rank=rank, itemsize=bitmap_bytes)
     if measure_error:
-        total = total + cost(allreduce, P=P, n=n, rank=rank, itemsize=itemsize)
+        total = total + allreduce_cost(allreduce, P=P, n=n, rank=rank, itemsize=itemsize)
     return total

@@ -1,0 +1,417 @@
+"""Data-parallel training runs with a sparsecomm method: the logic behind ``sparsecomm train``.
+
+:func:`train` runs P workers on this machine (:func:`sparsecomm.run_workers`, optionally on an
+emulated network), or, under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` set), this process as one rank
+of the real cluster. Each worker trains the same model on its shard of the data (a seeded
+``DistributedSampler``: the data order depends only on the seed and the epoch) and synchronizes
+gradients by one of:
+
+* ``sync="ddp"``: ``DistributedDataParallel`` with :func:`sparsecomm.integration.hook.hook`;
+* ``sync="synchronizer"``: :class:`sparsecomm.integration.synchronizer.SparseSynchronizer` (needed for DGC
+  momentum correction and local clipping);
+* the baselines ``method="ddp"`` (plain DDP, the backend's all-reduce) and ``method="powersgd"``
+  (DDP with torch's PowerSGD hook, Vogels et al. 2019).
+
+The result is a run record (a dict, saved as JSON by :func:`save_record`): the configuration, the
+evaluation history (test accuracy against training wall time, excluding evaluation), per-epoch time
+split into compute / select / communicate / decompress (from the method's stats), bytes per step
+and actual density, and a per-step series for plots. Checkpoints (per rank: model, optimizer,
+synchronization state, RNG) are written at epoch ends; a resumed run follows the trajectory of an
+uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..integration.hook import SparseHookState, hook
+from ..integration.synchronizer import SparseSynchronizer
+from ..methods import Stats, method_class
+from .data import Dataset, load_dataset
+from .launcher import run_workers
+from .models import make_model
+
+__all__ = ["TrainConfig", "train", "train_worker", "save_record", "BASELINES", "describe_method"]
+
+log = logging.getLogger(__name__)
+
+#: method names handled by torch itself rather than a sparsecomm method
+BASELINES = ("ddp", "powersgd")
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def scheduled_lr(config: TrainConfig, step: int, total_steps: int) -> float:
+    """The learning rate of global step ``step`` (0-based): a function of the step alone, so a
+    resumed run continues the schedule exactly."""
+    if config.lr_schedule == "cosine":
+        return config.lr * 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
+    return config.lr
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run (saved in its record)."""
+
+    model: str = "cnn"
+    data: str = "digits"
+    method: str = "dense"
+    density: float = 0.01
+    workers: int = 4
+    epochs: int = 5
+    batch_size: int = 16            # per worker
+    lr: float = 0.1
+    lr_schedule: str = "constant"   # or "cosine": lr * (1 + cos(pi * step / total steps)) / 2
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    net: str | None = None       # tc rate of the emulated network, None = loopback
+    sync: str = "ddp"               # "ddp" (comm hook) or "synchronizer"
+    dense_warmup_steps: int = 0
+    clip_norm: float | None = None
+    momentum_correction: bool = False
+    density_warmup: int | None = None
+    powersgd_rank: int = 2
+    method_options: dict[str, Any] = field(default_factory=dict)
+    model_options: dict[str, Any] = field(default_factory=dict)
+    data_options: dict[str, Any] = field(default_factory=dict)
+    evals_per_epoch: int = 1
+    target_accuracy: float | None = None
+    stop_at_target: bool = False
+    checkpoint_dir: str | None = None
+    resume: bool = False            # continue from the checkpoint in checkpoint_dir
+    timeout: float = 3600.0
+
+    def validate(self) -> None:
+        """Reject bad options before any worker starts, naming the option and the rule."""
+        if self.method not in BASELINES:
+            method_class(self.method)  # unknown: ValueError with the list
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers={self.workers!r} must be an integer >= 1")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} must be one of {LR_SCHEDULES}")
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"epochs={self.epochs!r} must be an integer >= 1")
+        if self.is_sparse and not 0 < self.density <= 1:
+            raise ValueError(f"density={self.density!r} must lie in (0, 1]")
+        if self.sync not in ("ddp", "synchronizer"):
+            raise ValueError(f"sync={self.sync!r} must be 'ddp' or 'synchronizer'")
+        if self.method in BASELINES and (self.sync != "ddp" or self.momentum_correction or self.clip_norm):
+            raise ValueError(f"method={self.method!r} is a torch DDP baseline: it takes no synchronizer "
+                             f"options (sync, momentum_correction, clip_norm)")
+        needs_synchronizer = self.momentum_correction or self.clip_norm or self.density_warmup is not None
+        if needs_synchronizer and self.sync != "synchronizer":
+            raise ValueError("momentum_correction, clip_norm and density_warmup need sync='synchronizer'")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume=True needs checkpoint_dir")
+        if self.evals_per_epoch < 1:
+            raise ValueError(f"evals_per_epoch={self.evals_per_epoch!r} must be >= 1")
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.method not in BASELINES and method_class(self.method).sparse
+
+    def method_kwargs(self) -> dict[str, Any]:
+        options = dict(self.method_options)
+        if self.is_sparse:
+            options.setdefault("density", self.density)
+        return options
+
+
+def describe_method(config: TrainConfig) -> str:
+    """A short label: ``spardl@0.01``, ``dense``, ``powersgd(r=2)``."""
+    if config.method == "powersgd":
+        return f"powersgd(r={config.powersgd_rank})"
+    return f"{config.method}@{config.density:g}" if config.is_sparse else config.method
+
+
+# ---------------------------------------------------------------------------------------------- worker
+class _Synchronization:
+    """Wraps the model for the configured synchronization; ``step()`` after backward."""
+
+    def __init__(self, config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.config = config
+        self.optimizer = optimizer
+        self.state: Any = None
+        self.synchronizer: SparseSynchronizer | None = None
+        if config.sync == "synchronizer":
+            self.module = model
+            self.synchronizer = SparseSynchronizer(
+                model, optimizer, config.method, dense_warmup_steps=config.dense_warmup_steps,
+                clip_norm=config.clip_norm,
+                momentum_correction=config.momentum if config.momentum_correction else None,
+                density_warmup=config.density_warmup, **config.method_kwargs())
+            return
+        self.module = nn.parallel.DistributedDataParallel(model)
+        if config.method == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+            self.state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=config.powersgd_rank,
+                                                start_powerSGD_iter=max(2, config.dense_warmup_steps),
+                                                random_seed=config.seed)
+            self.module.register_comm_hook(self.state, powersgd.powerSGD_hook)
+        elif config.method != "ddp":
+            self.state = SparseHookState(None, config.method, dense_warmup_steps=config.dense_warmup_steps,
+                                         **config.method_kwargs())
+            self.module.register_comm_hook(self.state, hook)
+
+    @property
+    def local_model(self) -> nn.Module:
+        """The model itself (inside DDP's wrapper when DDP synchronizes)."""
+        return self.module.module if isinstance(self.module, nn.parallel.DistributedDataParallel) else self.module
+
+    def step(self, epoch: float) -> Stats:
+        if self.synchronizer is not None:
+            self.synchronizer.set_epoch(epoch)
+            stats = self.synchronizer.synchronize()
+            self.optimizer.step()
+            return stats
+        self.optimizer.step()
+        if isinstance(self.state, SparseHookState):
+            return self.state.take_stats()
+        return Stats(calls=0)  # torch's own DDP and PowerSGD: not timed by sparsecomm
+
+    def state_dict(self) -> Any:
+        if self.synchronizer is not None:
+            return self.synchronizer.state_dict()
+        if isinstance(self.state, SparseHookState):
+            return self.state.state_dict()
+        if self.state is not None:  # PowerSGDState: its own pickling drops the process group
+            return {key: value for key, value in self.state.__getstate__().items()}
+        return None
+
+    def load_state_dict(self, state: Any) -> None:
+        if self.synchronizer is not None:
+            self.synchronizer.load_state_dict(state)
+        elif isinstance(self.state, SparseHookState):
+            self.state.load_state_dict(state)
+        elif self.state is not None:
+            for key, value in state.items():
+                setattr(self.state, key, value)
+
+
+def _loss_and_correct(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task: str):
+    logits = model(x)
+    if task == "language-model":
+        logits = logits.reshape(-1, logits.shape[-1])
+        y = y.reshape(-1)
+    loss = nn.functional.cross_entropy(logits, y)
+    correct = int((logits.argmax(dim=1) == y).sum())
+    return loss, correct, y.numel()
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 512) -> dict[str, float]:
+    model.eval()
+    total_loss, correct, count = 0.0, 0, 0
+    for start in range(0, len(dataset.x_test), batch_size):
+        x = dataset.x_test[start:start + batch_size]
+        y = dataset.y_test[start:start + batch_size]
+        loss, right, n = _loss_and_correct(model, x, y, dataset.task)
+        total_loss += float(loss) * n
+        correct += right
+        count += n
+    model.train()
+    return {"test_loss": total_loss / count, "test_accuracy": 100.0 * correct / count}
+
+
+def _checkpoint_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank{rank}.pt")
+
+
+def train_worker(config: TrainConfig, dataset: Dataset,
+                 progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """One rank's training loop (call inside an initialized process group). Rank 0 returns the
+    history; every rank returns its final parameters' checksum and, on request, the parameters."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(config.seed)
+    model = make_model(config.model, dataset.info, **config.model_options)
+    momentum = 0.0 if config.momentum_correction else config.momentum
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=momentum,
+                                weight_decay=config.weight_decay)
+    sync = _Synchronization(config, model, optimizer)
+    train_set = dataset.train_set()
+    sampler: torch.utils.data.DistributedSampler = torch.utils.data.DistributedSampler(
+        train_set, num_replicas=world, rank=rank, shuffle=True, seed=config.seed, drop_last=True)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=config.batch_size, sampler=sampler, drop_last=True)
+    steps_per_epoch = len(loader)
+    if steps_per_epoch == 0:
+        raise ValueError(f"batch_size={config.batch_size} is larger than a worker's shard "
+                         f"({len(sampler)} samples): lower it or use fewer workers")
+    history: list[dict[str, Any]] = []
+    epochs: list[dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
+    train_time = 0.0
+    start_epoch = 0
+    torch.manual_seed(config.seed * 7919 + rank)
+    if config.resume:
+        assert config.checkpoint_dir is not None  # validate() requires it with resume
+        saved = torch.load(_checkpoint_path(config.checkpoint_dir, rank), weights_only=False)
+        sync.local_model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        sync.load_state_dict(saved["sync"])
+        torch.set_rng_state(saved["rng"])
+        start_epoch, train_time = saved["epoch"], saved["train_time"]
+        history, epochs, steps = saved["history"], saved["epochs"], saved["steps"]
+    eval_points = {round(steps_per_epoch * (i + 1) / config.evals_per_epoch) for i in range(config.evals_per_epoch)}
+    reached = any(h["test_accuracy"] >= (config.target_accuracy or math.inf) for h in history)
+    for epoch in range(start_epoch, config.epochs):
+        sampler.set_epoch(epoch)
+        sums = {"time_iter": 0.0, "loss": 0.0, "correct": 0, "count": 0}
+        step_stats: list[Stats] = []
+        for step, (x, y) in enumerate(loader, start=1):
+            begin = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = scheduled_lr(config, epoch * steps_per_epoch + step - 1,
+                                           config.epochs * steps_per_epoch)
+            optimizer.zero_grad()
+            loss, correct, count = _loss_and_correct(sync.module, x, y, dataset.task)
+            loss.backward()
+            stats = sync.step(epoch + step / steps_per_epoch)
+            elapsed = time.perf_counter() - begin
+            train_time += elapsed
+            sums["time_iter"] += elapsed
+            step_stats.append(stats)
+            sums["loss"] += loss.item() * count
+            sums["correct"] += correct
+            sums["count"] += count
+            if rank == 0:
+                steps.append({"step": epoch * steps_per_epoch + step, "time": elapsed,
+                              "density": stats.density if stats.n else None,
+                              "bytes_sent": stats.bytes_sent, "warmup": stats.warmup})
+            if step in eval_points:
+                point = {"epoch": epoch + step / steps_per_epoch, "step": epoch * steps_per_epoch + step,
+                         "train_time": train_time, **_evaluate(sync.module, dataset)}
+                history.append(point)
+                if config.target_accuracy is not None and point["test_accuracy"] >= config.target_accuracy:
+                    reached = True
+        n_steps = steps_per_epoch
+        total = Stats.total(step_stats)
+        summary = {
+            "epoch": epoch + 1, "train_loss": sums["loss"] / sums["count"],
+            "train_accuracy": 100.0 * sums["correct"] / sums["count"],
+            "test_accuracy": history[-1]["test_accuracy"], "test_loss": history[-1]["test_loss"],
+            "train_time": train_time, "time_per_step": sums["time_iter"] / n_steps,
+            "time_compute": (sums["time_iter"] - total.time_total) / n_steps,
+            "time_select": total.time_select / n_steps, "time_comm": total.time_comm / n_steps,
+            "time_decompress": (total.time_decompress + total.time_other) / n_steps,
+            "bytes_per_step": total.bytes_sent / n_steps,
+            "density": total.density if total.n else None,
+        }
+        epochs.append(summary)
+        if rank == 0 and progress is not None:
+            progress(summary)
+        if config.checkpoint_dir:
+            os.makedirs(config.checkpoint_dir, exist_ok=True)
+            state_model = sync.local_model.state_dict()
+            torch.save({"model": state_model, "optimizer": optimizer.state_dict(), "sync": sync.state_dict(),
+                        "rng": torch.get_rng_state(), "epoch": epoch + 1, "train_time": train_time,
+                        "history": history, "epochs": epochs, "steps": steps},
+                       _checkpoint_path(config.checkpoint_dir, rank))
+        if config.stop_at_target and reached:
+            break
+    params = [p.detach().clone() for p in model.parameters()]
+    return {"rank": rank, "history": history, "epochs": epochs, "steps": steps if rank == 0 else [],
+            "params": params, "steps_per_epoch": steps_per_epoch,
+            "num_parameters": sum(p.numel() for p in params)}
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None = None,
+          keep_params: bool = False) -> dict[str, Any]:
+    """Run ``config`` and return its run record (see the module docstring).
+
+    Local workers by default; under torchrun this process is one rank and the record is returned
+    on every rank (save it on rank 0). With ``config.net`` set and no network emulation possible,
+    the run falls back to loopback and the record's ``network`` says why.
+    """
+    config.validate()
+    dataset = load_dataset(config.data, seed=config.seed, **config.data_options)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    network = "loopback"
+    if _under_torchrun():
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        results = [train_worker(config, dataset, progress)]
+        network = f"torchrun cluster ({os.environ['WORLD_SIZE']} ranks)"
+    else:
+        net = config.net
+        if net is not None:
+            from .netemu import unavailable_reason
+
+            reason = unavailable_reason()
+            if reason is not None:
+                log.warning("net=%r cannot be emulated (%s): running on loopback", net, reason)
+                network = f"loopback ({net} emulation unavailable: {reason})"
+                net = None
+            else:
+                network = f"emulated {net} switch (tc tbf)"
+        results = run_workers(config.workers, train_worker, config, dataset, progress, net=net,
+                              timeout=config.timeout)
+    first = results[0]
+    record = {
+        "config": dataclasses.asdict(config),
+        "label": describe_method(config),
+        "network": network,
+        "started": started.isoformat(timespec="seconds"),
+        "host": {"hostname": socket.gethostname(), "python": platform.python_version(),
+                 "torch": torch.__version__, "cpus": os.cpu_count()},
+        "dataset": {"name": dataset.name, "train": len(dataset.x_train), "test": len(dataset.x_test),
+                    "task": dataset.task},
+        "num_parameters": first["num_parameters"],
+        "steps_per_epoch": first["steps_per_epoch"],
+        "history": first["history"],
+        "epochs": first["epochs"],
+        "steps": first["steps"],
+        "final_accuracy": first["history"][-1]["test_accuracy"] if first["history"] else None,
+        "time_to_target": time_to_target(first["history"], config.target_accuracy),
+        "consistent": all(all(torch.equal(a, b) for a, b in zip(first["params"], r["params"], strict=True))
+                          for r in results),
+    }
+    if keep_params:
+        record["params"] = [r["params"] for r in results]
+    return record
+
+
+def time_to_target(history: list[dict[str, Any]], target: float | None) -> float | None:
+    """Training wall time of the first evaluation at or above ``target`` accuracy (None if never)."""
+    if target is None:
+        return None
+    for point in history:
+        if point["test_accuracy"] >= target:
+            return point["train_time"]
+    return None
+
+
+def save_record(record: dict[str, Any], directory: str = "runs", name: str | None = None) -> str:
+    """Write ``record`` as JSON under ``directory``; returns the path."""
+    os.makedirs(directory, exist_ok=True)
+    if name is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        cfg = record["config"]
+        name = f"{stamp}-{cfg['model']}-{cfg['data']}-{record['label'].replace('@', '-')}"
+    path = os.path.join(directory, name if name.endswith(".json") else name + ".json")
+    serializable = {key: value for key, value in record.items() if key != "params"}
+    with open(path, "w") as handle:
+        json.dump(serializable, handle, indent=1)
+    return path

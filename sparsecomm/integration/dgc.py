@@ -1,0 +1,134 @@
+"""Training techniques that keep sparse synchronization accurate at 0.1% density (DGC, Lin et al.
+2017, as adopted by RedSync, Fang et al. section 2.5), as small pure pieces usable with every method.
+
+* :class:`MomentumCorrection`: DGC momentum correction and momentum factor masking.
+* :func:`clip_local_gradients`: DGC local gradient clipping, threshold scaled by N^-1/2 (RedSync 2.4).
+* :func:`density_schedule`: the exponential density warm-up 25%, 6.25%, 1.5625%, 0.4%, then target.
+
+Dense warm-up (RedSync section 2.5) is the ``dense`` method for the first steps: the hook's and the
+synchronizer's ``dense_warmup_steps``.
+
+One training step of a worker with all of them (what ``SparseSynchronizer`` does; ``method`` any
+sparse method of :mod:`sparsecomm.methods`, ``flat_grad`` this rank's gradient bucket)::
+
+    clip_local_gradients(model.parameters(), max_norm, world_size)      # before accumulation
+    if step < dense_warmup_steps:
+        update = dense(flat_grad)                                        # plain average
+    else:
+        method.density = density_schedule(epoch, target, warmup_epochs)  # optional
+        u = correction.update(flat_grad)          # u = m u + g; the method's residual is v
+        update = method(u, layout)                # v += u; send top of v; v[sent] = 0
+        correction.mask_(method.last_sent)        # momentum factor masking: u[sent] = 0
+    # apply ``update`` with plain SGD (momentum=0): the momentum already lives in u
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from ..core.validate import check_fraction
+
+__all__ = ["MomentumCorrection", "clip_local_gradients", "density_schedule"]
+
+
+class MomentumCorrection:
+    """DGC momentum correction (Lin et al. 2017, section 3.2) with momentum factor masking.
+
+    Dense momentum SGD keeps ``u_t = m u_{t-1} + g_t`` and steps by ``u_t``; sparse training must
+    accumulate the *velocity* (not the gradient) locally, ``v_t = v_{t-1} + u_t``, send the large
+    entries of ``v``, and zero both ``u`` and ``v`` where it sent (masking stops stale momentum from
+    pushing an entry that was already applied).
+
+    Two ways to use it:
+
+    * with a method that keeps its own residual (every sparse method here): ``u = mc.update(g)``,
+      pass ``u`` to the method (its residual is ``v``), then ``mc.mask_(method.last_sent)``.
+    * standalone (``hold_accumulation=True``): ``v = mc.update(g)`` returns ``v``; after selecting
+      and sending ``v[sent]`` call ``mc.mask_(sent)``, which zeroes ``u`` and ``v`` there.
+
+    Apply the synchronized result with momentum-free SGD: the momentum is already in ``u``.
+
+    Args:
+        momentum: m in [0, 1).
+        nesterov: Nesterov variant of DGC: accumulate ``u_t + g_t`` (after ``u_t = m u + g``)
+            instead of ``u_t``, i.e. ``g + m u_t``.
+        hold_accumulation: keep ``v`` here (standalone use) instead of in a method's residual.
+    """
+
+    def __init__(self, momentum: float, *, nesterov: bool = False, hold_accumulation: bool = False) -> None:
+        check_fraction("momentum", momentum, allow_zero=True, allow_one=False)
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+        self.hold_accumulation = bool(hold_accumulation)
+        self.velocity: Tensor | None = None       # u
+        self.accumulation: Tensor | None = None   # v (only when hold_accumulation)
+
+    def update(self, grad: Tensor) -> Tensor:
+        """``u = m u + g``; returns what to sparsify next: ``v += u`` (held) or ``u`` (residual-keeping
+        method). With ``nesterov``, ``g + m u`` takes the place of ``u`` in the accumulation."""
+        if self.velocity is None or self.velocity.shape != grad.shape:
+            self.velocity = torch.zeros_like(grad)
+            self.accumulation = torch.zeros_like(grad) if self.hold_accumulation else None
+        self.velocity.mul_(self.momentum).add_(grad)
+        step = grad + self.momentum * self.velocity if self.nesterov else self.velocity
+        if not self.hold_accumulation:
+            return step.clone()
+        assert self.accumulation is not None
+        self.accumulation.add_(step)
+        return self.accumulation
+
+    def mask_(self, sent: Tensor) -> None:
+        """Momentum factor masking: zero ``u`` (and ``v`` when held) at ``sent`` (int64 indices or a
+        boolean mask of the same length)."""
+        if self.velocity is None:
+            raise RuntimeError("MomentumCorrection.mask_ called before update()")
+        if sent.dtype == torch.bool and sent.shape != self.velocity.shape:
+            raise ValueError(f"boolean mask of shape {tuple(sent.shape)} must match the velocity's "
+                             f"{tuple(self.velocity.shape)}")
+        self.velocity[sent] = 0
+        if self.accumulation is not None:
+            self.accumulation[sent] = 0
+
+    def state_dict(self) -> dict:
+        return {"momentum": self.momentum, "nesterov": self.nesterov, "hold_accumulation": self.hold_accumulation,
+                "velocity": None if self.velocity is None else self.velocity.clone(),
+                "accumulation": None if self.accumulation is None else self.accumulation.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.momentum = float(state["momentum"])
+        self.nesterov = bool(state["nesterov"])
+        self.hold_accumulation = bool(state["hold_accumulation"])
+        self.velocity = None if state["velocity"] is None else state["velocity"].clone()
+        self.accumulation = None if state["accumulation"] is None else state["accumulation"].clone()
+
+
+def clip_local_gradients(params: Tensor | Iterable[Tensor], max_norm: float, world_size: int) -> Tensor:
+    """DGC local gradient clipping: clip this worker's gradients to ``max_norm * world_size**-0.5``
+    (RedSync section 2.4) *before* they are added to the residual; returns the total norm before
+    clipping. ``params``: tensors with ``.grad``, as for :func:`torch.nn.utils.clip_grad_norm_`."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r} must be positive")
+    return torch.nn.utils.clip_grad_norm_(params, max_norm / math.sqrt(world_size))
+
+
+def density_schedule(epoch: float, target: float, warmup_epochs: int = 4, initial: float = 0.25,
+                     decay: float = 0.25) -> float:
+    """DGC's exponential density warm-up: ``initial * decay**floor(epoch)`` during the first
+    ``warmup_epochs`` epochs (25%, 6.25%, 1.5625%, 0.39% by default), never below ``target``, then
+    ``target``."""
+    if not 0 < target <= 1:
+        raise ValueError(f"target={target!r} must be a density in (0, 1]")
+    if epoch < 0:
+        raise ValueError(f"epoch={epoch!r} must be >= 0")
+    if not 0 < initial <= 1 or not 0 < decay <= 1:
+        raise ValueError(f"initial={initial!r} and decay={decay!r} must lie in (0, 1]")
+    e = int(math.floor(epoch))
+    if e >= warmup_epochs:
+        return target
+    return max(target, initial * decay ** e)

@@ -1,0 +1,302 @@
+"""SparDL: sparse all-reduce by Spar-Reduce-Scatter, Spar-All-Gather and Bruck all-gather.
+
+SparDL: Distributed Deep Learning Training with Efficient Sparse Communication (Zhao et al.),
+section III. Per call, on every rank:
+
+1. G = gradient + residual; a copy of G is kept (Algorithm 1, lines 1-3).
+2. The P ranks form d teams of m = P/d consecutive ranks. Inside each team, Spar-Reduce-Scatter
+   (:mod:`.spardl_srs`) leaves rank w with block w of its team's sum, top-(k/m) sparse.
+3. With d > 1, Spar-All-Gather between the teams (:mod:`.spardl_sag`): R-SAG when d is a power of 2,
+   B-SAG otherwise (``sag="auto"``), so that the ranks at one position of every team hold the same
+   block of the global sum.
+4. A Bruck all-gather inside each team delivers every block to every rank; each block was reduced by
+   one rank (and, with SAG, made identical on its d holders), so all ranks assemble the same bits.
+5. Global residual collection (Algorithm 1, lines 13-15): at the indices of the final gradient the
+   new residual is what this rank discarded there (in-procedure residuals stay where they were
+   discarded, SAG discards are shared among their identical holders); at all other indices it is the
+   rank's own G (local and end-procedure residuals return to their owner). Residuals are in summed
+   (un-averaged) units; the result is the sum / P.
+
+Cost per rank (Table I): d = 1: 2 ceil(log2 P) rounds, 4k(P-1)/P elements (indices and values);
+R-SAG: (2 ceil(log2 m) + log2 d) rounds, 2k((2P-2d)/P + (d/P) log2 d) elements (eq. 7);
+B-SAG: (2 ceil(log2 m) + ceil(log2 d)) rounds, at most 2k(d^2 + 2P - 3d)/P elements (eq. 10).
+Blocks may carry fewer non-zeros than their share of k, so bytes are upper bounds; rounds are exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...blocks.selectors import make as make_selector
+from ...core.cost import Cost, ceil_log2, chunk_offsets, chunk_sizes, is_power_of_two, register_cost
+from ...core.validate import check_int, is_int, is_number
+from ...transport.chunk import pair_bytes
+from ...transport.comm import Communicator
+from ...transport.sparse_collectives import allgather_chunks, bruck_traffic
+from ..base import Layout, Method, register_method
+from .sag import HAdjuster, bruck_sag, bsag_traffic, recursive_sag, rsag_traffic
+from .srs import BlockSelector, spar_reduce_scatter, srs_traffic
+
+__all__ = ["SparDL", "table1_cost", "team_candidates"]
+
+log = logging.getLogger(__name__)
+
+SAG_VARIANTS = ("auto", "recursive", "bruck")
+
+
+def _resolve_sag(teams: int, sag: str) -> str:
+    """The SAG variant run with ``teams`` teams: "none" for one team, else "recursive" or "bruck"."""
+    if sag not in SAG_VARIANTS:
+        raise ValueError(f"sag={sag!r} must be one of {SAG_VARIANTS} ('recursive' = R-SAG, 'bruck' = B-SAG)")
+    if teams == 1:
+        return "none"
+    if sag == "auto":
+        return "recursive" if is_power_of_two(teams) else "bruck"
+    if sag == "recursive" and not is_power_of_two(teams):
+        raise ValueError(f"sag='recursive' (R-SAG, recursive doubling between teams) needs a power-of-2 "
+                         f"number of teams; teams={teams} is not (use sag='bruck' or 'auto')")
+    return sag
+
+
+def _check_teams(teams: Any, P: int) -> int:
+    if not is_int(teams) or teams < 1 or P % teams:
+        raise ValueError(f"teams={teams!r} must be a positive integer dividing the number of workers "
+                         f"P={P}, or 'auto'")
+    return int(teams)
+
+
+def team_candidates(P: int, sag: str = "auto") -> list[int]:
+    """The team counts d that ``teams="auto"`` may pick: divisors of P (powers of 2 only for R-SAG)."""
+    return [d for d in range(1, P + 1) if P % d == 0 and (sag != "recursive" or is_power_of_two(d))]
+
+
+def _selector_from(option: None | str | Callable) -> Callable | None:
+    if option is None:
+        return None  # exact top-k (torch.topk) through BlockSelector's own reused buffer
+    if callable(option):
+        return option
+    if isinstance(option, str):
+        return make_selector(option)
+    raise ValueError(f"selector={option!r} must be None, a selector name or a callable (x, k) -> indices")
+
+
+@register_method("spardl")
+class SparDL(Method):
+    """SparDL (Zhao et al.): Spar-Reduce-Scatter + Spar-All-Gather + Bruck all-gather, any P.
+
+    Args:
+        comm: communicator (default: all ranks).
+        density: fraction selected, k = ceil(density * n); each of the m blocks of a team carries at
+            most its share of k (``chunk_sizes(k, m)``), the paper's k/P for d = 1.
+        teams: d, the number of teams (a divisor of P), or ``"auto"``: with ``alpha`` and ``beta``
+            given, the d of least modelled time (Table I via the ``"spardl"`` cost formula, slowest
+            rank); otherwise, as the paper suggests, each candidate d runs ``auto_trials`` real steps
+            and the fastest (the slowest rank's best time) is kept. The choice is logged and stays in
+            ``stats["teams"]``.
+        sag: ``"auto"`` (R-SAG when d is a power of 2, else B-SAG), ``"recursive"`` or ``"bruck"``.
+        selector: the per-block selection of Spar-Reduce-Scatter: a name for
+            ``sparsecomm.blocks.selectors.make`` (default ``"topk"``, exact top-k), ``None`` (plain
+            ``torch.topk``) or a callable ``(x, k) -> indices``. The traffic bounds assume it
+            returns at most k indices. Spar-All-Gather always uses exact top-k: its ranks select
+            from identical sums and must keep identical entries, and its chunks are small.
+        alpha, beta: seconds per round and per byte for the model-based ``teams="auto"``.
+        auto_trials: steps per candidate for the timed ``teams="auto"``.
+    """
+
+    sparse = True
+    has_residual = True
+
+    def __init__(self, comm: Communicator | None = None, *, density: float, teams: int | str = 1,
+                 sag: str = "auto", selector: None | str | Callable = "topk",
+                 alpha: float | None = None, beta: float | None = None, auto_trials: int = 2) -> None:
+        super().__init__(comm, density=density)
+        P = self.comm.size
+        _resolve_sag(1, sag)  # validates the name
+        if teams == "auto":
+            self.candidates = team_candidates(P, sag)
+        else:
+            fixed = _check_teams(teams, P)
+            _resolve_sag(fixed, sag)
+            self.candidates = [fixed]
+        valid = [v is None or (is_number(v) and v >= 0)
+                 for v in (alpha, beta)]
+        if (alpha is None) != (beta is None) or not all(valid):
+            raise ValueError(f"alpha={alpha!r}, beta={beta!r}: give both (non-negative seconds per round "
+                             f"and per byte) or neither")
+        check_int("auto_trials", auto_trials, minimum=1)
+        self.sag = sag
+        self.alpha, self.beta = alpha, beta
+        self.auto_trials = auto_trials
+        self.teams: int | None = self.candidates[0] if len(self.candidates) == 1 else None
+        self.trial_seconds: dict[int, float] = {}
+        self._blocks = BlockSelector(_selector_from(selector))
+        self._exact = self._blocks if selector is None else BlockSelector()
+        self._splits: dict[int, tuple[Communicator, Communicator]] = {}
+        self._adjusters: dict[tuple[int, int], HAdjuster] = {}
+        self._work: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ choosing d
+    def _teams_now(self, n: int, k: int, itemsize: int) -> int:
+        """The d of this step: fixed, chosen, or (timed auto) the candidate on trial."""
+        if self.teams is not None:
+            return self.teams
+        if self.alpha is not None and self.beta is not None:
+            self._choose({d: max(replay_cost(self.comm.size, n, k, r, itemsize, d, self.sag)
+                                 .time(self.alpha, self.beta) for r in range(self.comm.size))
+                          for d in self.candidates}, "cost model")
+            assert self.teams is not None
+            return self.teams
+        return self.candidates[min(self.step // self.auto_trials, len(self.candidates) - 1)]
+
+    def _record_trial(self, d: int, seconds: float) -> None:
+        self.trial_seconds[d] = min(seconds, self.trial_seconds.get(d, math.inf))
+        if self.step + 1 == len(self.candidates) * self.auto_trials:
+            # all ranks must pick the same d: agree on the slowest rank's time of every candidate
+            micros = self.comm.agree_max([int(self.trial_seconds[c] * 1e6) for c in self.candidates])
+            self._choose({c: us / 1e6 for c, us in zip(self.candidates, micros, strict=False)}, "timed trials")
+
+    def _choose(self, seconds: dict[int, float], how: str) -> None:
+        self.teams = min(self.candidates, key=lambda d: (seconds[d], d))
+        self.trial_seconds = dict(seconds)
+        log.info("spardl: teams=%d chosen by %s among %s (seconds per step: %s)", self.teams, how,
+                 self.candidates, {d: round(s, 6) for d, s in seconds.items()})
+
+    def _split(self, d: int) -> tuple[Communicator, Communicator]:
+        if d not in self._splits:
+            self._splits[d] = self.comm.split(teams=d, mode="consecutive")
+        return self._splits[d]
+
+    def _adjuster(self, n: int, d: int, L: int) -> HAdjuster:
+        key = (n, d)
+        if key not in self._adjusters or self._adjusters[key].L != L:
+            self._adjusters[key] = HAdjuster(L, d)
+        return self._adjusters[key]
+
+    # ------------------------------------------------------------------ the call
+    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+        started = time.perf_counter()
+        P, n = self.comm.size, grad.numel()
+        k = self.k(n)
+        d = self._teams_now(n, k, grad.element_size())
+        sag = _resolve_sag(d, self.sag)
+        team, cross = self._split(d)
+        m, position = team.size, team.rank
+        bounds = chunk_offsets(n, m)
+        counts = chunk_sizes(k, m)
+
+        residual = self.residual_for(grad)
+        if self._work is None or self._work.shape != grad.shape or self._work.dtype != grad.dtype \
+                or self._work.device != grad.device:
+            self._work = torch.empty_like(grad)
+        work = self._work
+        with self.timer("select"):
+            torch.add(grad, residual, out=work)   # G = gradient + residual (Algorithm 1, line 1)
+            residual.copy_(work)                  # G_copy (line 3), kept in the residual's buffer
+
+        own, selected = spar_reduce_scatter(team, work, bounds, counts, self._blocks, self.timer)
+        if sag == "recursive":
+            with self.timer("comm"):
+                own = recursive_sag(cross, own, counts[position], self._exact, work)
+        elif sag == "bruck":
+            adjuster = self._adjuster(n, d, counts[position])
+            # a block whose share of k is its whole length (density 1) cannot overflow L after the
+            # all-gather, so it is not pre-selected: nothing needs to be dropped
+            dense_block = counts[position] >= bounds[position][1]
+            h = counts[position] if dense_block else adjuster.count()
+            with self.timer("comm"):
+                own, after = bruck_sag(cross, own, counts[position], h, self._exact, work)
+            if not dense_block:
+                adjuster.update(after)
+            self.stats.update(h=h, sag_count=after)
+        with self.timer("comm"):
+            blocks = allgather_chunks(team, own, bruck=True)
+
+        with self.timer("decompress"):
+            indices = torch.cat([b.indices for b in blocks]).long()
+            values = torch.cat([b.values for b in blocks])
+            out = torch.zeros_like(grad)
+            out[indices] = values / P
+            residual[indices] = work[indices]     # Algorithm 1, lines 13-15
+        self.stats.update(selected=selected, nnz_out=int(indices.numel()), teams=d, sag=sag, k=k)
+        if self.teams is None:
+            self._record_trial(d, time.perf_counter() - started)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def extra_state(self) -> dict[str, Any]:
+        return {"teams": self.teams, "trial_seconds": dict(self.trial_seconds),
+                "adjusters": {key: a.state_dict() for key, a in self._adjusters.items()}}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        teams = state.get("teams")
+        if teams is not None and teams not in self.candidates:
+            raise ValueError(f"saved teams={teams} is not among this method's candidates {self.candidates}")
+        self.teams = teams if teams is not None else self.teams
+        self.trial_seconds = dict(state.get("trial_seconds", {}))
+        self._adjusters = {}
+        for (n, d), saved in state.get("adjusters", {}).items():
+            adjuster = HAdjuster(int(saved["L"]), d)
+            adjuster.load_state_dict(saved)
+            self._adjusters[(n, d)] = adjuster
+
+    def __repr__(self) -> str:
+        return (f"SparDL(P={self.comm.size}, density={self.density:g}, teams={self.teams or 'auto'}, "
+                f"sag={self.sag!r})")
+
+
+# ---------------------------------------------------------------------- cost model
+def replay_cost(P: int, n: int, k: int, rank: int, itemsize: int, teams: int, sag: str) -> Cost:
+    """This rank's traffic bound, replaying the schedules with block ``j`` carrying at most its share
+    of k (``chunk_sizes(k, m)[j]``) pairs; for equal shares it equals Table I (see :func:`table1_cost`)."""
+    _check_teams(teams, P)
+    variant = _resolve_sag(teams, sag)
+    m = P // teams
+    position = rank % m
+    counts = chunk_sizes(k, m)
+    pair = pair_bytes(n, itemsize)
+    parts = [srs_traffic(m, position, counts, pair), bruck_traffic([c * pair for c in counts], position)]
+    if variant == "recursive":
+        parts.append(rsag_traffic(teams, counts[position], pair))
+    elif variant == "bruck":
+        parts.append(bsag_traffic(teams, counts[position], pair))
+    rounds, sent, recv = (sum(p[i] for p in parts) for i in range(3))
+    return Cost(rounds, sent, recv, exact=False)
+
+
+@register_cost("spardl")
+def _spardl_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, teams: int = 1, sag: str = "auto",
+                 **_: Any) -> Cost:
+    """SparDL, per rank: rounds exact (2 ceil(log2 P/d) + SAG's), bytes an upper bound (``exact=False``).
+
+    Options ``teams`` (d) and ``sag`` as for the method; ``teams="auto"`` has no single cost.
+    """
+    if teams == "auto":
+        raise ValueError("the cost of teams='auto' depends on the choice; pass the chosen teams=d")
+    return replay_cost(P, n, k, rank, itemsize, teams, sag)
+
+
+def table1_cost(P: int, k: float, teams: int = 1, sag: str = "auto") -> tuple[int, float, float]:
+    """Table I of the paper: (rounds, least, most elements sent per rank; indices and values counted).
+
+    d = 1: 2 ceil(log2 P) rounds, 4k(P-1)/P (eq. 4). R-SAG: 2 ceil(log2 P/d) + log2 d rounds,
+    2k((2P-2d)/P + (d/P) log2 d) (eq. 7). B-SAG: 2 ceil(log2 P/d) + ceil(log2 d) rounds,
+    2k(d^2+P-2d)/(Pd) .. 2k(d^2+2P-3d)/P (eq. 10).
+    """
+    _check_teams(teams, P)
+    variant = _resolve_sag(teams, sag)
+    d, m = teams, P // teams
+    if variant == "none":
+        most = 4 * k * (P - 1) / P
+        return 2 * ceil_log2(P), most, most
+    if variant == "recursive":
+        log_d = d.bit_length() - 1
+        most = 2 * k * (2 * P - 2 * d + d * log_d) / P
+        return 2 * ceil_log2(m) + log_d, most, most
+    return (2 * ceil_log2(m) + ceil_log2(d), 2 * k * (d * d + P - 2 * d) / (P * d),
+            2 * k * (d * d + 2 * P - 3 * d) / P)

@@ -1,0 +1,170 @@
+"""SparDL's Spar-Reduce-Scatter (SRS) and the block selection it repeats.
+
+SparDL (Zhao et al.), section III-B. A team of m ranks splits the gradient into m blocks lined up in a
+circle. Rank w keeps block w in its *preservation bag* B_0 and puts the following blocks into
+l = ceil(log2 m) *sending bags*: B_1 = {w+1}, B_2 = {w+2, w+3}, ..., B_i = {w+2^(i-1) .. w+2^i-1},
+the last one B_l holding the E = m - 2^(l-1) blocks that remain. At step i = 1..l rank w sends bag
+B_(l-i+1) to rank w + 2^(l-i) and receives the same bag of rank w - 2^(l-i), whose blocks it still
+holds (the paper's Theorem 1); it adds them into its own copies. Before each send, and only for the
+blocks about to leave (the paper's "optimization for SRS"), it keeps the top-(k/m) entries of each
+block; after the last step it selects the top-(k/m) of the one block it reduced.
+
+The blocks live in one dense accumulator (the rank's gradient plus residual): a selection copies the
+chosen entries out and zeroes them there, so what stays in the accumulator is exactly what this rank
+discarded (its local and in-procedure residuals, Algorithm 1 line 7), and a received bag is added
+with one ``index_add_``. Messages carry global int32/int64 indices and values in one packed payload.
+
+Cost (Table I, eq. 2, per rank): ceil(log2 m) rounds; the rank sends every block but its own once,
+so with equal blocks of k/m entries 2k(m-1)/m elements (indices and values). Blocks may hold fewer
+non-zeros than k/m, so the bytes are an upper bound and the rounds exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ...core.cost import ceil_log2
+from ...transport.chunk import SparseChunk, index_dtype
+from ...transport.comm import Communicator
+
+__all__ = ["SrsStep", "srs_schedule", "BlockSelector", "spar_reduce_scatter", "srs_traffic"]
+
+SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
+Timer = Callable[[str], contextlib.AbstractContextManager[None]]
+
+
+@dataclass(frozen=True)
+class SrsStep:
+    """One SRS transmission step of one rank: send ``send_blocks`` to ``dst`` while receiving
+    ``recv_blocks`` (blocks this rank still holds) from ``src``."""
+
+    dst: int
+    src: int
+    send_blocks: tuple[int, ...]
+    recv_blocks: tuple[int, ...]
+
+
+def _bag(m: int, w: int, bag: int) -> tuple[int, ...]:
+    """Blocks of sending bag ``bag`` (1..l) of rank ``w`` in a team of ``m``."""
+    first = w + (1 << (bag - 1))
+    last = w + (1 << bag) - 1 if bag < ceil_log2(m) else w + m - 1  # the last bag holds E blocks
+    return tuple(j % m for j in range(first, last + 1))
+
+
+def srs_schedule(m: int, w: int) -> list[SrsStep]:
+    """The l = ceil(log2 m) steps of rank ``w`` (bags sent from the largest, B_l, to B_1)."""
+    levels = ceil_log2(m)
+    steps = []
+    for i in range(1, levels + 1):
+        distance = 1 << (levels - i)
+        bag = levels - i + 1
+        src = (w - distance) % m
+        steps.append(SrsStep((w + distance) % m, src, _bag(m, w, bag), _bag(m, src, bag)))
+    return steps
+
+
+class BlockSelector:
+    """Top-c of a slice of the dense accumulator, taken out of it.
+
+    ``selector=None`` is exact top-k by magnitude (``torch.topk``) through a reused scratch buffer;
+    otherwise a callable ``selector(x, c) -> indices`` (the ``sparsecomm.blocks.selectors`` contract). The
+    selection must be deterministic: in Spar-All-Gather several ranks select from identical sums and
+    must keep identical entries.
+    """
+
+    def __init__(self, selector: SelectFn | None = None) -> None:
+        self.selector = selector
+        self._scratch: torch.Tensor | None = None
+
+    def indices(self, x: torch.Tensor, count: int) -> torch.Tensor:
+        """Local int64 indices of (at most) ``count`` entries of ``x`` largest in magnitude."""
+        if count <= 0 or x.numel() == 0:
+            return torch.empty(0, dtype=torch.int64, device=x.device)
+        if count >= x.numel():
+            return torch.arange(x.numel(), device=x.device)
+        if self.selector is not None:
+            return self.selector(x, count).long()
+        scratch = self._scratch
+        if scratch is None or scratch.numel() < x.numel() or scratch.dtype != x.dtype \
+                or scratch.device != x.device:
+            scratch = self._scratch = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+        magnitude = torch.abs(x, out=scratch[:x.numel()])
+        return torch.topk(magnitude, count, sorted=False).indices
+
+    def take(self, work: torch.Tensor, start: int, size: int, count: int) -> SparseChunk:
+        """Move the top-``count`` entries of ``work[start:start+size]`` out of ``work``.
+
+        Returns them as a chunk with global indices (zeros dropped: they carry nothing); ``work``
+        keeps the rest, i.e. what this selection discarded.
+        """
+        block = work[start:start + size]
+        local = self.indices(block, count)
+        values = block[local]
+        block.index_fill_(0, local, 0)
+        nonzero = values != 0
+        if not bool(nonzero.all()):
+            local, values = local[nonzero], values[nonzero]
+        return SparseChunk((local + start).to(index_dtype(work.numel())), values)
+
+    def split(self, chunk: SparseChunk, count: int) -> tuple[SparseChunk, SparseChunk]:
+        """(the top-``count`` entries of ``chunk`` without zeros, the rest); both in index order."""
+        if count >= chunk.nnz:
+            kept, dropped = chunk, SparseChunk(chunk.indices[:0], chunk.values[:0])
+        else:
+            keep = torch.zeros(chunk.nnz, dtype=torch.bool, device=chunk.values.device)
+            keep[self.indices(chunk.values, count)] = True
+            kept, dropped = chunk.select(keep), chunk.select(~keep)
+        nonzero = kept.values != 0
+        if not bool(nonzero.all()):
+            kept = kept.select(nonzero)
+        return kept, dropped
+
+
+def _no_timer(_: str) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def spar_reduce_scatter(comm: Communicator, work: torch.Tensor, bounds: Sequence[tuple[int, int]],
+                        counts: Sequence[int], blocks: BlockSelector,
+                        timer: Timer = _no_timer) -> tuple[SparseChunk, int]:
+    """SRS over ``comm`` (a team of m ranks): returns (this rank's reduced block, entries selected).
+
+    ``work`` is the dense accumulator (gradient + residual), modified in place: afterwards it holds
+    every value this rank discarded. ``bounds[j]`` = (start, size) of block j, ``counts[j]`` = k/m,
+    the entries block j may carry.
+    """
+    m, w = comm.size, comm.rank
+    selected = 0
+    index_type = index_dtype(work.numel())
+    for step in srs_schedule(m, w):
+        with timer("select"):
+            chunks = [blocks.take(work, *bounds[j], counts[j]) for j in step.send_blocks]
+            indices = torch.cat([c.indices for c in chunks])
+            values = torch.cat([c.values for c in chunks])
+            selected += indices.numel()
+        with timer("comm"):
+            got_indices, got_values = comm.exchange_many(step.dst, [indices, values], step.src, count=2,
+                                                         dtypes=[index_type, work.dtype],
+                                                         device=work.device)
+        with timer("decompress"):
+            work.index_add_(0, got_indices, got_values)
+    with timer("select"):
+        own = blocks.take(work, *bounds[w], counts[w])
+        selected += own.nnz
+    return own, selected
+
+
+# ---------------------------------------------------------------------- traffic of the schedules
+def srs_traffic(m: int, w: int, counts: Sequence[int], pair_bytes: int) -> tuple[int, int, int]:
+    """Upper bound of (rounds, bytes sent, bytes received) of SRS for rank ``w``: every block sent
+    carries at most ``counts[j]`` (index, value) pairs of ``pair_bytes`` bytes. Rounds are exact."""
+    sent = recv = 0
+    schedule = srs_schedule(m, w)
+    for step in schedule:
+        sent += sum(counts[j] for j in step.send_blocks)
+        recv += sum(counts[j] for j in step.recv_blocks)
+    return len(schedule), sent * pair_bytes, recv * pair_bytes

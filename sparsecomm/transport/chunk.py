@@ -1,0 +1,115 @@
+"""Sparse chunks: global indices + values, the unit every sparse method sends.
+
+Indices are int32 while the gradient length n < 2**31 (half the bytes of int64), else int64. A chunk
+is *coalesced* when its indices are unique and sorted; :func:`add_chunks` returns coalesced chunks,
+so the same inputs give the same output bit for bit on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SparseChunk", "index_dtype", "pair_bytes", "add_chunks"]
+
+_INT32_LIMIT = 2 ** 31
+
+
+def index_dtype(n: int) -> torch.dtype:
+    """int32 while every index of an n-element gradient fits, else int64."""
+    return torch.int32 if n < _INT32_LIMIT else torch.int64
+
+
+def pair_bytes(n: int, value: int | torch.dtype) -> int:
+    """Bytes of one (index, value) pair of an n-element gradient: the index dtype's size plus the
+    value's (``value`` an item size in bytes or a dtype)."""
+    value_size = value.itemsize if isinstance(value, torch.dtype) else int(value)
+    return index_dtype(n).itemsize + value_size
+
+
+@dataclass
+class SparseChunk:
+    """Global ``indices`` (1-D integer) and their ``values`` (1-D float), the same length."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.indices.dim() != 1 or self.values.dim() != 1 or self.indices.numel() != self.values.numel():
+            raise ValueError(f"SparseChunk needs 1-D indices and values of one length, got shapes "
+                             f"{tuple(self.indices.shape)} and {tuple(self.values.shape)}")
+
+    @property
+    def nnz(self) -> int:
+        return self.indices.numel()
+
+    def nbytes(self) -> int:
+        return self.indices.numel() * self.indices.element_size() + self.values.numel() * self.values.element_size()
+
+    @classmethod
+    def empty(cls, n: int, dtype: torch.dtype, device=None) -> SparseChunk:
+        return cls(torch.empty(0, dtype=index_dtype(n), device=device), torch.empty(0, dtype=dtype, device=device))
+
+    @classmethod
+    def gather(cls, dense: torch.Tensor, indices: torch.Tensor, offset: int = 0,
+               n: int | None = None) -> SparseChunk:
+        """The entries of ``dense`` at local ``indices``, stored with global index ``offset + i``."""
+        n = dense.numel() + offset if n is None else n
+        idx = indices.to(index_dtype(n))
+        values = dense[indices]
+        return cls(idx + offset if offset else idx, values)
+
+    def scatter_add_(self, dense: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Add the values into ``dense`` at ``indices - offset``; returns ``dense``."""
+        idx = self.indices.long()
+        if offset:
+            idx = idx - offset
+        dense.index_add_(0, idx, self.values.to(dense.dtype))
+        return dense
+
+    def to_dense(self, n: int, offset: int = 0) -> torch.Tensor:
+        return self.scatter_add_(torch.zeros(n, dtype=self.values.dtype, device=self.values.device), offset)
+
+    def top(self, k: int) -> tuple[SparseChunk, SparseChunk]:
+        """Split into (the k entries largest in magnitude, the rest); both keep index order."""
+        if k >= self.nnz:
+            return self, SparseChunk(self.indices[:0], self.values[:0])
+        keep = torch.zeros(self.nnz, dtype=torch.bool, device=self.values.device)
+        if k > 0:
+            keep[torch.topk(self.values.abs(), k, sorted=False).indices] = True
+        return (SparseChunk(self.indices[keep], self.values[keep]),
+                SparseChunk(self.indices[~keep], self.values[~keep]))
+
+    def select(self, mask: torch.Tensor) -> SparseChunk:
+        return SparseChunk(self.indices[mask], self.values[mask])
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors that travel: (indices, values)."""
+        return self.indices, self.values
+
+
+def add_chunks(chunks: Iterable[SparseChunk]) -> SparseChunk:
+    """Sum chunks by index: the result is coalesced (unique, sorted indices).
+
+    Deterministic on every device: the chunks are added one after another in the order given, each
+    with one ``index_add_`` whose target positions are distinct when the chunk is coalesced (so even
+    CUDA's atomic adds have one operand per position); every rank that adds the same chunks in the
+    same order gets the same bits.
+    """
+    chunks = list(chunks)
+    if not chunks:
+        raise ValueError("add_chunks needs at least one chunk")
+    indices = torch.cat([c.indices for c in chunks])
+    values = torch.cat([c.values for c in chunks])
+    if indices.numel() == 0:
+        return SparseChunk(indices, values)
+    unique, inverse = torch.unique(indices, sorted=True, return_inverse=True)
+    summed = torch.zeros(unique.numel(), dtype=values.dtype, device=values.device)
+    start = 0
+    for chunk in chunks:
+        stop = start + chunk.nnz
+        summed.index_add_(0, inverse[start:stop], values[start:stop])
+        start = stop
+    return SparseChunk(unique, summed)

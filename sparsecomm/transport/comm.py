@@ -1,0 +1,231 @@
+"""Metered point-to-point transport over a ``torch.distributed`` process group.
+
+Every collective of this library, dense or sparse, is built from :meth:`Communicator.sendrecv` and
+:meth:`Communicator.exchange`, so the :class:`~sparsecomm.transport.meter.TrafficMeter` sees every byte and
+every round. Tensors keep their device: the same code runs on gloo (CPU) and NCCL (CUDA).
+
+Any dtype travels: payloads are sent as their raw bytes (a ``uint8`` view), so bf16, fp16 and int32
+tensors move unchanged even where a backend lacks the dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .meter import TrafficMeter
+
+__all__ = ["Communicator"]
+
+log = logging.getLogger(__name__)
+
+_HEADER_DTYPE = torch.int64
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Communicator:
+    """The ranks of a process group (or a subset of them) and metered messages between them.
+
+    Args:
+        group: a ``torch.distributed`` process group; ``None`` is the default group.
+        ranks: for sub-communicators made by :meth:`split`: the global ranks, in local-rank order.
+            Point-to-point messages of a sub-communicator travel over ``group``.
+        meter: shared with the parent on :meth:`split`, so one meter sees all of a rank's traffic.
+    """
+
+    def __init__(self, group=None, *, ranks: Sequence[int] | None = None,
+                 meter: TrafficMeter | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "Communicator needs an initialized torch.distributed process group: call it inside "
+                "sparsecomm.run_workers(...) or after torch.distributed.init_process_group(...)")
+        self.group = group
+        group_ranks = list(range(dist.get_world_size())) if group is None \
+            else list(dist.get_process_group_ranks(group))
+        self._ranks: list[int] = list(ranks) if ranks is not None else group_ranks
+        me = dist.get_rank()
+        if me not in self._ranks:
+            raise ValueError(f"global rank {me} is not a member of ranks={self._ranks}")
+        self.rank: int = self._ranks.index(me)
+        self.size: int = len(self._ranks)
+        self.is_whole_group = self._ranks == group_ranks
+        self.meter = meter if meter is not None else TrafficMeter()
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, size={self.size}, ranks={self._ranks})"
+
+    def global_rank(self, local_rank: int) -> int:
+        """The ``torch.distributed`` rank of this communicator's ``local_rank``."""
+        return self._ranks[local_rank % self.size]
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self._ranks)
+
+    # ------------------------------------------------------------------ point to point
+    def _post(self, send: torch.Tensor | None, dst: int | None,
+              recv: torch.Tensor | None, src: int | None, header: bool) -> None:
+        """Send and receive concurrently; book the bytes; wait for both."""
+        works = []
+        if recv is not None and recv.numel() > 0:
+            assert src is not None, "a receive needs its source rank"
+            works.append(dist.irecv(_as_bytes(recv) if recv.dtype != torch.uint8 else recv,
+                                    src=self.global_rank(src), group=self.group))
+            self.meter.record_recv(_nbytes(recv), header=header)
+        if send is not None and send.numel() > 0:
+            assert dst is not None, "a send needs its destination rank"
+            works.append(dist.isend(_as_bytes(send), dst=self.global_rank(dst), group=self.group))
+            self.meter.record_send(_nbytes(send), header=header)
+        for work in works:
+            if work is not None:  # None only for a rank outside the group, which never gets here
+                work.wait()
+
+    def sendrecv(self, send: torch.Tensor | None, dst: int | None,
+                 recv: torch.Tensor | None, src: int | None) -> None:
+        """One round: send ``send`` to local rank ``dst`` while receiving ``recv`` from ``src``.
+
+        Sizes must be known on both sides. Either half may be ``None`` (send only / receive only).
+        ``recv`` must be contiguous; it is filled in place. A rank exchanging with itself copies.
+        """
+        if recv is not None and not recv.is_contiguous():
+            raise ValueError("sendrecv: the receive buffer must be contiguous")
+        if send is not None and recv is not None and dst == self.rank and src == self.rank:
+            recv.copy_(send.reshape(recv.shape))
+            return
+        self.meter.record_round()
+        self._post(send, dst, recv, src, header=False)
+
+    def exchange(self, dst: int | None, tensor: torch.Tensor | None, src: int | None,
+                 *, dtype: torch.dtype | None = None, device=None) -> torch.Tensor | None:
+        """One round for payloads whose size the receiver does not know.
+
+        Sends ``tensor`` (1-D) to local rank ``dst`` and returns the 1-D tensor that ``src`` sent
+        (same dtype as ``tensor`` unless ``dtype`` is given). A size header (one int64) travels first;
+        it is booked as header bytes. ``dst=None`` receives only (``dtype`` then required);
+        ``src=None`` sends only and returns ``None``.
+        """
+        if src is not None and dtype is None:
+            if tensor is None:
+                raise ValueError("exchange: receiving without sending needs dtype=")
+            dtype = tensor.dtype
+        dtypes = [] if src is None or dtype is None else [dtype]
+        out = self.exchange_many(dst, [] if tensor is None else [tensor], src,
+                                 count=len(dtypes), dtypes=dtypes, device=device)
+        return out[0] if src is not None else None
+
+    def exchange_many(self, dst: int | None, tensors: Sequence[torch.Tensor], src: int | None,
+                      count: int, *, dtypes: Sequence[torch.dtype] | None = None,
+                      device=None) -> list[torch.Tensor]:
+        """One round moving a list of 1-D tensors as ONE packed payload message.
+
+        The header carries the element count of each tensor, so the receiver, who must know how many
+        tensors (``count``) and their dtypes (default: those of ``tensors``), can split the payload.
+        Used for packed sparse messages (indices + values) of unknown length.
+        """
+        if dtypes is None:
+            if len(tensors) < count:
+                raise ValueError("exchange_many: pass dtypes= when receiving more tensors than sending")
+            dtypes = [t.dtype for t in tensors[:count]]
+        if device is None:
+            device = tensors[0].device if tensors else torch.device("cpu")
+        if dst == self.rank and src == self.rank:
+            return [t.clone() for t in tensors]
+        self.meter.record_round()
+        send_header = recv_header = None
+        if dst is not None:
+            send_header = torch.tensor([t.numel() for t in tensors], dtype=_HEADER_DTYPE, device=device)
+        if src is not None:
+            recv_header = torch.empty(count, dtype=_HEADER_DTYPE, device=device)
+        self._post(send_header, dst, recv_header, src, header=True)
+
+        send_payload = None
+        if dst is not None and tensors:
+            send_payload = torch.cat([_as_bytes(t) for t in tensors]) if len(tensors) > 1 \
+                else _as_bytes(tensors[0])
+        numels = recv_header.tolist() if recv_header is not None else []
+        sizes = [int(m) * d.itemsize for m, d in zip(numels, dtypes, strict=False)]
+        recv_payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device) if src is not None else None
+        self._post(send_payload, dst, recv_payload, src, header=False)
+
+        out: list[torch.Tensor] = []
+        offset = 0
+        for nbytes, dt in zip(sizes, dtypes, strict=False):
+            piece = recv_payload[offset:offset + nbytes]  # type: ignore[index]
+            itemsize = dt.itemsize
+            if offset % itemsize:  # a dtype view needs an aligned start: copy the rare misaligned part
+                piece = piece.clone()
+            out.append(piece.view(dt))
+            offset += nbytes
+        return out
+
+    # ------------------------------------------------------------------ groups
+    def split(self, teams: int, mode: str = "consecutive") -> tuple[Communicator, Communicator]:
+        """Divide the ranks into ``teams`` equal teams.
+
+        Returns ``(team, cross)``: ``team`` holds this rank's team; ``cross`` links the ranks at the
+        same position in every team. ``mode="consecutive"``: team t is local ranks
+        ``t*m .. t*m+m-1`` (m = size/teams); ``mode="strided"``: team t is ranks ``t, t+teams, ...``.
+        Both share this communicator's meter. No collective call is needed: messages still travel
+        point to point over the parent's group.
+        """
+        if not isinstance(teams, int) or teams < 1 or self.size % teams != 0:
+            raise ValueError(f"teams={teams!r} must be a positive integer dividing the size {self.size}")
+        if mode not in ("consecutive", "strided"):
+            raise ValueError(f"mode={mode!r} must be 'consecutive' or 'strided'")
+        m = self.size // teams
+        if mode == "consecutive":
+            team_id, position = divmod(self.rank, m)
+            team_local = [team_id * m + j for j in range(m)]
+            cross_local = [t * m + position for t in range(teams)]
+        else:
+            position, team_id = divmod(self.rank, teams)
+            team_local = [team_id + j * teams for j in range(m)]
+            cross_local = [position * teams + t for t in range(teams)]
+        team = Communicator(self.group, ranks=[self._ranks[r] for r in team_local], meter=self.meter)
+        cross = Communicator(self.group, ranks=[self._ranks[r] for r in cross_local], meter=self.meter)
+        return team, cross
+
+    # ------------------------------------------------------------------ native collectives
+    def _require_whole_group(self, what: str) -> None:
+        if not self.is_whole_group:
+            raise RuntimeError(f"{what} needs a communicator spanning its whole process group; "
+                               f"this one holds ranks {self._ranks}")
+
+    def native_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """torch.distributed's own all_reduce (sum), in place. Its bytes are the backend's business:
+        the meter books one round and no bytes (see ``costmodel`` for the model's figure)."""
+        self._require_whole_group("native_all_reduce")
+        self.meter.record_round()
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def agree_max(self, values: Sequence[int], device=None) -> list[int]:
+        """Element-wise maximum of a small integer list over all ranks of this communicator.
+
+        A control exchange for input validation (dissemination: ceil(log2 P) steps), booked as
+        header bytes and no round, so it never disturbs a method's traffic figures.
+        """
+        mine = torch.tensor(list(values), dtype=_HEADER_DTYPE, device=device)
+        theirs = torch.empty_like(mine)
+        distance = 1
+        while distance < self.size:
+            self._post(mine, (self.rank + distance) % self.size, theirs,
+                       (self.rank - distance) % self.size, header=True)
+            torch.maximum(mine, theirs, out=mine)
+            distance *= 2
+        return [int(v) for v in mine.tolist()]
+
+    def barrier(self) -> None:
+        self._require_whole_group("barrier")
+        dist.barrier(group=self.group)

@@ -1,0 +1,118 @@
+"""Traffic meter: bytes, messages and rounds of every communication, booked per named phase.
+
+Every point-to-point call of :class:`sparsecomm.transport.comm.Communicator` reports to the meter, so what a
+method really sends can be compared with its cost formula (``sparsecomm.core.cost``).
+
+Vocabulary
+----------
+payload bytes
+    The bytes of the tensors a method asked to move.
+header bytes
+    The small int64 size headers that :meth:`Communicator.exchange` sends first because the receiver
+    does not know the payload size. Booked apart so payloads compare exactly with cost formulas.
+round
+    One latency term (alpha) of the alpha-beta model: one ``sendrecv``/``exchange`` call, in which a
+    rank sends at most one message and receives at most one message, concurrently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+__all__ = ["PhaseTraffic", "TrafficMeter"]
+
+
+@dataclass
+class PhaseTraffic:
+    """Traffic of one rank in one phase."""
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    header_bytes_sent: int = 0
+    header_bytes_recv: int = 0
+    messages_sent: int = 0
+    messages_recv: int = 0
+    rounds: int = 0
+
+    def add(self, other: PhaseTraffic) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def minus(self, other: PhaseTraffic) -> PhaseTraffic:
+        return PhaseTraffic(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class TrafficMeter:
+    """Counts this rank's traffic per phase. Phases nest: the innermost name is booked."""
+
+    DEFAULT_PHASE = "other"
+
+    def __init__(self) -> None:
+        self._phases: dict[str, PhaseTraffic] = {}
+        self._stack: list[str] = []
+
+    @property
+    def current_phase(self) -> str:
+        return self._stack[-1] if self._stack else self.DEFAULT_PHASE
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Book all traffic inside the ``with`` block to phase ``name``."""
+        self._stack.append(name)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+
+    def _entry(self) -> PhaseTraffic:
+        return self._phases.setdefault(self.current_phase, PhaseTraffic())
+
+    def record_round(self) -> None:
+        self._entry().rounds += 1
+
+    def record_send(self, nbytes: int, header: bool = False) -> None:
+        entry = self._entry()
+        if header:
+            entry.header_bytes_sent += nbytes
+        else:
+            entry.bytes_sent += nbytes
+            entry.messages_sent += 1
+
+    def record_recv(self, nbytes: int, header: bool = False) -> None:
+        entry = self._entry()
+        if header:
+            entry.header_bytes_recv += nbytes
+        else:
+            entry.bytes_recv += nbytes
+            entry.messages_recv += 1
+
+    def phases(self) -> dict[str, PhaseTraffic]:
+        """A copy of the per-phase traffic."""
+        out = {}
+        for name, traffic in self._phases.items():
+            copy = PhaseTraffic()
+            copy.add(traffic)
+            out[name] = copy
+        return out
+
+    def totals(self) -> PhaseTraffic:
+        """The traffic of all phases added up."""
+        total = PhaseTraffic()
+        for traffic in self._phases.values():
+            total.add(traffic)
+        return total
+
+    def snapshot(self) -> PhaseTraffic:
+        """A mark to measure from: ``meter.since(mark)`` is the traffic after it."""
+        return self.totals()
+
+    def since(self, mark: PhaseTraffic) -> PhaseTraffic:
+        return self.totals().minus(mark)
+
+    def reset(self) -> None:
+        self._phases.clear()

@@ -1,0 +1,151 @@
+"""All-gathers of messages whose sizes the receivers do not know: the sparse collectives.
+
+Every sparse method that all-gathers (TopkA, RedSync, ExDyna's index blocks, HiTopKComm, SparDL's
+final Bruck stage and its B-SAG) uses these functions and replays their traffic with
+:func:`allgatherv_traffic` / :func:`allgatherv_cost`, so a schedule and its formula live together.
+
+A *message* is a tuple of 1-D tensors (``parts``), the same number and dtypes on every rank, any
+lengths: one :class:`~.chunk.SparseChunk` ``(indices, values)``, or a packed message such as
+RedSync's ``(counts, indices, values)``. Each step moves ONE packed payload per rank, preceded by a
+size header of one int64 per tensor (booked as header bytes by the meter).
+
+* :func:`recursive_doubling_allgatherv`: P a power of two; step mask = 1, 2, ..., P/2 exchanges
+  everything held with rank ``r ^ mask`` (RedSync, equation (1)).
+* :func:`bruck_allgatherv`: any P; step i sends the first min(2^i, P - 2^i) blocks held to
+  rank r - 2^i (SparDL's Bruck all-gather, section III-C).
+* :func:`allgatherv`: the first for powers of two, the second otherwise.
+
+Cost: ceil(log2 P) rounds for all three; with equal messages of b bytes, (P-1) b bytes sent and
+received per rank. :func:`allgatherv_traffic` replays a schedule for unequal messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..core.cost import Cost, ceil_log2, is_power_of_two, register_cost
+from .chunk import SparseChunk
+from .comm import Communicator
+
+__all__ = ["recursive_doubling_allgatherv", "bruck_allgatherv", "allgatherv", "allgather_chunks",
+           "allgatherv_traffic", "allgatherv_cost", "bruck_traffic"]
+
+Message = Sequence[Tensor]
+
+
+def recursive_doubling_allgatherv(comm: Communicator, parts: Message) -> list[list[Tensor]]:
+    """Recursive-doubling all-gather; P must be a power of two. Returns ``result[q]`` = rank q's parts.
+
+    Step mask = 1, 2, ..., P/2: exchange everything held (the blocks of the ``mask`` ranks of this
+    rank's current group) with rank ``r ^ mask``, in one packed message.
+    """
+    P, r = comm.size, comm.rank
+    if not is_power_of_two(P):
+        raise ValueError(f"recursive_doubling_allgatherv needs a power-of-two size, got P={P}")
+    width = len(parts)
+    dtypes = [t.dtype for t in parts]
+    device = parts[0].device if parts else None
+    held: dict[int, list[Tensor]] = {r: list(parts)}
+    mask = 1
+    while mask < P:
+        partner = r ^ mask
+        outgoing = [t for q in sorted(held) for t in held[q]]
+        incoming = comm.exchange_many(partner, outgoing, partner, count=mask * width,
+                                      dtypes=dtypes * mask, device=device)
+        first = partner & ~(mask - 1)
+        for j in range(mask):
+            held[first + j] = incoming[j * width:(j + 1) * width]
+        mask *= 2
+    return [held[q] for q in range(P)]
+
+
+def bruck_allgatherv(comm: Communicator, parts: Message) -> list[list[Tensor]]:
+    """Bruck all-gather, any P. Returns ``result[q]`` = rank q's parts.
+
+    Step i = 0 .. ceil(log2 P)-1: send the first min(2^i, P - 2^i) blocks held (blocks r, r+1, ...)
+    to rank r - 2^i and receive as many from rank r + 2^i, in one packed message.
+    """
+    P, r = comm.size, comm.rank
+    width = len(parts)
+    held: list[list[Tensor]] = [list(parts)]
+    dtypes = [t.dtype for t in parts]
+    device = parts[0].device if parts else None
+    distance = 1
+    while distance < P:
+        count = min(distance, P - distance)
+        outgoing = [t for block in held[:count] for t in block]
+        incoming = comm.exchange_many((r - distance) % P, outgoing, (r + distance) % P,
+                                      count=count * width, dtypes=dtypes * count, device=device)
+        held.extend(incoming[j * width:(j + 1) * width] for j in range(count))
+        distance *= 2
+    return [held[(q - r) % P] for q in range(P)]
+
+
+def allgatherv(comm: Communicator, parts: Message) -> list[list[Tensor]]:
+    """All-gather of one packed message per rank: recursive doubling for powers of two, Bruck
+    otherwise; ceil(log2 P) rounds either way. ``result[q]`` = rank q's parts (this rank's included)."""
+    if comm.size == 1:
+        return [list(parts)]
+    if is_power_of_two(comm.size):
+        return recursive_doubling_allgatherv(comm, parts)
+    return bruck_allgatherv(comm, parts)
+
+
+def allgather_chunks(comm: Communicator, chunk: SparseChunk, *, bruck: bool = False) -> list[SparseChunk]:
+    """Every rank's chunk, in rank order, by :func:`allgatherv` (or :func:`bruck_allgatherv`)."""
+    gathered = (bruck_allgatherv if bruck else allgatherv)(comm, chunk.parts())
+    return [SparseChunk(indices, values) for indices, values in gathered]
+
+
+# ---------------------------------------------------------------------- traffic of the schedules
+def bruck_traffic(message_bytes: Sequence[int], rank: int) -> tuple[int, int, int]:
+    """(rounds, bytes sent, bytes received) of ``rank`` in :func:`bruck_allgatherv` when rank q's
+    message has ``message_bytes[q]`` payload bytes (size headers excluded)."""
+    P = len(message_bytes)
+    rounds = sent = recv = 0
+    distance = 1
+    while distance < P:
+        count = min(distance, P - distance)
+        sent += sum(message_bytes[(rank + j) % P] for j in range(count))
+        recv += sum(message_bytes[(rank + distance + j) % P] for j in range(count))
+        rounds += 1
+        distance *= 2
+    return rounds, sent, recv
+
+
+def _recursive_doubling_traffic(message_bytes: Sequence[int], rank: int) -> tuple[int, int, int]:
+    P = len(message_bytes)
+    sent = recv = 0
+    mask = 1
+    while mask < P:
+        mine = rank & ~(mask - 1)
+        theirs = (rank ^ mask) & ~(mask - 1)
+        sent += sum(message_bytes[mine:mine + mask])
+        recv += sum(message_bytes[theirs:theirs + mask])
+        mask *= 2
+    return ceil_log2(P), sent, recv
+
+
+def allgatherv_traffic(message_bytes: Sequence[int], rank: int) -> tuple[int, int, int]:
+    """(rounds, bytes sent, bytes received) of ``rank`` in :func:`allgatherv` when rank q's message
+    has ``message_bytes[q]`` payload bytes (size headers excluded). Replays the schedule."""
+    if len(message_bytes) == 1:
+        return 0, 0, 0
+    if is_power_of_two(len(message_bytes)):
+        return _recursive_doubling_traffic(message_bytes, rank)
+    return bruck_traffic(message_bytes, rank)
+
+
+def allgatherv_cost(message_bytes: Sequence[int], P: int, rank: int, exact: bool = True) -> Cost:
+    """Cost of :func:`allgatherv` for one packed message of ``message_bytes[q]`` bytes per rank q."""
+    if len(message_bytes) != P:
+        raise ValueError(f"message_bytes has {len(message_bytes)} entries, need one per rank (P={P})")
+    return Cost(*allgatherv_traffic(list(message_bytes), rank), exact=exact)
+
+
+@register_cost("bruck_allgather")
+def _bruck_cost(P: int, n: int, rank: int, itemsize: int = 4, **_) -> Cost:
+    """n here is the per-rank block size (equal on all ranks)."""
+    return Cost(*bruck_traffic([n * itemsize] * P, rank))

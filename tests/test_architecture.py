@@ -1,0 +1,46 @@
+"""The layer rules of docs/architecture.md, checked by reading the package's imports."""
+
+import os
+import textwrap
+
+import pytest
+
+import sparsecomm
+from sparsecomm.app.imports import scan_package, violations
+
+PACKAGE = os.path.dirname(sparsecomm.__file__)
+
+
+def test_the_package_keeps_its_import_rules():
+    found = violations(scan_package(PACKAGE))
+    assert not found, "\n".join(found)
+
+
+def _fake_package(tmp_path, files):
+    root = tmp_path / "sparsecomm"
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    for folder in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        (folder / "__init__.py").touch()
+    return str(root)
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"transport/comm.py": "from ..methods import base\n", "methods/base.py": ""}, "a higher layer"),
+    ({"core/cost.py": "def f():\n    from sparsecomm.app import cli\n", "app/cli.py": ""}, "a higher layer"),
+    ({"methods/a.py": "from .b import X\nregister_method('a')\n",
+      "methods/b.py": "X = 1\nregister_method('b')\n"}, "method module sparsecomm.methods.a imports method module"),
+    ({"transport/x.py": "from .y import _hidden\n", "transport/y.py": "_hidden = 1\n"}, "private name _hidden"),
+    ({"transport/x.py": "from . import y\n", "transport/y.py": "from . import x\n"}, "import cycle"),
+])
+def test_the_checker_catches_each_kind_of_breach(tmp_path, files, expected):
+    found = violations(scan_package(_fake_package(tmp_path, files)))
+    assert any(expected in line for line in found), found
+
+
+def test_shared_modules_and_split_methods_are_allowed(tmp_path):
+    files = {"methods/base.py": "X = 1\n", "methods/a.py": "from .base import X\nregister_method('a')\n",
+             "methods/s/__init__.py": "from .part import Y\nregister_method('s')\n", "methods/s/part.py": "Y = 2\n"}
+    assert violations(scan_package(_fake_package(tmp_path, files))) == []
