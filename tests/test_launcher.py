@@ -2,9 +2,13 @@
 timeout, and no process left behind on any path."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from sparsecomm import WorkerError, run_workers
@@ -118,3 +122,68 @@ def test_a_connect_that_keeps_failing_is_reported(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", broken_init)
     with pytest.raises(WorkerError, match=r"rank 2 raised RuntimeError: no route \(injected by the test\)"):
         run_workers(3, _rank_and_size, timeout=30)
+
+
+def _stall(kind):
+    rank = dist.get_rank()
+    if rank == 1:
+        if kind == "sleep":
+            time.sleep(3600)                       # stuck outside any collective
+        os.kill(os.getpid(), signal.SIGSTOP)       # frozen: its heartbeat stops too
+    if kind == "frozen-alone":
+        time.sleep(20)                             # nobody waits for rank 1 in a collective
+        return rank
+    dist.all_reduce(torch.ones(4))
+    return rank
+
+
+@pytest.mark.parametrize("kind", ["sleep", "stop", "frozen-alone"])
+def test_a_rank_that_stops_participating_is_named_within_the_stall_timeout(kind):
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 stopped participating: ") as info:
+        run_workers(3, _stall, kind, timeout=60, stall_timeout=4)
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 15
+    heartbeat = "no heartbeat for 4 s" in str(info.value)
+    waited = "rank(s) [0, 2] waited 4 s for it in a collective" in str(info.value)
+    # a stopped rank trips both detectors at about the same time; either may report first
+    assert {"sleep": waited, "stop": heartbeat or waited, "frozen-alone": heartbeat}[kind], str(info.value)
+
+
+_LAUNCH_AND_WAIT = """
+import sys, time, torch
+torch.set_num_threads(1)
+from sparsecomm import run_workers
+def fn():
+    time.sleep(60)
+print("started", flush=True)
+run_workers(2, fn, timeout=120)
+"""
+
+
+def _store_dirs():
+    import tempfile
+    root = tempfile.gettempdir()
+    return {name for name in os.listdir(root) if name.startswith("sparsecomm-")}
+
+
+def test_a_killed_launcher_leaves_no_temporary_directory(tmp_path):
+    before = _store_dirs()
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCH_AND_WAIT], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    deadline = time.monotonic() + 20
+    while not (_store_dirs() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    created = _store_dirs() - before
+    assert created, "the launcher never made its store directory"
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while created & _store_dirs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not created & _store_dirs(), f"{created & _store_dirs()} left behind after SIGKILL"
+
+
+def test_bad_stall_timeout():
+    with pytest.raises(ValueError, match=r"stall_timeout=0 must be a finite number > 0"):
+        run_workers(2, _rank_and_size, stall_timeout=0)
