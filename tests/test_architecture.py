@@ -44,3 +44,14 @@ def test_shared_modules_and_split_methods_are_allowed(tmp_path):
     files = {"methods/base.py": "X = 1\n", "methods/a.py": "from .base import X\nregister_method('a')\n",
              "methods/s/__init__.py": "from .part import Y\nregister_method('s')\n", "methods/s/part.py": "Y = 2\n"}
     assert violations(scan_package(_fake_package(tmp_path, files))) == []
+
+
+def test_the_imports_command_lists_edges_draws_mermaid_and_exits_clean(capsys):
+    from sparsecomm.app.cli import main
+
+    assert main(["imports"]) == 0
+    listed = capsys.readouterr().out
+    assert "methods -> transport" in listed and "breach" not in listed
+    assert main(["imports", "--mermaid"]) == 0
+    chart = capsys.readouterr().out
+    assert chart.startswith("flowchart TB") and "subgraph core" in chart and "methods --> transport" in chart
