@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,13 +53,13 @@ def _timed(fn, repeat: int, warmup: int) -> list[float]:
     return times
 
 
-def _bench_worker(repeat: int, warmup: int) -> dict:
+def _bench_worker(repeat: int, warmup: int) -> dict[str, Any]:
     comm = Communicator()
     gen = torch.Generator().manual_seed(0)  # the same tensors on every rank
     params = [torch.randn(shape, generator=gen) for shape in resnet50_shapes()]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
-    out = {}
+    out: dict[str, Any] = {}
     for label, opt_comm in (("local", None), ("pto", comm)):
         opt = LARS(params, lr=0.1, momentum=0.9, weight_decay=5e-5, trust_coefficient=0.001, comm=opt_comm)
         out[f"ratios_{label}"] = _timed(opt.trust_ratios, repeat, warmup)
