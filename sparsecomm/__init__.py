@@ -10,6 +10,7 @@ See the README and ``docs/`` for the methods, the DDP hook and the CLI. The pack
 ``app``; this module re-exports the public names.
 """
 
+from .app.datacache import DataCache
 from .app.launcher import WorkerError, run_workers
 from .blocks import selectors
 from .integration.hook import SparseHookState, hook
@@ -24,4 +25,5 @@ __all__ = ["Communicator", "TrafficMeter", "SparseChunk", "run_workers", "Worker
            "SparseSynchronizer", "selectors"]
 __all__ += ["parallel_apply"]
 __all__ += ["LARS"]
+__all__ += ["DataCache"]
 __version__ = "0.1.0"
