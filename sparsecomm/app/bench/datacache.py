@@ -55,9 +55,9 @@ def _train_worker(mode: str, make_source, names: list[str], labels: list[int], c
             optimizer.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(inputs), targets)
             loss.backward()
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad.div_(world)
+            for grad in (p.grad for p in model.parameters() if p.grad is not None):
+                dist.all_reduce(grad)
+                grad.div_(world)
             optimizer.step()
             loss_sum += float(loss.detach()) * len(targets)
         stats = loader.last_epoch
