@@ -10,9 +10,12 @@ See the README and ``docs/`` for the methods, the DDP hook and the CLI. The pack
 ``app``; this module re-exports the public names.
 """
 
+from .app.datacache import DataCache
 from .app.launcher import WorkerError, run_workers
 from .blocks import selectors
 from .integration.hook import SparseHookState, hook
+from .integration.lars import LARS
+from .integration.pto import parallel_apply
 from .integration.synchronizer import SparseSynchronizer
 from .methods import Method, Stats, available_methods, cost, make_method, register_method
 from .transport import Communicator, SparseChunk, TrafficMeter
@@ -20,4 +23,7 @@ from .transport import Communicator, SparseChunk, TrafficMeter
 __all__ = ["Communicator", "TrafficMeter", "SparseChunk", "run_workers", "WorkerError", "Method", "Stats",
            "make_method", "available_methods", "register_method", "cost", "SparseHookState", "hook",
            "SparseSynchronizer", "selectors"]
+__all__ += ["parallel_apply"]
+__all__ += ["LARS"]
+__all__ += ["DataCache"]
 __version__ = "0.1.0"
