@@ -49,7 +49,7 @@ def _synthetic_profile(P=2, density=0.01, work_per_element=2e-9):
     for name in available_methods():
         k = selection_count(density, n) if method_class(name).sparse else 0
         sent = max(cost(name, P=P, n=n, k=k, rank=r, density=density).bytes_sent for r in range(P))
-        runs.append({"method": name, "n": n, "times": [0.01 + work_per_element * n] * 3, "time_comm": 0.01,
+        runs.append({"method": name, "n": n, "times": [0.01 + work_per_element * n] * 3, "time_comm": [0.01] * 3,
                      "bytes_sent": sent})
     dense = [{"n": m, "rounds": cost("dense", P=P, n=m, rank=0).rounds,
               "bytes": cost("dense", P=P, n=m, rank=0).bytes_sent,

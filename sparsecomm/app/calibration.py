@@ -29,7 +29,7 @@ from ..methods.base import selection_count
 from .simulator import Profile, fit_work
 
 __all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_recv_element",
-           "profile_from_records", "LINK_SIZES"]
+           "profile_from_records", "method_runs", "slowest_best", "LINK_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ _LINK_ALGORITHMS = ("ring", "rabenseifner")
 
 
 def _time_collective(comm, algorithm: str, n: int, repeat: int) -> float:
-    """Median over calls of this rank's wall time of one all-reduce of n elements (after a barrier)."""
+    """Best over calls of this rank's wall time of one all-reduce of n elements (after a barrier)."""
     import torch.distributed as dist
 
     from ..transport.collectives import allreduce
@@ -55,7 +55,7 @@ def _time_collective(comm, algorithm: str, n: int, repeat: int) -> float:
             allreduce(comm, x, algorithm)
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _link_samples(comm, kind: str, sizes: Sequence[int], repeat: int) -> list[dict[str, Any]]:
@@ -80,8 +80,6 @@ def calibration_worker(methods: Sequence[str], sizes: Sequence[int], density: fl
 
     from ..transport.comm import Communicator
     from ..transport.topology import resolve_local_size
-    from .bench.common import time_method_in_worker
-
     comm = Communicator()
     P = comm.size
     links: list[dict[str, Any]] = []
@@ -98,17 +96,26 @@ def calibration_worker(methods: Sequence[str], sizes: Sequence[int], density: fl
         seconds = _time_collective(comm, "native", n, repeat)
         c = cost("dense", P=P, n=n, rank=comm.rank)
         dense.append({"n": n, "rounds": c.rounds, "bytes": c.bytes_sent, "seconds": seconds})
+    runs = method_runs(methods, sizes, density, repeat)
+    dist.barrier()
+    return {"rank": comm.rank, "P": P, "links": links, "dense": dense, "runs": runs}
+
+
+def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, repeat: int,
+                warmup: int = 1) -> list[dict[str, Any]]:
+    """Runs in every rank: each method's call times, ``time_comm`` and bytes at each size (this rank)."""
+    from .bench.common import time_method_in_worker
+
     runs = []
     for n in sizes:
         for name in methods:
             options = {"density": density} if method_class(name).sparse else {}
-            result = time_method_in_worker(name, options, n, repeat, 1)
+            result = time_method_in_worker(name, options, n, repeat, warmup)
             stats = result["stats"]
             runs.append({"method": name, "n": n, "times": result["times"],
-                         "time_comm": statistics.median(s.time_comm for s in stats),
+                         "time_comm": [s.time_comm for s in stats],
                          "bytes_sent": max(s.bytes_sent for s in stats)})
-    dist.barrier()
-    return {"rank": comm.rank, "P": P, "links": links, "dense": dense, "runs": runs}
+    return runs
 
 
 def fit_links(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -141,13 +148,21 @@ def _fit_dense(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def slowest_best(records: Sequence[dict[str, Any]], i: int) -> float:
+    """Best (least) over calls of the slowest rank's wall time of run ``i``: the call least disturbed by
+    other processes on a shared machine (calibration and validation both use it)."""
+    calls = len(records[0]["runs"][i]["times"])
+    return min(max(r["runs"][i]["times"][c] for r in records) for c in range(calls))
+
+
 def _fit_methods(records: Sequence[dict[str, Any]], density: float) -> dict[str, dict[str, Any]]:
     P = records[0]["P"]
     per: dict[str, list[tuple[int, float, float]]] = {}
     for i, run in enumerate(records[0]["runs"]):
-        calls = len(run["times"])
-        wall = statistics.median(max(r["runs"][i]["times"][c] for r in records) for c in range(calls))
-        work = max(0.0, wall - run["time_comm"])
+        wall = slowest_best(records, i)
+        # work of the best call: its wall time less the comm time of the same call on rank 0
+        best = min(range(len(run["times"])), key=lambda c: max(r["runs"][i]["times"][c] for r in records))
+        work = max(0.0, wall - run["time_comm"][best])
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
         name, n = run["method"], run["n"]
         k = selection_count(density, n) if method_class(name).sparse else 0
