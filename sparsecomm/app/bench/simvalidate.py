@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--workers", "-P", default="2,4,6,8", help="comma-separated worker counts (default: %(default)s)")
+    parser.add_argument("--workers", "-P", default="2,4,6,8",
+                        help="comma-separated worker counts (default: %(default)s)")
     parser.add_argument("--size", "-n", default="1M", help="comma-separated gradient sizes (default: %(default)s)")
     parser.add_argument("--net", default="loopback,1gbit,100mbit",
                         help="comma-separated networks: loopback and/or tc rates (default: %(default)s)")
