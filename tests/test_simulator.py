@@ -94,7 +94,11 @@ def test_prediction_with_profile_adds_contended_work_and_overlap():
     n = 1_000_000
     alone = predict("topka", 2, n, 0.01, profile=profile)
     assert alone.work_s == pytest.approx(2e-9 * n, rel=1e-6)
-    assert alone.comm_s == pytest.approx(predict("topka", 2, n, 0.01, alpha=ALPHA, beta=BETA).comm_s, rel=1e-6)
+    factor = profile.methods["topka"]["comm_factor"]
+    formula = predict("topka", 2, n, 0.01, alpha=ALPHA, beta=BETA).comm_s
+    assert factor == pytest.approx(0.01 / predict("topka", 2, 100_000, 0.01, alpha=ALPHA, beta=BETA).comm_s)
+    assert alone.comm_s == pytest.approx(factor * formula, rel=1e-6)
+    assert predict("topka", 2, n, 0.01, profile=profile, use_comm_factor=False).comm_s == pytest.approx(formula)
     crowded = predict("topka", 8, n, 0.01, profile=profile)  # 8 workers on 2 cores: 4x the work time
     received = (cost("topka", P=8, n=n, k=10_000, rank=0).bytes_recv - cost("topka", P=2, n=n, k=10_000,
                                                                                rank=0).bytes_recv) / 8
@@ -165,3 +169,39 @@ def test_simulate_with_profile_and_plot(tmp_path, capsys):
 def test_simulate_rejects_bad_options(argv, message, capsys):
     assert main(["simulate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_advise_recommends_with_predicted_time_against_ddp(capsys):
+    assert main(["advise", "--params", "25M", "-P", "64", "--bandwidth", "10gbit", "--latency", "50us"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: " in out and "vs DDP" in out and "rests on: cost formula only" in out
+
+
+def test_advise_counts_a_saved_model(tmp_path, capsys):
+    import torch
+
+    path = tmp_path / "m.pt"
+    torch.save(torch.nn.Linear(1000, 100).state_dict(), path)
+    assert main(["advise", "--model-file", str(path), "-P", "8"]) == 0
+    assert "model: 100,100 parameters" in capsys.readouterr().out
+
+
+def test_advise_rests_on_the_profile(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    _synthetic_profile().save(path)
+    assert main(["advise", "--params", "1M", "-P", "4", "--profile", str(path), "--colocated"]) == 0
+    out = capsys.readouterr().out
+    rests_on = out.split("rests on: ")[1].splitlines()[0]
+    assert "fitted" in rests_on and "work measured at P=2" in rests_on
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "give the model size"),
+    (["--params", "1M", "--methods", "spardll"], "unknown method 'spardll'"),
+    (["--params", "1M", "--densities", "0.5,2"], "must be fractions in (0, 1]"),
+    (["--model", "resnet"], "unknown model 'resnet'"),
+])
+def test_advise_rejects_bad_input_in_one_line(argv, message, capsys):
+    assert main(["advise", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err

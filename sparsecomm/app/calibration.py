@@ -9,7 +9,9 @@ world size) the same is done inside each node ("intra") and across nodes, one ra
 otherwise the one fit is "intra" (every link here is the same kind).
 
 Methods: each method's call at density d, its wall time minus its own ``time_comm`` is its work
-(selection, residual, decompression); the metered bytes over the formula's are its traffic factor.
+(selection, residual, decompression); the metered bytes over the formula's are its traffic factor;
+its ``time_comm`` over the formula's time under the fitted alpha and beta is its comm factor (what the
+formula's rounds leave out: size headers and separate index and value messages, per-call setup).
 """
 
 from __future__ import annotations
@@ -155,26 +157,37 @@ def slowest_best(records: Sequence[dict[str, Any]], i: int) -> float:
     return min(max(r["runs"][i]["times"][c] for r in records) for c in range(calls))
 
 
-def _fit_methods(records: Sequence[dict[str, Any]], density: float) -> dict[str, dict[str, Any]]:
+def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[str, dict[str, float]],
+                 dense: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Per method: work per element, traffic factor (metered / formula bytes) and comm factor (measured
+    comm time / the formula's time under the fitted alpha and beta), all from the best call."""
     P = records[0]["P"]
-    per: dict[str, list[tuple[int, float, float]]] = {}
+    link = links.get("inter", links.get("intra", {"alpha": 0.0, "beta": 0.0}))
+    per: dict[str, list[tuple[int, float, float, float]]] = {}
     for i, run in enumerate(records[0]["runs"]):
         wall = slowest_best(records, i)
         # work of the best call: its wall time less the comm time of the same call on rank 0
         best = min(range(len(run["times"])), key=lambda c: max(r["runs"][i]["times"][c] for r in records))
-        work = max(0.0, wall - run["time_comm"][best])
+        comm = run["time_comm"][best]
+        work = max(0.0, wall - comm)
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
         name, n = run["method"], run["n"]
         k = selection_count(density, n) if method_class(name).sparse else 0
-        formula = max(cost(name, P=P, n=n, k=k, rank=r, density=density).bytes_sent for r in range(P))
-        factor = sent / formula if formula else 1.0
-        per.setdefault(name, []).append((n, work, factor))
+        costs = [cost(name, P=P, n=n, k=k, rank=r, density=density) for r in range(P)]
+        formula = max(c.bytes_sent for c in costs)
+        traffic = sent / formula if formula else 1.0
+        a, b = (dense["alpha"], dense["beta"]) if name == "dense" and "alpha" in dense else (link["alpha"],
+                                                                                              link["beta"])
+        modelled = max(c.rounds * a + traffic * c.bytes_sent * b for c in costs)
+        comm_factor = comm / modelled if modelled > 0 else 1.0
+        per.setdefault(name, []).append((n, work, traffic, comm_factor))
     out = {}
     for name, samples in per.items():
-        w1, w0 = fit_work([(n, w) for n, w, _ in samples])
-        out[name] = {"w1": w1, "w0": w0, "traffic_factor": statistics.mean(f for *_, f in samples),
-                     "P": P, "density": density, "sizes": sorted({n for n, *_ in samples}),
-                     "work_s": {str(n): w for n, w, _ in samples}}
+        w1, w0 = fit_work([(n, w) for n, w, *_ in samples])
+        out[name] = {"w1": w1, "w0": w0, "traffic_factor": statistics.mean(s[2] for s in samples),
+                     "comm_factor": statistics.mean(s[3] for s in samples),
+                     "P": P, "density": density, "sizes": sorted({s[0] for s in samples}),
+                     "work_s": {str(s[0]): s[1] for s in samples}}
     return out
 
 
@@ -219,9 +232,10 @@ def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, n
                          cores: int, colocated: bool, selectors: dict[str, float], recv_element_s: float,
                          meta: dict[str, Any]) -> Profile:
     """The profile from every rank's :func:`calibration_worker` result and the one-process figures."""
-    return Profile(net=net, device=device, cores=cores, colocated=colocated, links=fit_links(records),
-                   dense_allreduce=_fit_dense(records), selectors=selectors, recv_element_s=recv_element_s,
-                   methods=_fit_methods(records, density), meta=meta)
+    links, dense = fit_links(records), _fit_dense(records)
+    return Profile(net=net, device=device, cores=cores, colocated=colocated, links=links,
+                   dense_allreduce=dense, selectors=selectors, recv_element_s=recv_element_s,
+                   methods=_fit_methods(records, density, links, dense), meta=meta)
 
 
 def available_cores() -> int:

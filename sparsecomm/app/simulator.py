@@ -3,7 +3,7 @@
 A method's predicted time for one call on a flat gradient of ``n`` elements at ``P`` workers is
 
     T = comm + work
-    comm = max over ranks of (rounds * alpha + traffic_factor * bytes_sent * beta)
+    comm = comm_factor * max over ranks of (rounds * alpha + traffic_factor * bytes_sent * beta)
     work = (w1 * n + w0) * contention(P) + g * (received(P) - received(P_cal))
 
 * ``rounds`` and ``bytes_sent`` come from the formula registered with the method
@@ -19,6 +19,9 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   cores (as in this repository's validation), 1 for a cluster with a device per worker.
 * ``compute_scale`` (an assumption the user gives, e.g. a GPU's memory bandwidth over this
   machine's) divides the work term.
+* ``comm_factor`` is the method's measured communication time over the formula's time at the
+  calibration P: what the formula's rounds leave out (size headers, index and value messages sent
+  apart, per-call setup). Applied as a constant ratio at every P.
 * ``overlap`` in [0, 1] with a backward time ``backward_s``: the fraction of communication that can
   run behind backward, hidden up to the backward time (the overlapped DDP hook).
   ``T = work + comm - min(overlap * comm, backward_s)``.
@@ -163,11 +166,12 @@ def predict_comm(name: str, P: int, n: int, density: float, alpha: float, beta: 
 def predict(name: str, P: int, n: int, density: float, *, profile: Profile | None = None,
             alpha: float | None = None, beta: float | None = None, options: dict[str, Any] | None = None,
             colocated: bool | None = None, compute_scale: float = 1.0, overlap: float = 0.0,
-            backward_s: float = 0.0) -> Prediction:
+            backward_s: float = 0.0, use_comm_factor: bool = True) -> Prediction:
     """Predicted call time of method ``name`` (see the module docstring for the model).
 
     alpha/beta override the profile's; without a profile they are required and the work is zero
-    (the prediction is then exactly the cost formula's time).
+    (the prediction is then exactly the cost formula's time). ``use_comm_factor=False`` drops the
+    profile's measured comm factor (the formula's time under the fitted alpha and beta).
     """
     options = options or {}
     if not 0 <= overlap <= 1:
@@ -178,11 +182,11 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
     if profile is None:
         if alpha is None or beta is None:
             raise ValueError("predict needs a profile or both alpha and beta")
-        a, b, factor, work = alpha, beta, 1.0, 0.0
+        a, b, factor, work, comm_factor = alpha, beta, 1.0, 0.0, 1.0
         rests.append("cost formula only (no profile: no selection/decompression time)")
     else:
         calib = profile.methods.get(name)
-        if name == "dense" and profile.dense_allreduce and alpha is None:
+        if name == "dense" and "alpha" in profile.dense_allreduce and alpha is None and beta is None:
             a, b = profile.dense_allreduce["alpha"], profile.dense_allreduce["beta"]
             rests.append("fitted native all-reduce alpha/beta")
         else:
@@ -190,6 +194,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
             b = profile.beta if beta is None else beta
             rests.append("given alpha/beta" if alpha is not None else f"fitted alpha/beta ({profile.net})")
         factor = float(calib.get("traffic_factor", 1.0)) if calib else 1.0
+        comm_factor = float(calib.get("comm_factor", 1.0)) if calib and use_comm_factor else 1.0
         work = 0.0
         if calib:
             share = profile.colocated if colocated is None else colocated
@@ -204,11 +209,14 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
             rests.append(f"work measured at P={calib['P']}, density={calib['density']:g}")
             if factor != 1.0:
                 rests.append(f"traffic {factor:.2f} x formula (measured)")
+            if comm_factor != 1.0:
+                rests.append(f"comm time {comm_factor:.2f} x formula (measured at P={calib['P']})")
         else:
             rests.append("no measured work for this method (formula only)")
         if compute_scale != 1.0:
             rests.append(f"ASSUMED compute {compute_scale:g}x this device")
     comm, rounds, sent, exact = predict_comm(name, P, n, density, a, b, options, factor)
+    comm *= comm_factor
     hidden = min(overlap * comm, backward_s)
     if overlap:
         rests.append(f"overlap {overlap:g} of comm behind {backward_s * 1e3:.0f} ms backward")

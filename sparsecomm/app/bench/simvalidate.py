@@ -114,8 +114,26 @@ def run(args) -> int:
     wanted = {(net or "loopback") for net in nets}
     rows = [r for r in _load(results) if r["net"] in wanted and r["n"] in sizes and r["P"] in workers
             and r["method"] in methods]
-    print(validation_table(rows))
+    print(validation_table(repredict(rows)))
     return 0
+
+
+def repredict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with ``predicted_s`` recomputed from each row's profile file as it is now (the model
+    or the profile may have changed since the measurement; rows whose profile is gone keep theirs)."""
+    from ..simulator import Profile, predict
+
+    profiles: dict[str, Profile | None] = {}
+    out = []
+    for r in rows:
+        path = r["profile"]
+        if path not in profiles:
+            profiles[path] = Profile.load(path) if Path(path).exists() else None
+        profile = profiles[path]
+        if profile is not None:
+            r = {**r, "predicted_s": predict(r["method"], r["P"], r["n"], r["density"], profile=profile).total_s}
+        out.append(r)
+    return out
 
 
 def validation_table(rows: list[dict[str, Any]]) -> str:
