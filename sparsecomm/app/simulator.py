@@ -171,7 +171,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
 
     alpha/beta override the profile's; without a profile they are required and the work is zero
     (the prediction is then exactly the cost formula's time). ``use_comm_factor=False`` drops the
-    profile's measured comm factor (the formula's time under the fitted alpha and beta).
+    profile's measured traffic and comm factors (the formula's time under the fitted alpha and beta).
     """
     options = options or {}
     if not 0 <= overlap <= 1:
@@ -193,7 +193,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
             a = profile.alpha if alpha is None else alpha
             b = profile.beta if beta is None else beta
             rests.append("given alpha/beta" if alpha is not None else f"fitted alpha/beta ({profile.net})")
-        factor = float(calib.get("traffic_factor", 1.0)) if calib else 1.0
+        factor = float(calib.get("traffic_factor", 1.0)) if calib and use_comm_factor else 1.0
         comm_factor = float(calib.get("comm_factor", 1.0)) if calib and use_comm_factor else 1.0
         work = 0.0
         if calib:

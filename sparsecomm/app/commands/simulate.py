@@ -69,6 +69,9 @@ def add_model_arguments(parser, *, methods: str | None = DEFAULT_METHODS) -> Non
                         help="fraction of communication that can hide behind backward (0..1, default 0)")
     parser.add_argument("--backward", default="0", help="backward time per step that can hide communication, "
                         "e.g. 80ms (default 0)")
+    parser.add_argument("--formula-comm", action="store_true",
+                        help="communication from the formulas alone at the target density: ignore the "
+                        "profile's measured traffic and comm factors")
     parser.add_argument("--colocated", action="store_true",
                         help="the P workers share this machine's cores (as in the validation); default: "
                         "one device per worker")
@@ -82,6 +85,8 @@ def add_arguments(parser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--plot", default=None, help="write a PNG of step time and speed-up over dense against P")
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    parser.add_argument("--long", action="store_true", help="one row per method and P (comm, work, step) instead "
+                        "of one row per method")
 
 
 def model_kwargs(args) -> dict:
@@ -97,14 +102,31 @@ def model_kwargs(args) -> dict:
     if args.compute_scale <= 0:
         raise ValueError(f"--compute-scale={args.compute_scale} must be positive")
     backward = parse_seconds(args.backward)
-    return dict(profile=profile, alpha=alpha, beta=beta, colocated=True if args.colocated else None,
-                compute_scale=args.compute_scale, overlap=args.overlap, backward_s=backward)
+    return dict(profile=profile, alpha=alpha, beta=beta, colocated=args.colocated,
+                compute_scale=args.compute_scale, overlap=args.overlap, backward_s=backward,
+                use_comm_factor=not args.formula_comm)
 
 
 def method_names(text: str) -> list[str]:
     from ...methods import available_methods
 
     return available_methods() if text.strip() == "all" else check_methods(text.split(","))
+
+
+def pivot(rows: list[dict], methods: list[str], workers: list[int]) -> list[dict]:
+    """One row per method: predicted step (ms) at each P, speed-up over dense at each P, crossover."""
+    out = []
+    for name in methods:
+        mine = {r["P"]: r for r in rows if r["method"] == name}
+        row: dict = {"method": name}
+        for P in workers:
+            row[f"P={P} ms"] = 1e3 * mine[P]["time_s"]
+        for P in workers:
+            row[f"P={P} x"] = f"{mine[P]['speedup']:.2f}"
+        stop = crossover(rows, name)
+        row["not faster than dense from"] = "-" if name == "dense" else ("never" if stop is None else f"P={stop}")
+        out.append(row)
+    return out
 
 
 def fail(command: str, message: str) -> int:
@@ -125,8 +147,11 @@ def run(args) -> int:
         rows = speedup_table(methods, workers, n, args.density, **kwargs)
     except (UnknownMethodError, ValueError) as err:
         return fail("simulate", str(err))
-    table = [{"method": r["method"], "P": r["P"], "comm (ms)": 1e3 * r["comm_s"], "work (ms)": 1e3 * r["work_s"],
-              "step (ms)": 1e3 * r["time_s"], "speed-up vs dense": r["speedup"]} for r in rows]
+    if args.long:
+        table = [{"method": r["method"], "P": r["P"], "comm (ms)": 1e3 * r["comm_s"], "work (ms)": 1e3 * r["work_s"],
+                  "step (ms)": 1e3 * r["time_s"], "speed-up vs dense": r["speedup"]} for r in rows]
+    else:
+        table = pivot(rows, methods, workers)
     print(markdown_table(table, list(table[0])))
     profile = kwargs["profile"]
     source = f"profile {args.profile} ({profile.net})" if profile else "given"
@@ -136,11 +161,6 @@ def run(args) -> int:
           f"beta={beta * 1e9:.3f} ns/byte ({source})")
     if args.compute_scale != 1.0:
         print(f"ASSUMPTION: compute {args.compute_scale:g}x faster than the profiled device")
-    for name in methods:
-        if name != "dense":
-            stop = crossover(rows, name)
-            print(f"{name}: " + ("faster than dense at every P given" if stop is None
-                                 else f"not faster than dense from P={stop}"))
     parts = dict.fromkeys(part for r in rows for part in r["rests_on"].split("; "))
     print("rests on: " + "; ".join(parts))
     if args.json:
