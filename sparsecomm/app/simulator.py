@@ -267,11 +267,14 @@ def plot_projection(rows: Sequence[dict[str, Any]], path: str, title: str = "") 
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name in dict.fromkeys(r["method"] for r in rows):
+    colors = [plt.get_cmap("tab20")(j) for j in range(20)]
+    for i, name in enumerate(dict.fromkeys(r["method"] for r in rows)):
         mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["P"])
         Ps = [r["P"] for r in mine]
-        ax_t.plot(Ps, [1e3 * r["time_s"] for r in mine], marker=".", label=name)
-        ax_s.plot(Ps, [r["speedup"] for r in mine], marker=".", label=name)
+        style = dict(marker=".", label=name, color=colors[(2 * i) % 20 + (i // 10) % 2],
+                     linestyle=("-", "--", ":")[i % 3], linewidth=2.2 if name == "dense" else 1.3)
+        ax_t.plot(Ps, [1e3 * r["time_s"] for r in mine], **style)
+        ax_s.plot(Ps, [r["speedup"] for r in mine], **style)
     for ax in (ax_t, ax_s):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("workers P")

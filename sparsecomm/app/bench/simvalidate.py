@@ -114,8 +114,39 @@ def run(args) -> int:
     wanted = {(net or "loopback") for net in nets}
     rows = [r for r in _load(results) if r["net"] in wanted and r["n"] in sizes and r["P"] in workers
             and r["method"] in methods]
-    print(validation_table(repredict(rows)))
+    rows = repredict(rows)
+    print(validation_table(rows))
+    print()
+    print(advice_check(rows))
     return 0
+
+
+def advice_check(rows: list[dict[str, Any]]) -> str:
+    """Per (network, n, P): the method `advise` recommends from the profile against the measured fastest.
+
+    The recommendation is :func:`sparsecomm.app.commands.advise.advise` over the measured methods at
+    the measured density (the workers colocated, as measured)."""
+    from ..commands.advise import advise
+    from ..simulator import Profile
+
+    table = []
+    for key in sorted({(r["net"], r["n"], r["P"]) for r in rows}):
+        group = {r["method"]: r for r in rows if (r["net"], r["n"], r["P"]) == key}
+        if "dense" not in group:
+            continue
+        profile = Profile.load(next(iter(group.values()))["profile"])
+        density = next(iter(group.values()))["density"]
+        best = advise(sorted(group), key[2], key[1], [density], profile=profile, colocated=True).best
+        fastest = min(group.values(), key=lambda r: r["measured_s"])
+        ratio = group[best.method]["measured_s"] / fastest["measured_s"]
+        table.append({"network": key[0], "n": key[1], "P": key[2], "advised": best.method,
+                      "advised measured (ms)": 1e3 * group[best.method]["measured_s"],
+                      "measured fastest": fastest["method"], "fastest (ms)": 1e3 * fastest["measured_s"],
+                      "advised / fastest": f"{ratio:.2f}", "within 10%": "yes" if ratio <= 1.10 else "no"})
+    if not table:
+        return "(no groups with dense measured)"
+    hits = sum(row["within 10%"] == "yes" for row in table)
+    return markdown_table(table, list(table[0])) + f"\n\nadvice within 10% of the measured fastest: {hits}/{len(table)}"
 
 
 def repredict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
