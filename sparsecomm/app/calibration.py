@@ -36,7 +36,7 @@ __all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", 
 log = logging.getLogger(__name__)
 
 #: element counts of the link-fitting all-reduces
-LINK_SIZES = (1_000, 250_000, 2_000_000)
+LINK_SIZES = (1_000, 4_000, 16_000, 64_000, 250_000, 1_000_000, 2_000_000)
 _LINK_ALGORITHMS = ("ring", "rabenseifner")
 
 

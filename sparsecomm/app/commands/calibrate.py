@@ -54,7 +54,9 @@ def _torchrun(args, methods, sizes) -> int:
     try:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        record = calibration_worker(methods, sizes, args.density, args.repeat, link_kind="inter")
+        one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
+        record = calibration_worker(methods, sizes, args.density, args.repeat,
+                                    link_kind="intra" if one_node else "inter")
         records: list = [None] * dist.get_world_size()
         dist.all_gather_object(records, record)
         if dist.get_rank() == 0:
