@@ -1,0 +1,189 @@
+"""`sparsecomm bench simvalidate`: the simulator's predicted call time against measurement.
+
+For each network: calibrate a profile at ``--calibrate-workers`` (forked workers, that network), then
+time every method at each P and n and compare with :func:`sparsecomm.app.simulator.predict` from that
+profile (workers colocated on this machine's cores). Results are appended to ``--results`` (JSON lines)
+one (network, P, n) group at a time, so an interrupted run resumes where it stopped; the table and the
+error summary are printed from everything in that file that matches the options.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ..report_table import markdown_table
+
+HELP = "validate the simulator: predicted against measured call time for every method, P and network"
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--workers", "-P", default="2,4,6,8",
+                        help="comma-separated worker counts (default: %(default)s)")
+    parser.add_argument("--size", "-n", default="1M", help="comma-separated gradient sizes (default: %(default)s)")
+    parser.add_argument("--net", default="loopback,1gbit,100mbit",
+                        help="comma-separated networks: loopback and/or tc rates (default: %(default)s)")
+    parser.add_argument("--methods", default="all", help="comma-separated methods or 'all' (default: %(default)s)")
+    parser.add_argument("--density", type=float, default=0.01, help="sparse methods' density (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls per method (default: %(default)s)")
+    parser.add_argument("--calibrate-workers", type=int, default=2,
+                        help="P of the calibration run on each network (default: %(default)s)")
+    parser.add_argument("--results", default="simvalidate.jsonl",
+                        help="JSON-lines file the measurements are appended to (resumed from) (default: %(default)s)")
+    parser.add_argument("--profile-dir", default=".", help="where the per-network profiles are written/read "
+                        "(default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker group")
+
+
+def _validate_worker(methods, sizes, density, repeat):
+    import torch.distributed as dist
+
+    from ..calibration import method_runs
+
+    return {"P": dist.get_world_size(), "runs": method_runs(methods, sizes, density, repeat)}
+
+
+def _load(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _profile_for(net: str | None, args, methods, sizes):
+    from ..calibration import calibrate
+    from ..simulator import Profile
+
+    label = net or "loopback"
+    path = Path(args.profile_dir) / f"profile-{label}-{'-'.join(str(n) for n in sizes)}.json"
+    if path.exists():
+        return Profile.load(path), path
+    profile = calibrate(args.calibrate_workers, methods, sizes, args.density, net=net, repeat=args.repeat,
+                        timeout=args.timeout)
+    profile.save(path)
+    return profile, path
+
+
+def _measure_group(net, P, n, methods, args, profile, profile_path) -> list[dict[str, Any]]:
+    from ..calibration import slowest_best
+    from ..launcher import run_workers
+    from ..simulator import predict
+
+    records = run_workers(P, _validate_worker, methods, [n], args.density, args.repeat, net=net,
+                          timeout=args.timeout)
+    rows = []
+    for i, run in enumerate(records[0]["runs"]):
+        measured = slowest_best(records, i)
+        p = predict(run["method"], P, n, args.density, profile=profile)
+        rows.append({"net": net or "loopback", "n": n, "P": P, "method": run["method"], "density": args.density,
+                     "measured_s": measured, "predicted_s": p.total_s, "comm_s": p.comm_s, "work_s": p.work_s,
+                     "profile": str(profile_path)})
+    return rows
+
+
+def run(args) -> int:
+    from ..commands.simulate import fail, method_names, parse_workers
+    from ..simulator import UnknownMethodError
+    from .common import network_label, parse_count, parse_networks
+
+    try:
+        methods = method_names(args.methods)
+        workers = parse_workers(args.workers)
+        sizes = [parse_count(s) for s in args.size.split(",")]
+        nets = parse_networks(args.net)
+    except (UnknownMethodError, ValueError) as err:
+        return fail("bench simvalidate", str(err))
+    results = Path(args.results)
+    done = {(r["net"], r["n"], r["P"], r["method"]) for r in _load(results)}
+    for net in nets:
+        profile, profile_path = _profile_for(net, args, methods, sizes)
+        for n in sizes:
+            for P in workers:
+                todo = [m for m in methods if (net or "loopback", n, P, m) not in done]
+                if not todo:
+                    continue
+                log.warning("measuring %s, n=%d, P=%d: %d methods", network_label(net), n, P, len(todo))
+                rows = _measure_group(net, P, n, todo, args, profile, profile_path)
+                with results.open("a") as f:
+                    for row in rows:
+                        f.write(json.dumps(row) + "\n")
+    wanted = {(net or "loopback") for net in nets}
+    rows = [r for r in _load(results) if r["net"] in wanted and r["n"] in sizes and r["P"] in workers
+            and r["method"] in methods]
+    rows = repredict(rows)
+    print(validation_table(rows))
+    print()
+    print(advice_check(rows))
+    return 0
+
+
+def advice_check(rows: list[dict[str, Any]]) -> str:
+    """Per (network, n, P): the method `advise` recommends from the profile against the measured fastest.
+
+    The recommendation is :func:`sparsecomm.app.commands.advise.advise` over the measured methods at
+    the measured density (the workers colocated, as measured)."""
+    from ..commands.advise import advise
+    from ..simulator import Profile
+
+    table = []
+    for key in sorted({(r["net"], r["n"], r["P"]) for r in rows}):
+        group = {r["method"]: r for r in rows if (r["net"], r["n"], r["P"]) == key}
+        if "dense" not in group:
+            continue
+        profile = Profile.load(next(iter(group.values()))["profile"])
+        density = next(iter(group.values()))["density"]
+        best = advise(sorted(group), key[2], key[1], [density], profile=profile, colocated=True).best
+        fastest = min(group.values(), key=lambda r: r["measured_s"])
+        ratio = group[best.method]["measured_s"] / fastest["measured_s"]
+        table.append({"network": key[0], "n": key[1], "P": key[2], "advised": best.method,
+                      "advised measured (ms)": 1e3 * group[best.method]["measured_s"],
+                      "measured fastest": fastest["method"], "fastest (ms)": 1e3 * fastest["measured_s"],
+                      "advised / fastest": f"{ratio:.2f}", "within 10%": "yes" if ratio <= 1.10 else "no"})
+    if not table:
+        return "(no groups with dense measured)"
+    hits = sum(row["within 10%"] == "yes" for row in table)
+    return markdown_table(table, list(table[0])) + f"\n\nadvice within 10% of the measured fastest: {hits}/{len(table)}"
+
+
+def repredict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with ``predicted_s`` recomputed from each row's profile file as it is now (the model
+    or the profile may have changed since the measurement; rows whose profile is gone keep theirs)."""
+    from ..simulator import Profile, predict
+
+    profiles: dict[str, Profile | None] = {}
+    out = []
+    for r in rows:
+        path = r["profile"]
+        if path not in profiles:
+            profiles[path] = Profile.load(path) if Path(path).exists() else None
+        profile = profiles[path]
+        if profile is not None:
+            r = {**r, "predicted_s": predict(r["method"], r["P"], r["n"], r["density"], profile=profile).total_s}
+        out.append(r)
+    return out
+
+
+def validation_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of predicted, measured and relative error, and the error summary lines."""
+    table = []
+    for r in sorted(rows, key=lambda r: (r["net"], r["n"], r["method"], r["P"])):
+        error = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+        table.append({"network": r["net"], "n": r["n"], "method": r["method"], "P": r["P"],
+                      "predicted (ms)": 1e3 * r["predicted_s"], "measured (ms)": 1e3 * r["measured_s"],
+                      "rel. error": f"{100 * error:+.0f}%"})
+    if not table:
+        return "(no results)"
+    errors = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows]
+    worst = max(rows, key=lambda r: abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"])
+    lines = [markdown_table(table, list(table[0])), "",
+             f"{len(rows)} points; median |relative error| {100 * statistics.median(errors):.1f}%, "
+             f"worst {100 * max(errors):.0f}% ({worst['method']}, P={worst['P']}, n={worst['n']}, {worst['net']})"]
+    for net in sorted({r["net"] for r in rows}):
+        mine = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows if r["net"] == net]
+        lines.append(f"- {net}: median {100 * statistics.median(mine):.1f}%, worst {100 * max(mine):.0f}% "
+                     f"over {len(mine)} points")
+    return "\n".join(lines)

@@ -1,0 +1,147 @@
+"""`sparsecomm advise`: which method, density and options to use for a model on a cluster.
+
+Every method at every candidate density is run through the simulator (:mod:`sparsecomm.app.simulator`,
+the engine of ``sparsecomm simulate``): communication from its cost formula at the latency and bandwidth
+given (or a profile's), plus the per-step work measured by ``sparsecomm calibrate`` when ``--profile``
+is given. The recommendation is the fastest predicted method; its density is the largest candidate
+whose predicted step is within ``--density-slack`` of that method's fastest (a lower density saves
+time but costs accuracy: see docs/training.md). Each line says what the prediction rests on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..report_table import markdown_table
+from ..simulator import Prediction, UnknownMethodError, predict
+
+HELP = "recommend a method, density and options for a model size, P and network (from the simulator)"
+
+
+def add_arguments(parser) -> None:
+    from .simulate import add_model_arguments
+
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--params", default=None, help="model size in parameters, e.g. 25M or 340M")
+    what.add_argument("--model", default=None, help="a model of sparsecomm's (its parameters are counted)")
+    what.add_argument("--model-file", default=None, help="a saved model or state dict (torch.save); its "
+                      "tensors' elements are counted")
+    parser.add_argument("--data", default=None, help="with --model: the data set that sizes it (default: the "
+                        "model's first)")
+    parser.add_argument("--workers", "-P", type=int, default=8, help="worker count P (default: %(default)s)")
+    parser.add_argument("--latency", default=None, help="latency per message, e.g. 50us (same as --alpha)")
+    parser.add_argument("--densities", default="0.1,0.01,0.001",
+                        help="candidate densities (default: %(default)s)")
+    parser.add_argument("--density-slack", type=float, default=0.10,
+                        help="take the largest density within this fraction of the method's fastest "
+                        "(default: %(default)s)")
+    parser.add_argument("--top", type=int, default=5, help="alternatives listed (default: %(default)s)")
+    add_model_arguments(parser, methods="all")
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The recommendation and the ranked alternatives (one per method, its chosen density)."""
+
+    best: Prediction
+    dense: Prediction
+    ranked: list[Prediction]
+    n: int
+
+
+def count_parameters(args) -> int:
+    """n from --params, --model (+ --data) or --model-file (ValueError when none or unusable)."""
+    from ..bench.common import parse_count
+
+    if args.params:
+        return parse_count(args.params)
+    if args.model:
+        from ..data import load_dataset
+        from ..models import MODEL_DATA, available_models, make_model
+
+        if args.model not in available_models():
+            raise ValueError(f"unknown model {args.model!r}; available: {', '.join(available_models())}")
+        data = args.data or MODEL_DATA[args.model][0]
+        model = make_model(args.model, load_dataset(data).info)
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if args.model_file:
+        return _count_saved(args.model_file)
+    raise ValueError("give the model size: --params N, --model NAME or --model-file PATH")
+
+
+def _count_saved(path: str) -> int:
+    import torch
+
+    try:
+        obj: Any = torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError, ValueError) as err:
+        raise ValueError(f"--model-file {path!r} cannot be loaded by torch.load: {err}") from None
+    if isinstance(obj, torch.nn.Module):
+        return sum(p.numel() for p in obj.parameters() if p.requires_grad)
+
+    def count(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() if x.is_floating_point() else 0
+        if isinstance(x, dict):
+            return sum(count(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(count(v) for v in x)
+        return 0
+
+    total = count(obj.get("model", obj) if isinstance(obj, dict) else obj)
+    if total == 0:
+        raise ValueError(f"--model-file {path!r} holds no floating-point tensors")
+    return total
+
+
+def advise(methods: list[str], P: int, n: int, densities: list[float], slack: float = 0.10,
+           **kwargs: Any) -> Advice:
+    """Rank methods by predicted step time at their chosen density (see the module docstring)."""
+    from ...methods import method_class
+
+    if not densities or any(not 0 < d <= 1 for d in densities):
+        raise ValueError(f"densities {densities} must be fractions in (0, 1]")
+    dense = predict("dense", P, n, 1.0, **kwargs)
+    chosen = []
+    for name in methods:
+        if not method_class(name).sparse:
+            chosen.append(predict(name, P, n, 1.0, **kwargs))
+            continue
+        options = [predict(name, P, n, d, **kwargs) for d in sorted(densities, reverse=True)]
+        fastest = min(p.total_s for p in options)
+        chosen.append(next(p for p in options if p.total_s <= (1 + slack) * fastest))
+    ranked = sorted(chosen, key=lambda p: p.total_s)
+    return Advice(ranked[0], dense, ranked, n)
+
+
+def run(args) -> int:
+    from .simulate import fail, method_names, model_kwargs
+
+    try:
+        if args.latency and args.alpha:
+            raise ValueError("give --latency or --alpha, not both")
+        args.alpha = args.alpha or args.latency
+        methods = method_names(args.methods)
+        densities = [float(d) for d in args.densities.split(",")]
+        if args.workers < 1:
+            raise ValueError(f"-P {args.workers} must be >= 1")
+        n = count_parameters(args)
+        kwargs = model_kwargs(args)
+        result = advise(methods, args.workers, n, densities, args.density_slack, **kwargs)
+    except (UnknownMethodError, ValueError) as err:
+        return fail("advise", str(err))
+    best, dense = result.best, result.dense
+    profile = kwargs["profile"]
+    print(f"model: {n:,} parameters; P={args.workers}; "
+          + (f"profile {args.profile} ({profile.net})" if profile else "no profile (communication only)"))
+    density = f"density {best.density:g}" if best.density < 1 else "dense"
+    print(f"recommended: {best.method} ({density}, default options): predicted {1e3 * best.total_s:.1f} ms "
+          f"per step vs DDP {1e3 * dense.total_s:.1f} ms ({dense.total_s / best.total_s:.2f}x)")
+    print(f"rests on: {best.rests_on}")
+    rows = [{"method": p.method, "density": p.density, "step (ms)": 1e3 * p.total_s, "comm (ms)": 1e3 * p.comm_s,
+             "work (ms)": 1e3 * p.work_s, "vs DDP": dense.total_s / p.total_s} for p in result.ranked[:args.top]]
+    print(markdown_table(rows, list(rows[0])))
+    print("Predicted communication and sparsification time per step only: forward/backward compute is "
+          "not included; lower densities save time but cost accuracy (docs/training.md).")
+    return 0

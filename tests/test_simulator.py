@@ -1,0 +1,223 @@
+"""The simulator: calibration fits, predictions against the cost formulas, the simulate/calibrate/advise CLI."""
+
+import json
+import math
+
+import pytest
+
+from sparsecomm import available_methods
+from sparsecomm.app.calibration import fit_links, profile_from_records
+from sparsecomm.app.cli import main
+from sparsecomm.app.simulator import Profile, UnknownMethodError, check_methods, crossover, fit_work, predict
+from sparsecomm.methods import cost, method_class
+from sparsecomm.methods.base import selection_count
+
+ALPHA, BETA = 150e-6, 2.5e-9
+
+
+def _link_record(rank, P, kind="intra", noise=0.0):
+    samples = []
+    for n in (1_000, 250_000, 2_000_000):
+        for algorithm in ("ring", "rabenseifner"):
+            c = cost(algorithm, P=P, n=n, rank=rank)
+            seconds = c.rounds * ALPHA + c.bytes_sent * BETA
+            samples.append({"kind": kind, "algorithm": algorithm, "P": P, "n": n, "rounds": c.rounds,
+                            "bytes": c.bytes_sent, "seconds": seconds * (1 + noise)})
+    return samples
+
+
+@pytest.mark.parametrize("P", [2, 4, 6])
+def test_calibration_recovers_known_alpha_and_beta_from_synthetic_timings(P):
+    records = [{"links": _link_record(rank, P)} for rank in range(P)]
+    link = fit_links(records)["intra"]
+    assert link["alpha"] == pytest.approx(ALPHA, rel=1e-6)
+    assert link["beta"] == pytest.approx(BETA, rel=1e-6)
+
+
+def test_calibration_separates_link_kinds():
+    records = [{"links": _link_record(0, 4, "intra") + [
+        {**s, "kind": "inter", "seconds": 3 * s["seconds"]} for s in _link_record(0, 4, "intra")]}]
+    links = fit_links(records)
+    assert links["inter"]["alpha"] == pytest.approx(3 * ALPHA, rel=1e-6)
+    assert links["inter"]["beta"] == pytest.approx(3 * BETA, rel=1e-6)
+
+
+def _synthetic_profile(P=2, density=0.01, work_per_element=2e-9):
+    """A profile built by the real code path from synthetic worker records."""
+    n = 100_000
+    runs = []
+    for name in available_methods():
+        k = selection_count(density, n) if method_class(name).sparse else 0
+        sent = max(cost(name, P=P, n=n, k=k, rank=r, density=density).bytes_sent for r in range(P))
+        runs.append({"method": name, "n": n, "times": [0.01 + work_per_element * n] * 3, "time_comm": [0.01] * 3,
+                     "bytes_sent": sent})
+    dense = [{"n": m, "rounds": cost("dense", P=P, n=m, rank=0).rounds,
+              "bytes": cost("dense", P=P, n=m, rank=0).bytes_sent,
+              "seconds": 2 * ALPHA + 4 * m * BETA} for m in (1_000, 1_000_000)]
+    records = [{"P": P, "links": _link_record(r, P), "dense": dense, "runs": runs} for r in range(P)]
+    return profile_from_records(records, density=density, net="loopback", device="cpu", cores=2, colocated=True,
+                                selectors={"topk": 1e-9}, recv_element_s=5e-9, meta={})
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    profile = _synthetic_profile()
+    path = tmp_path / "p.json"
+    profile.save(path)
+    again = Profile.load(path)
+    assert again == profile
+    assert again.alpha == pytest.approx(ALPHA) and again.beta == pytest.approx(BETA)
+    assert again.methods["topka"]["w1"] == pytest.approx(2e-9)
+
+
+def test_profile_load_rejects_other_json(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match="not a version-1 sparsecomm profile"):
+        Profile.load(path)
+
+
+@pytest.mark.parametrize("name", available_methods())
+@pytest.mark.parametrize("P", [2, 7, 64])
+def test_prediction_equals_cost_formula_when_work_is_zero(name, P):
+    n, density = 1_000_003, 0.01
+    k = selection_count(density, n) if method_class(name).sparse else 0
+    worst = max(cost(name, P=P, n=n, k=k, rank=r, density=density).time(ALPHA, BETA) for r in range(P))
+    p = predict(name, P, n, density, alpha=ALPHA, beta=BETA)
+    assert p.work_s == 0.0
+    assert p.total_s == pytest.approx(worst, rel=1e-12) or P > 4  # sampled ranks at large P
+    assert p.total_s <= worst * (1 + 1e-12)
+    assert p.total_s >= cost(name, P=P, n=n, k=k, rank=0, density=density).time(ALPHA, BETA) * (1 - 1e-12)
+
+
+def test_prediction_with_profile_adds_contended_work_and_overlap():
+    profile = _synthetic_profile(P=2, work_per_element=2e-9)
+    n = 1_000_000
+    alone = predict("topka", 2, n, 0.01, profile=profile)
+    assert alone.work_s == pytest.approx(2e-9 * n, rel=1e-6)
+    factor = profile.methods["topka"]["comm_factor"]
+    formula = predict("topka", 2, n, 0.01, alpha=ALPHA, beta=BETA).comm_s
+    assert factor == pytest.approx(0.01 / predict("topka", 2, 100_000, 0.01, alpha=ALPHA, beta=BETA).comm_s)
+    assert alone.comm_s == pytest.approx(factor * formula, rel=1e-6)
+    assert predict("topka", 2, n, 0.01, profile=profile, use_comm_factor=False).comm_s == pytest.approx(formula)
+    crowded = predict("topka", 8, n, 0.01, profile=profile)  # 8 workers on 2 cores: 4x the work time
+    received = (cost("topka", P=8, n=n, k=10_000, rank=0).bytes_recv - cost("topka", P=2, n=n, k=10_000,
+                                                                               rank=0).bytes_recv) / 8
+    assert crowded.work_s == pytest.approx(4 * 2e-9 * n + 5e-9 * received, rel=1e-6)
+    cluster = predict("topka", 8, n, 0.01, profile=profile, colocated=False, compute_scale=10)
+    assert cluster.work_s == pytest.approx((2e-9 * n + 5e-9 * received) / 10, rel=1e-6)
+    assert "ASSUMED" in cluster.rests_on
+    hidden = predict("topka", 8, n, 0.01, profile=profile, overlap=0.5, backward_s=1.0)
+    assert hidden.total_s == pytest.approx(crowded.total_s - 0.5 * crowded.comm_s)
+
+
+def test_fit_work_recovers_slope_and_intercept():
+    w1, w0 = fit_work([(1_000_000, 0.003 + 2e-9 * 1_000_000), (25_000_000, 0.003 + 2e-9 * 25_000_000)])
+    assert w1 == pytest.approx(2e-9) and w0 == pytest.approx(0.003)
+
+
+def test_crossover_is_first_P_where_dense_wins():
+    rows = [{"method": "x", "P": P, "speedup": s} for P, s in [(8, 3.0), (16, 1.2), (32, 1.0), (64, 0.5)]]
+    assert crossover(rows, "x") == 32
+    assert crossover([{"method": "x", "P": 8, "speedup": 2.0}], "x") is None
+
+
+def test_check_methods_names_the_valid_ones():
+    with pytest.raises(UnknownMethodError, match=r"unknown method 'topkk'; valid names: .*topka"):
+        check_methods(["topka", "topkk"])
+
+
+def test_simulate_rejects_unknown_names_with_one_line_and_exit_2(capsys):
+    assert main(["simulate", "--methods", "topka,nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "unknown method 'nope'" in err and "spardl" in err
+
+
+@pytest.mark.parametrize("name", ["hitopk", "redsync"])
+def test_simulate_with_density_no_longer_crashes(name, capsys):
+    assert main(["simulate", "--methods", name, "--density", "0.001", "--workers", "8,64"]) == 0
+    out = capsys.readouterr().out
+    assert f"| {name}" in out
+
+
+def test_simulate_runs_for_every_available_method(capsys, tmp_path):
+    rows_file = tmp_path / "rows.json"
+    assert main(["simulate", "--methods", "all", "--workers", "2,8,1024", "--size", "340M",
+                 "--json", str(rows_file)]) == 0
+    rows = json.loads(rows_file.read_text())
+    assert {r["method"] for r in rows} == set(available_methods())
+    assert all(math.isfinite(r["time_s"]) and r["time_s"] > 0 for r in rows)
+
+
+def test_simulate_with_profile_and_plot(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    _synthetic_profile().save(path)
+    png = tmp_path / "out.png"
+    assert main(["simulate", "--methods", "dense,topka,spardl", "--profile", str(path), "--workers", "8,64",
+                 "--plot", str(png), "--compute-scale", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "ASSUMPTION: compute 5x" in out
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--density", "0"], "--density=0.0 must lie in (0, 1]"),
+    (["--workers", "8,x"], "--workers='8,x' must be comma-separated integers"),
+    (["--bandwidth", "1gbps"], "must be a rate in bits per second"),
+    (["--overlap", "2"], "--overlap=2.0 must lie in [0, 1]"),
+])
+def test_simulate_rejects_bad_options(argv, message, capsys):
+    assert main(["simulate", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_advise_recommends_with_predicted_time_against_ddp(capsys):
+    assert main(["advise", "--params", "25M", "-P", "64", "--bandwidth", "10gbit", "--latency", "50us"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: " in out and "vs DDP" in out and "rests on: cost formula only" in out
+
+
+def test_advise_counts_a_saved_model(tmp_path, capsys):
+    import torch
+
+    path = tmp_path / "m.pt"
+    torch.save(torch.nn.Linear(1000, 100).state_dict(), path)
+    assert main(["advise", "--model-file", str(path), "-P", "8"]) == 0
+    assert "model: 100,100 parameters" in capsys.readouterr().out
+
+
+def test_advise_rests_on_the_profile(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    _synthetic_profile().save(path)
+    assert main(["advise", "--params", "1M", "-P", "4", "--profile", str(path), "--colocated"]) == 0
+    out = capsys.readouterr().out
+    rests_on = out.split("rests on: ")[1].splitlines()[0]
+    assert "fitted" in rests_on and "work measured at P=2" in rests_on
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "give the model size"),
+    (["--params", "1M", "--methods", "spardll"], "unknown method 'spardll'"),
+    (["--params", "1M", "--densities", "0.5,2"], "must be fractions in (0, 1]"),
+    (["--model", "resnet"], "unknown model 'resnet'"),
+])
+def test_advise_rejects_bad_input_in_one_line(argv, message, capsys):
+    assert main(["advise", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+@pytest.mark.slow
+def test_advice_is_the_measured_fastest_or_within_10_percent_at_P4_loopback():
+    """One configuration measured here (P=4, loopback, n=1M, density 1%; workers share this machine)."""
+    from sparsecomm import run_workers
+    from sparsecomm.app.bench.simvalidate import _validate_worker
+    from sparsecomm.app.calibration import calibrate, slowest_best
+    from sparsecomm.app.commands.advise import advise
+
+    methods, n, density = ["cltk", "dense", "ring", "spardl", "topka"], 1_000_000, 0.01
+    profile = calibrate(2, methods, [n], density, repeat=5)
+    records = run_workers(4, _validate_worker, methods, [n], density, 5, timeout=600)
+    measured = {run["method"]: slowest_best(records, i) for i, run in enumerate(records[0]["runs"])}
+    best = advise(methods, 4, n, [density], profile=profile, colocated=True).best
+    assert measured[best.method] <= 1.10 * min(measured.values()), (best.method, measured)
