@@ -209,3 +209,48 @@ def test_hitopk_inter_node_bytes_on_emulated_nodes():
     for rank, rec in enumerate(records):
         want = cost("hitopk_inter_node", P=8, n=N, rank=rank, density=DENSITY, local_size=4)
         assert rec[0]["inter_node_bytes_sent"] == want.bytes_sent and rec[0]["local_size"] == 4
+
+
+# -- the benchmarks ---------------------------------------------------------------------------------
+
+@needs_net
+def test_bench_net_measures_the_node_nic(capsys):
+    from sparsecomm.app.cli import main
+
+    assert main(["bench", "net", "--net", "1gbit", "--nodes", "2x2", "--size-mb", "1", "--repeats", "1",
+                 "--ring-size", "0", "--world-sizes", "2", "--setup-repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| 2x2:1gbit | intra-node (loopback) | 1 | 1 | 1 |" in out
+    assert "| 2x2:1gbit | node 0 -> node 1 | 2 | 1 | 1 |" in out
+
+
+def test_bench_net_refuses_a_bad_node_layout():
+    from sparsecomm.app.cli import main
+
+    with pytest.raises(SystemExit, match="--nodes='1x4' must be NODESxLOCAL with at least 2 nodes"):
+        main(["bench", "net", "--nodes", "1x4"])
+
+
+@needs_net
+def test_bench_hierarchy_prints_bytes_apart_and_the_winner(capsys):
+    from sparsecomm.app.cli import main
+
+    assert main(["bench", "hierarchy", "--layouts", "2x2", "--size", "4k", "--densities", "0.01",
+                 "--methods", "hitopk,topka,tree", "--repeat", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[3].strip(): line for line in out.splitlines() if line.startswith("| 2x2 |")}
+    hitopk = [cell.strip() for cell in rows["hitopk"].split("|")]
+    # NIC MB/node measured equals eq. (9)'s prediction: 2 streams of 2 x 4 B x (2-1) x 0.01 x 4000 / 2
+    assert float(hitopk[5]) == pytest.approx(float(hitopk[8])) == pytest.approx(2 * 8 * 0.01 * 4000 / 2 / 1e6)
+    assert "Winner (fastest) per layout and density" in out
+
+
+def test_bench_hierarchy_refuses_bad_input():
+    from sparsecomm.app.cli import main
+
+    with pytest.raises(SystemExit, match="--layouts: '2by4' must be NODESxLOCAL"):
+        main(["bench", "hierarchy", "--layouts", "2by4"])
+    with pytest.raises(SystemExit, match=r"--densities=\[2.0\] must be numbers in \(0, 1\]"):
+        main(["bench", "hierarchy", "--densities", "2"])
+    with pytest.raises(SystemExit, match="unknown method 'nope'"):
+        main(["bench", "hierarchy", "--methods", "nope"])
