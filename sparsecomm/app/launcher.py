@@ -29,7 +29,17 @@ the store, to give up before running ``fn``, and the launcher starts them again 
 
 With ``net="1gbit"`` (any tc rate), every worker lives in its own network namespace on an emulated
 switch whose links are rate-limited (see :mod:`sparsecomm.app.netemu`); gloo binds that namespace's
-interface through ``GLOO_SOCKET_IFNAME``.
+interface through ``GLOO_SOCKET_IFNAME``. With ``net="2x4:1gbit"`` (``NODESxLOCAL:RATE``, optionally
+``NODESxLOCAL:RATE/INTRA_RATE``) the workers form NODES emulated nodes of LOCAL consecutive ranks:
+the ranks of a node share its namespace, talk to each other over its loopback (unlimited, or at
+INTRA_RATE) and share one NIC of RATE for traffic to other nodes.
+
+Node environment: every worker gets the variables ``torchrun`` sets, so code can rely on them under
+both launchers: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (ranks per node L),
+``GROUP_RANK`` (the node) and ``GROUP_WORLD_SIZE`` (the nodes). The layout is the ``net=`` one: L =
+LOCAL for ``"NODESxLOCAL:RATE"``, L = 1 for a plain rate (every rank has its own link); without
+``net``, L is ``LOCAL_WORLD_SIZE`` of the calling process when it is set, else P: all workers run on
+this one machine, as ``torchrun`` on one machine would say.
 
 Caveat inherited from fork: a parent process that already ran a multithreaded torch operation makes
 children hang on their first parallel op. Call ``torch.set_num_threads(1)`` early in a parent that
@@ -56,7 +66,7 @@ from typing import Any
 
 from ..core.validate import check_int, check_number
 
-__all__ = ["run_workers", "WorkerError", "current_network"]
+__all__ = ["run_workers", "WorkerError", "current_network", "node_environment"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +89,27 @@ def current_network() -> str | None:
     return _current_network
 
 
+def node_environment(rank: int, world_size: int, local_size: int) -> dict[str, str]:
+    """The variables ``torchrun`` gives worker ``rank`` of ``world_size`` in nodes of ``local_size``."""
+    node, local_rank = divmod(rank, local_size)
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_size), "GROUP_RANK": str(node),
+            "GROUP_WORLD_SIZE": str(world_size // local_size)}
+
+
+def _local_size(world_size: int, net: str | None) -> int:
+    """Ranks per node for the workers' environment (see the module docstring)."""
+    from ..transport.nodemap import LOCAL_SIZE_ENV, resolve_local_size
+
+    if net is not None:
+        from .netemu import parse_net
+
+        return parse_net(net, world_size).local_size
+    if os.environ.get(LOCAL_SIZE_ENV) is None:
+        return world_size
+    return resolve_local_size(world_size)
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -95,7 +126,7 @@ def _send(conn: mp.connection.Connection, message: tuple) -> None:
 
 def _worker_main(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple,
                  conn: mp.connection.Connection, beat: mp.connection.Connection, network, net: str | None,
-                 timeout: float, stall_timeout: float, backend: str) -> None:
+                 timeout: float, stall_timeout: float, backend: str, local_size: int) -> None:
     global _current_network
     import torch
 
@@ -105,6 +136,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, fn: Callable, args
     import torch.distributed as dist
 
     try:
+        os.environ.update(node_environment(rank, world_size, local_size))
         if network is not None:
             os.environ.update(network.enter(rank))
         _current_network = net
@@ -185,8 +217,10 @@ def run_workers(world_size: int, fn: Callable, *args: Any, net: str | None = Non
             ``torch.distributed.get_rank()`` or build a :class:`~sparsecomm.Communicator`.
             Its return value must pickle.
         net: ``None`` for loopback, or a tc rate string (``"1gbit"``, ``"100mbit"``) to put each
-            worker in its own network namespace behind a link of that rate (needs root + iproute2;
-            raises ``RuntimeError`` saying why when unavailable).
+            worker in its own network namespace behind a link of that rate, or
+            ``"NODESxLOCAL:RATE[/INTRA_RATE]"`` (``"2x4:1gbit"``) for emulated nodes sharing one
+            NIC of RATE each (needs root + iproute2; raises ``RuntimeError`` saying why when
+            unavailable, ``ValueError`` when NODES x LOCAL is not ``world_size``).
         timeout: seconds for the whole call (start, work and exit).
         stall_timeout: seconds after which a rank that stopped participating is reported: the
             process group's timeout for each collective, and the longest silence of a worker's
@@ -201,19 +235,23 @@ def run_workers(world_size: int, fn: Callable, *args: Any, net: str | None = Non
             result, or the call did not finish within ``timeout``.
     """
     _validate(world_size, fn, timeout, stall_timeout)
+    local_size = _local_size(world_size, net)
     network_cm: Any = contextlib.nullcontext(None)
     if net is not None:
-        from .netemu import EmulatedNetwork, unavailable_reason
+        from .netemu import EmulatedNetwork, parse_net, unavailable_reason
 
+        spec = parse_net(net, world_size)
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"net={net!r} cannot be emulated here: {reason}")
-        network_cm = EmulatedNetwork(world_size, net)
+        network_cm = EmulatedNetwork(world_size, spec.rate, local_size=spec.local_size,
+                                     intra_rate=spec.intra_rate)
 
     with network_cm as network:
         for attempt in range(1, _LAUNCH_ATTEMPTS + 1):
             try:
-                return _launch(world_size, fn, args, network, net, timeout, stall_timeout, backend)
+                return _launch(world_size, fn, args, network, net, timeout, stall_timeout, backend,
+                               local_size)
             except _ConnectFailed as failure:
                 if attempt == _LAUNCH_ATTEMPTS:
                     raise failure.error from None
@@ -234,7 +272,7 @@ class _ConnectFailed(Exception):
 
 
 def _launch(world_size: int, fn: Callable, args: tuple, network, net: str | None, timeout: float,
-            stall_timeout: float, backend: str) -> list[Any]:
+            stall_timeout: float, backend: str, local_size: int) -> list[Any]:
     """One attempt: fork the workers, collect their results, reap them on every path."""
     ctx = mp.get_context("fork")
     janitor, janitor_pipe, tmpdir = _start_janitor()
@@ -249,7 +287,8 @@ def _launch(world_size: int, fn: Callable, args: tuple, network, net: str | None
             beat_parent, beat_child = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker_main, name=f"sparsecomm-rank{rank}",
                                args=(rank, world_size, store_path, fn, args, child_end, beat_child,
-                                     network, net, timeout, stall_timeout, backend), daemon=True)
+                                     network, net, timeout, stall_timeout, backend, local_size),
+                               daemon=True)
             proc.start()
             child_end.close()
             beat_child.close()

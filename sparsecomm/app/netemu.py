@@ -1,28 +1,41 @@
 """An emulated switched network on one machine: network namespaces, a bridge and tc rate limits.
 
 DESIGN.md, "Benchmarks and measurement": a network of a given bandwidth is emulated on one machine
-where the kernel allows it. :class:`EmulatedNetwork` builds, for ``world_size`` ranks::
+where the kernel allows it. :class:`EmulatedNetwork` builds, for ``world_size`` ranks in nodes of
+``local_size`` ranks (default 1: every rank is its own node)::
 
-    namespace <name>-hub:   bridge "sc-bridge" --+-- "sc-port0"  (tbf: hub -> rank 0)
-                                                 +-- "sc-port1"  (tbf: hub -> rank 1)  ...
+    namespace <name>-hub:   bridge "sc-bridge" --+-- "sc-port0"  (tbf: hub -> node 0)
+                                                 +-- "sc-port1"  (tbf: hub -> node 1)  ...
                                                  |  veth pairs
-    namespace <name>-r0:    lo, "sc-rank0" 10.213.C.1/24  (tbf: rank 0 -> hub)
-    namespace <name>-r1:    lo, "sc-rank1" 10.213.C.2/24  (tbf: rank 1 -> hub)  ...
+    namespace <name>-n0:    lo, "sc-node0" 10.213.C.1/24  (tbf: node 0 -> hub)   ranks 0 .. L-1
+    namespace <name>-n1:    lo, "sc-node1" 10.213.C.2/24  (tbf: node 1 -> hub)   ranks L .. 2L-1 ...
 
-so every rank has a full-duplex link of the given rate to a non-blocking switch: a message from rank
-a to rank b is limited by a's egress (rank side) and by b's ingress (the egress of b's port on the
-bridge). Both ends of each veth pair are created directly inside their namespaces, so nothing is
-ever added to the root namespace (no link, address or route) and the interface names only have to
-be unique inside one namespace; the namespaces' names carry the creating pid and a per-process
-counter (``sc<pid>-<counter>-hub``, ``sc<pid>-<counter>-r<rank>``), so concurrent networks never
-collide and :func:`cleanup_stale` can tell the orphans of dead processes.
+(with ``local_size=1`` the namespaces are ``<name>-r<rank>`` and the interfaces ``sc-rank<rank>``,
+one per rank, as before nodes existed). Every node has a full-duplex link (its NIC) of the given
+rate to a non-blocking switch: a message from node a to node b is limited by a's egress (node side)
+and by b's ingress (the egress of b's port on the bridge), and all ranks of a node share that NIC,
+as a cloud node's GPUs share its network card. The ranks of one node share its namespace and its
+address, so messages between them travel over the namespace's loopback device: the fast intra-node
+path, unlimited, or limited to ``intra_rate`` by a tbf on ``lo`` (one shared budget for all of the
+node's intra-node traffic, both directions together, like a node's internal bus).
+
+Both ends of each veth pair are created directly inside their namespaces, so nothing is ever added
+to the root namespace (no link, address or route) and the interface names only have to be unique
+inside one namespace; the namespaces' names carry the creating pid and a per-process counter
+(``sc<pid>-<counter>-hub``, ``sc<pid>-<counter>-r<rank>`` or ``-n<node>``), so concurrent networks
+never collide and :func:`cleanup_stale` can tell the orphans of dead processes.
+
+The spelling of a network for :func:`~sparsecomm.run_workers` (``net=``) is parsed by
+:func:`parse_net`: a rate (``"1gbit"``: one rank per node) or ``"NODESxLOCAL:RATE"``
+(``"2x4:1gbit"``), optionally ``"NODESxLOCAL:RATE/INTRA_RATE"`` (``"2x4:1gbit/10gbit"``).
 
 The rate limiter is a token bucket filter (``tc-tbf(8)``) with
 
 * ``rate``: any tc rate with an explicit unit (``"100mbit"``, ``"1gbit"``, ``"500kbit"``, ``"10mbps"``);
 * ``burst`` (bucket size): default ``max(rate x 1 ms, 64 KiB)``. At least 64 KiB because veth passes
   GSO super-packets of up to 64 KiB (a smaller bucket makes tbf split every one of them), and at
-  least 1 ms of traffic so that timer granularity does not cap high rates;
+  least 1 ms of traffic so that timer granularity does not cap high rates (on ``lo``, whose packets
+  reach 64 KiB plus headers, at least 128 KiB);
 * ``latency``: the longest a packet may wait in the tbf queue before it is dropped (tbf's ``latency``,
   which sets its queue length); it is not an added propagation delay.
 
@@ -54,8 +67,8 @@ from dataclasses import dataclass
 
 from ..core.validate import check_int, is_int
 
-__all__ = ["EmulatedNetwork", "unavailable_reason", "cleanup_stale", "parse_rate", "parse_size",
-           "parse_time"]
+__all__ = ["EmulatedNetwork", "NetSpec", "parse_net", "unavailable_reason", "cleanup_stale", "parse_rate",
+           "parse_size", "parse_time"]
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +78,10 @@ BRIDGE = "sc-bridge"
 ADDRESS_PREFIX = "10.213"           # private range; the third octet is a per-call id
 MAX_WORLD_SIZE = 253                # hosts .1 .. .253 of a /24
 MIN_BURST_BYTES = 64 * 1024
+MIN_LOOPBACK_BURST_BYTES = 128 * 1024
 BURST_SECONDS = 1e-3
 
-_NAME_RE = re.compile(r"^sc(?P<pid>\d+)-(?P<counter>\d+)-(?P<role>hub|probe|r\d+)$")
+_NAME_RE = re.compile(r"^sc(?P<pid>\d+)-(?P<counter>\d+)-(?P<role>hub|probe|r\d+|n\d+)$")
 _counter = itertools.count()
 
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +134,52 @@ def parse_size(size: str) -> float:
 def parse_time(duration: str) -> float:
     """A tc time string (``"50ms"``, ``"200us"``, ``"1s"``, bare number = microseconds) in seconds."""
     return _parse("latency", duration, _TIME_UNITS, "50ms")
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    """A parsed ``net=`` spelling: ``nodes`` x ``local_size`` ranks, the node NIC's ``rate`` and the
+    optional intra-node ``intra_rate`` (``None``: the node's loopback, unlimited)."""
+
+    nodes: int
+    local_size: int
+    rate: str
+    intra_rate: str | None = None
+
+
+_NET_RE = re.compile(r"^\s*(?P<nodes>\d+)\s*x\s*(?P<local>\d+)\s*:\s*(?P<rate>[^/\s]+)\s*"
+                     r"(?:/\s*(?P<intra>\S+)\s*)?$")
+
+
+def parse_net(net: str, world_size: int) -> NetSpec:
+    """Parse ``net=`` for ``world_size`` ranks: ``"RATE"`` (one rank per node) or
+    ``"NODESxLOCAL:RATE"`` or ``"NODESxLOCAL:RATE/INTRA_RATE"``; NODES x LOCAL must equal world_size.
+
+    Raises:
+        ValueError: naming the value and the rule (a malformed rate, a layout of the wrong size).
+    """
+    if not isinstance(net, str):
+        raise ValueError(f"net={net!r} must be a string: a tc rate ('1gbit') or "
+                         f"'NODESxLOCAL:RATE[/INTRA_RATE]' ('2x4:1gbit')")
+    if ":" not in net:
+        parse_rate(net)
+        return NetSpec(nodes=world_size, local_size=1, rate=net.strip())
+    match = _NET_RE.match(net)
+    if match is None:
+        raise ValueError(f"net={net!r} is not 'NODESxLOCAL:RATE' or 'NODESxLOCAL:RATE/INTRA_RATE' "
+                         f"(for example '2x4:1gbit' or '2x4:1gbit/10gbit')")
+    nodes, local = int(match.group("nodes")), int(match.group("local"))
+    if nodes < 1 or local < 1:
+        raise ValueError(f"net={net!r}: NODES={nodes} and LOCAL={local} must be positive")
+    if nodes * local != world_size:
+        raise ValueError(f"net={net!r} describes NODES x LOCAL = {nodes} x {local} = {nodes * local} "
+                         f"ranks, but world_size={world_size}: NODES x LOCAL must equal the number "
+                         f"of workers")
+    rate, intra = match.group("rate"), match.group("intra")
+    parse_rate(rate)
+    if intra is not None:
+        parse_rate(intra)
+    return NetSpec(nodes=nodes, local_size=local, rate=rate, intra_rate=intra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,11 +321,15 @@ class _Link:
 
 
 class EmulatedNetwork:
-    """``world_size`` network namespaces on one switch, every link limited to ``rate`` both ways.
+    """``world_size`` ranks in nodes on one switch, every node's link limited to ``rate`` both ways.
 
     Args:
-        world_size: number of ranks (1 .. 253).
-        rate: link rate, a tc rate with its unit (``"1gbit"``, ``"100mbit"``, ``"500kbit"``).
+        world_size: number of ranks (1 .. 253 nodes).
+        rate: link rate of each node (its NIC), a tc rate with its unit (``"1gbit"``, ``"100mbit"``).
+        local_size: ranks per node L (consecutive ranks share a node); must divide ``world_size``.
+            Default 1: every rank is its own node with its own link.
+        intra_rate: rate of a node's loopback (its ranks' messages to each other), a tc rate;
+            default ``None``: unlimited.
         burst: tbf bucket size (tc size, ``"128kb"``); default ``max(rate x 1 ms, 64 KiB)``.
         latency: tbf's longest queueing delay before a packet is dropped (tc time, ``"50ms"``).
 
@@ -275,14 +339,23 @@ class EmulatedNetwork:
             :func:`unavailable_reason`).
     """
 
-    def __init__(self, world_size: int, rate: str, *, burst: str | None = None,
-                 latency: str = "50ms") -> None:
-        if not is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE:
+    def __init__(self, world_size: int, rate: str, *, local_size: int = 1, intra_rate: str | None = None,
+                 burst: str | None = None, latency: str = "50ms") -> None:
+        if not is_int(world_size) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} must be a positive integer")
+        if not is_int(local_size) or local_size < 1 or world_size % local_size:
+            raise ValueError(f"local_size={local_size!r} (ranks per node) must be a positive integer "
+                             f"dividing world_size={world_size}")
+        if world_size // local_size > MAX_WORLD_SIZE:
             raise ValueError(f"world_size={world_size!r} must be an integer in 1..{MAX_WORLD_SIZE} "
-                             f"(one /24 subnet per network)")
+                             f"nodes (one /24 subnet per network)")
         self.world_size = world_size
+        self.local_size = local_size
+        self.nodes = world_size // local_size
         self.rate = rate
         self.rate_bits_per_second = parse_rate(rate)
+        self.intra_rate = intra_rate
+        self.intra_rate_bits_per_second = parse_rate(intra_rate) if intra_rate is not None else None
         self.burst_bytes = int(parse_size(burst) if burst is not None
                                else max(self.rate_bits_per_second / 8 * BURST_SECONDS,
                                         MIN_BURST_BYTES))
@@ -304,9 +377,10 @@ class EmulatedNetwork:
         self._name = _new_base_name()
         self._hub = f"{self._name}-hub"
         call_id = (self._owner_pid * 131 + int(self._name.rsplit("-", 1)[1])) % 250 + 1
-        self._links = [_Link(namespace=f"{self._name}-r{rank}", interface=f"sc-rank{rank}",
-                             address=f"{ADDRESS_PREFIX}.{call_id}.{rank + 1}", port=f"sc-port{rank}")
-                       for rank in range(self.world_size)]
+        role, device = ("r", "sc-rank") if self.local_size == 1 else ("n", "sc-node")
+        self._links = [_Link(namespace=f"{self._name}-{role}{node}", interface=f"{device}{node}",
+                             address=f"{ADDRESS_PREFIX}.{call_id}.{node + 1}", port=f"sc-port{node}")
+                       for node in range(self.nodes)]
         self._open = True
         _register(self)
         started = time.perf_counter()
@@ -315,14 +389,21 @@ class EmulatedNetwork:
         except BaseException:
             self.close()
             raise
-        log.info("emulated network %s: %d ranks at %s (burst %d B, latency %g s) built in %.3f s",
-                 self._name, self.world_size, self.rate, self.burst_bytes, self.latency_seconds,
+        log.info("emulated network %s: %d x %d ranks at %s (intra-node %s, burst %d B, latency %g s) "
+                 "built in %.3f s", self._name, self.nodes, self.local_size, self.rate,
+                 self.intra_rate or "unlimited", self.burst_bytes, self.latency_seconds,
                  time.perf_counter() - started)
         return self
 
     def _tbf(self, device: str) -> str:
         return (f"qdisc add dev {device} root tbf rate {self.rate_bits_per_second:.0f}bit "
                 f"burst {self.burst_bytes} latency {self.latency_seconds * 1e6:.0f}us")
+
+    def _loopback_tbf(self) -> str:
+        assert self.intra_rate_bits_per_second is not None
+        burst = max(self.intra_rate_bits_per_second / 8 * BURST_SECONDS, MIN_LOOPBACK_BURST_BYTES)
+        return (f"qdisc add dev lo root tbf rate {self.intra_rate_bits_per_second:.0f}bit "
+                f"burst {burst:.0f} latency {self.latency_seconds * 1e6:.0f}us")
 
     def _build(self) -> None:
         for namespace in [self._hub] + [link.namespace for link in self._links]:
@@ -347,7 +428,8 @@ class EmulatedNetwork:
                 f"link set {link.interface} addrgenmode none",
                 f"link set {link.interface} up",
             ])
-            _run_batch("tc", link.namespace, [self._tbf(link.interface)])
+            _run_batch("tc", link.namespace, [self._tbf(link.interface)] +
+                       ([self._loopback_tbf()] if self.intra_rate is not None else []))
 
     # -- teardown ---------------------------------------------------------------------------
 
@@ -376,10 +458,14 @@ class EmulatedNetwork:
         if not self._open:
             raise RuntimeError(f"{self!r} is not open: use it inside its `with` block")
         check_int("rank", rank, minimum=0, maximum=self.world_size - 1)
-        return self._links[rank]
+        return self._links[self.node_of(rank)]
+
+    def node_of(self, rank: int) -> int:
+        """The node of ``rank`` (nodes hold ``local_size`` consecutive ranks)."""
+        return rank // self.local_size
 
     def namespace(self, rank: int) -> str:
-        """Name of ``rank``'s network namespace (as ``ip netns list`` shows it)."""
+        """Name of ``rank``'s network namespace, its node's (as ``ip netns list`` shows it)."""
         return self._link(rank).namespace
 
     def namespaces(self) -> list[str]:
@@ -393,7 +479,7 @@ class EmulatedNetwork:
         return self._link(rank).interface
 
     def address(self, rank: int) -> str:
-        """``rank``'s IPv4 address (private, reachable only from this network's namespaces)."""
+        """``rank``'s IPv4 address, its node's (private, reachable only from this network's namespaces)."""
         return self._link(rank).address
 
     def enter(self, rank: int) -> dict[str, str]:
@@ -420,7 +506,8 @@ class EmulatedNetwork:
 
     def __repr__(self) -> str:
         state = f"name={self._name!r}" if self._open else "closed"
-        return f"EmulatedNetwork(world_size={self.world_size}, rate={self.rate!r}, {state})"
+        return (f"EmulatedNetwork(world_size={self.world_size}, rate={self.rate!r}, "
+                f"local_size={self.local_size}, intra_rate={self.intra_rate!r}, {state})")
 
 
 def _setns(path: str) -> None:

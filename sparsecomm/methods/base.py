@@ -126,6 +126,8 @@ class Method:
             stats.nnz_out = int(torch.count_nonzero(out))
         if not stats.modelled_bytes:
             stats.bytes_sent, stats.bytes_recv = traffic.bytes_sent, traffic.bytes_recv
+            stats.inter_node_bytes_sent = traffic.inter_node_bytes_sent
+            stats.inter_node_bytes_recv = traffic.inter_node_bytes_recv
         stats.header_bytes = traffic.header_bytes_sent
         stats.rounds = traffic.rounds
         stats.time_total = total

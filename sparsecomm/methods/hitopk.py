@@ -30,10 +30,22 @@ size of shard q, ``AG(p, sizes, r)`` = :func:`~sparsecomm.transport.sparse_colle
 
 Rounds are exact; bytes are exact given the union sizes (``union_sizes`` option, the ``union_nnz``
 stat of the L ranks of a node), otherwise a bound with u_q <= min(m k_q, c_q).
+
+Inter-node bytes (what crosses the node NIC when the job's nodes are the method's, e.g. under
+``run_workers(P, fn, net="2x4:1gbit")``) are exactly the inter-node all-gather's, eq. (9):
+``AG(m, [k_j (s_i + s)] * m, i)`` (cost ``"hitopk_inter_node"``); the paper's eq. (9) counts
+4 (m - 1) rho d / n bytes of values, the pairs double it. :func:`paper_bytes` gives eq. (7), (9) and
+(10) in bytes, as the paper writes them (the hierarchy benchmark prints them beside the meter).
+
+Only one node (m = 1, e.g. ``torchrun`` or ``run_workers`` on one machine, where
+``LOCAL_WORLD_SIZE`` = P): stage 1 is then a dense reduce-scatter of the whole gradient over all
+ranks and there is no inter-node stage. The method logs a warning when it is built and sets
+``stats.dense_fallback`` on every call.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,7 +62,9 @@ from ..transport.topology import resolve_local_size, split_nodes
 from .base import Layout, Method, register_method, selection_count
 from .select_allgather import SelectorStateMixin
 
-__all__ = ["HiTopKComm"]
+__all__ = ["HiTopKComm", "paper_bytes"]
+
+log = logging.getLogger(__name__)
 
 
 @register_method("hitopk")
@@ -78,6 +92,13 @@ class HiTopKComm(SelectorStateMixin, Method):
         self.local_size, self.node, self.cross = split_nodes(self.comm, local_size)
         self.selector_name = selector
         self.selector = make_selector(selector, **selector_options)
+        self.one_node = self.comm.size > 1 and self.cross.size == 1
+        if self.one_node:
+            log.warning("hitopk: all P=%d ranks form one node (local_size=%d, from %s): there is no "
+                        "inter-node stage, and stage 1 is a dense reduce-scatter of the whole gradient "
+                        "over every rank (stats.dense_fallback). Pass local_size= or run on several "
+                        "nodes for the hierarchy.", self.comm.size, self.local_size,
+                        "the argument" if local_size is not None else "LOCAL_WORLD_SIZE")
 
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n = grad.numel()
@@ -105,6 +126,7 @@ class HiTopKComm(SelectorStateMixin, Method):
             out.div_(self.comm.size)
         self.stats["union_nnz"] = union.nnz
         self.stats["local_size"] = self.local_size
+        self.stats.dense_fallback = self.one_node
         return out
 
     def __repr__(self) -> str:
@@ -135,3 +157,33 @@ def _hitopk_cost(P: int, n: int, rank: int, itemsize: int = 4, density: float | 
     intra = Cost(*allgatherv_traffic([u * per_element for u in union_sizes], j))
     total = rs + inter + intra
     return total if exact else total.bound()
+
+
+@register_cost("hitopk_inter_node")
+def _hitopk_inter_node_cost(P: int, n: int, rank: int, itemsize: int = 4, density: float | None = None,
+                            local_size: int | None = None, **_: Any) -> Cost:
+    """Exact inter-node traffic of one call, eq. (9): the all-gather of k_j pairs among the m ranks
+    with local rank j (0 when m = 1). Equals the meter's ``inter_node_bytes_*`` when the job's
+    nodes (``LOCAL_WORLD_SIZE``) are the method's ``local_size``."""
+    if density is None:
+        raise ValueError("the hitopk_inter_node cost needs density= (k is chosen per shard)")
+    L = resolve_local_size(P, local_size)
+    node_id, j = divmod(rank, L)
+    k = selection_count(density, chunk_sizes(n, L)[j])
+    return Cost(*allgatherv_traffic([k * pair_bytes(n, itemsize)] * (P // L), node_id))
+
+
+def paper_bytes(P: int, n: int, density: float, local_size: int, itemsize: int = 4) -> dict[str, float]:
+    """Bytes one rank sends per call by the paper's eq. (7), (9), (10) (Shi et al., section 3.2),
+    with d = n elements, m = P / L nodes of L ranks, rho = density, values of ``itemsize`` bytes
+    and indices as large again (the paper's formulas count the values only; pairs double them)::
+
+        eq7_intra = s (L-1) d / L            (ring reduce-scatter inside the node)
+        eq9_inter = 2 s (m-1) rho d / L      (all-gather of the selections across nodes)
+        eq10_intra = 2 s (L-1) rho d m / L   (all-gather of the unions inside the node, all distinct)
+    """
+    L = local_size
+    m = P // L
+    return {"eq7_intra": itemsize * (L - 1) * n / L,
+            "eq9_inter": 2 * itemsize * (m - 1) * density * n / L,
+            "eq10_intra": 2 * itemsize * (L - 1) * density * n * m / L}

@@ -34,6 +34,12 @@ class Stats(Mapping[str, Any]):
         calls: method calls summed into this record (buckets of a step).
         dense_calls: calls synchronized densely (dense warm-up, small tensors).
         hidden_time: seconds of the call that ran behind backward (the overlapped hook sets it).
+        inter_node_bytes_sent, inter_node_bytes_recv: the part of the payload bytes whose other end
+            is on another node (crossing the node's NIC), by the meter's node map
+            (``LOCAL_WORLD_SIZE``); the intra-node bytes are the rest.
+        dense_fallback: the method's node hierarchy had a single node (all ranks on one machine),
+            so it degenerated: hitopk's first stage is then a dense reduce-scatter over every rank,
+            torus2d a flat ring all-reduce (the method also logs a warning when it is built).
         modelled_bytes: the bytes are the cost model's figure for a backend collective the meter
             cannot see (torch's native all-reduce), not metered.
         warmup: the call was a dense warm-up step.
@@ -56,6 +62,9 @@ class Stats(Mapping[str, Any]):
     hidden_time: float = 0.0
     modelled_bytes: bool = False
     warmup: bool = False
+    inter_node_bytes_sent: int = 0
+    inter_node_bytes_recv: int = 0
+    dense_fallback: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -109,6 +118,7 @@ class Stats(Mapping[str, Any]):
                 setattr(out, name, getattr(out, name) + getattr(record, name))
             out.modelled_bytes = out.modelled_bytes or record.modelled_bytes
             out.warmup = out.warmup or record.warmup
+            out.dense_fallback = out.dense_fallback or record.dense_fallback
         return out
 
 

@@ -18,9 +18,14 @@ all-reduce cost, :func:`~sparsecomm.transport.collectives.ring_cost`)::
     = 2(L-1) + 2(m-1) rounds,  (2n - c_j - c_(j+1)) + (2c_j - c'_i - c'_(i+1)) elements sent,
 
 where ``c'`` are the chunk sizes of c_j over m. Exact: the traffic does not depend on the data.
+
+Only one node (m = 1, e.g. ``torchrun`` or ``run_workers`` on one machine): the method is a flat ring
+all-reduce over every rank; it logs a warning when built and sets ``stats.dense_fallback``.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -31,6 +36,8 @@ from ..transport.topology import resolve_local_size, split_nodes
 from .base import Layout, Method, register_method
 
 __all__ = ["TorusAllReduce"]
+
+log = logging.getLogger(__name__)
 
 @register_method("torus2d")
 class TorusAllReduce(Method):
@@ -44,6 +51,12 @@ class TorusAllReduce(Method):
     def __init__(self, comm: Communicator | None = None, *, local_size: int | None = None) -> None:
         super().__init__(comm)
         self.local_size, self.node, self.cross = split_nodes(self.comm, local_size)
+        self.one_node = self.comm.size > 1 and self.cross.size == 1
+        if self.one_node:
+            log.warning("torus2d: all P=%d ranks form one node (local_size=%d, from %s): no inter-node "
+                        "stage, this is a flat ring all-reduce (stats.dense_fallback). Pass "
+                        "local_size= or run on several nodes for the hierarchy.", self.comm.size,
+                        self.local_size, "the argument" if local_size is not None else "LOCAL_WORLD_SIZE")
 
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         with self.timer("comm"):
@@ -55,6 +68,7 @@ class TorusAllReduce(Method):
             ring_allgather_into(self.node, out)
         with self.timer("decompress"):
             out.div_(self.comm.size)
+        self.stats.dense_fallback = self.one_node
         return out
 
     def __repr__(self) -> str:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .meter import TrafficMeter
+from .nodemap import node_of, resolve_local_size
 
 __all__ = ["Communicator"]
 
@@ -42,10 +43,14 @@ class Communicator:
         ranks: for sub-communicators made by :meth:`split`: the global ranks, in local-rank order.
             Point-to-point messages of a sub-communicator travel over ``group``.
         meter: shared with the parent on :meth:`split`, so one meter sees all of a rank's traffic.
+        node_size: ranks per physical node, to tell inter-node bytes from intra-node bytes in the
+            meter (global rank r is on node r // node_size). Default: ``LOCAL_WORLD_SIZE`` from the
+            environment (torchrun and ``run_workers`` set it), else 1 (every message inter-node).
+            Sub-communicators inherit it.
     """
 
     def __init__(self, group=None, *, ranks: Sequence[int] | None = None,
-                 meter: TrafficMeter | None = None) -> None:
+                 meter: TrafficMeter | None = None, node_size: int | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Communicator needs an initialized torch.distributed process group: call it inside "
@@ -61,6 +66,8 @@ class Communicator:
         self.size: int = len(self._ranks)
         self.is_whole_group = self._ranks == group_ranks
         self.meter = meter if meter is not None else TrafficMeter()
+        self.node_size: int = resolve_local_size(dist.get_world_size(), node_size)
+        self._my_node = node_of(me, self.node_size)
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, ranks={self._ranks})"
@@ -73,6 +80,10 @@ class Communicator:
     def ranks(self) -> list[int]:
         return list(self._ranks)
 
+    def is_inter_node(self, local_rank: int) -> bool:
+        """Whether a message to or from ``local_rank`` crosses this rank's node NIC."""
+        return node_of(self.global_rank(local_rank), self.node_size) != self._my_node
+
     # ------------------------------------------------------------------ point to point
     def _post(self, send: torch.Tensor | None, dst: int | None,
               recv: torch.Tensor | None, src: int | None, header: bool) -> None:
@@ -82,11 +93,11 @@ class Communicator:
             assert src is not None, "a receive needs its source rank"
             works.append(dist.irecv(_as_bytes(recv) if recv.dtype != torch.uint8 else recv,
                                     src=self.global_rank(src), group=self.group))
-            self.meter.record_recv(_nbytes(recv), header=header)
+            self.meter.record_recv(_nbytes(recv), header=header, inter_node=self.is_inter_node(src))
         if send is not None and send.numel() > 0:
             assert dst is not None, "a send needs its destination rank"
             works.append(dist.isend(_as_bytes(send), dst=self.global_rank(dst), group=self.group))
-            self.meter.record_send(_nbytes(send), header=header)
+            self.meter.record_send(_nbytes(send), header=header, inter_node=self.is_inter_node(dst))
         for work in works:
             if work is not None:  # None only for a rank outside the group, which never gets here
                 work.wait()
@@ -192,8 +203,10 @@ class Communicator:
             position, team_id = divmod(self.rank, teams)
             team_local = [team_id + j * teams for j in range(m)]
             cross_local = [position * teams + t for t in range(teams)]
-        team = Communicator(self.group, ranks=[self._ranks[r] for r in team_local], meter=self.meter)
-        cross = Communicator(self.group, ranks=[self._ranks[r] for r in cross_local], meter=self.meter)
+        team = Communicator(self.group, ranks=[self._ranks[r] for r in team_local], meter=self.meter,
+                            node_size=self.node_size)
+        cross = Communicator(self.group, ranks=[self._ranks[r] for r in cross_local], meter=self.meter,
+                             node_size=self.node_size)
         return team, cross
 
     # ------------------------------------------------------------------ native collectives

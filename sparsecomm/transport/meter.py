@@ -10,6 +10,10 @@ payload bytes
 header bytes
     The small int64 size headers that :meth:`Communicator.exchange` sends first because the receiver
     does not know the payload size. Booked apart so payloads compare exactly with cost formulas.
+inter-node bytes
+    The payload bytes whose other end is a rank on another node (the node map is the environment's,
+    ``LOCAL_WORLD_SIZE``, see :mod:`~sparsecomm.transport.nodemap`): what crosses the node's NIC.
+    They are part of the payload bytes; intra-node bytes are the rest.
 round
     One latency term (alpha) of the alpha-beta model: one ``sendrecv``/``exchange`` call, in which a
     rank sends at most one message and receives at most one message, concurrently.
@@ -35,6 +39,16 @@ class PhaseTraffic:
     messages_sent: int = 0
     messages_recv: int = 0
     rounds: int = 0
+    inter_node_bytes_sent: int = 0
+    inter_node_bytes_recv: int = 0
+
+    @property
+    def intra_node_bytes_sent(self) -> int:
+        return self.bytes_sent - self.inter_node_bytes_sent
+
+    @property
+    def intra_node_bytes_recv(self) -> int:
+        return self.bytes_recv - self.inter_node_bytes_recv
 
     def add(self, other: PhaseTraffic) -> None:
         for f in fields(self):
@@ -75,21 +89,27 @@ class TrafficMeter:
     def record_round(self) -> None:
         self._entry().rounds += 1
 
-    def record_send(self, nbytes: int, header: bool = False) -> None:
+    def record_send(self, nbytes: int, header: bool = False, inter_node: bool = False) -> None:
+        """Book one sent message; ``inter_node``: its receiver is on another node."""
         entry = self._entry()
         if header:
             entry.header_bytes_sent += nbytes
         else:
             entry.bytes_sent += nbytes
             entry.messages_sent += 1
+            if inter_node:
+                entry.inter_node_bytes_sent += nbytes
 
-    def record_recv(self, nbytes: int, header: bool = False) -> None:
+    def record_recv(self, nbytes: int, header: bool = False, inter_node: bool = False) -> None:
+        """Book one received message; ``inter_node``: its sender is on another node."""
         entry = self._entry()
         if header:
             entry.header_bytes_recv += nbytes
         else:
             entry.bytes_recv += nbytes
             entry.messages_recv += 1
+            if inter_node:
+                entry.inter_node_bytes_recv += nbytes
 
     def phases(self) -> dict[str, PhaseTraffic]:
         """A copy of the per-phase traffic."""

@@ -9,6 +9,11 @@ Two tables:
 * ring shift, per ``--net`` value: all P ranks at once send a message to rank r+1 and receive one
   from rank r-1, so every link is busy in both directions; on a non-blocking switch each rank still
   gets the link rate (until the CPUs of this machine run out);
+* node NIC (``--nodes 2x4``): on emulated nodes (``net="2x4:RATE"``), 1 and then all L local ranks
+  of node 0 send a message each to their peers on node 1 at once; all share node 0's one NIC, so
+  the node's achieved rate (L x size / slowest time) should stay at the limit however many send,
+  and one rank alone should get all of it. An intra-node transfer (rank 0 to rank 1, loopback)
+  shows the fast path beside it;
 * the time to build and to tear down an emulated network of P ranks (namespaces, bridge, veths, tbf).
 """
 
@@ -45,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed transfers per rate; the table shows the median (default: 3)")
     parser.add_argument("--ring-size", type=int, default=8,
                         help="P of the ring-shift measurement, 0 to skip it (default: 8)")
+    parser.add_argument("--nodes", default=None,
+                        help="NODESxLOCAL (e.g. 2x4): also measure a node's shared NIC with 1 and LOCAL "
+                             "senders at once, for every emulated --net rate (default: skip)")
     parser.add_argument("--world-sizes", type=lambda s: [int(p) for p in _comma_list(s)],
                         default=[2, 8], help="P values for the setup/teardown timing (default: 2,8)")
     parser.add_argument("--setup-repeats", type=int, default=5,
@@ -122,6 +130,61 @@ def _ring_rows(nets: list[str], world_size: int, nbytes: int, repeats: int) -> l
     return rows
 
 
+def _node_nic(nbytes: int, repeats: int, senders: int, intra: bool) -> list[float]:
+    """Worker on emulated nodes: the first ``senders`` local ranks of node 0 each send ``nbytes`` to
+    the same local rank of node 1, all at once (``intra``: rank 0 sends to rank 1 of its own node);
+    returns this rank's times of ``repeats`` rounds (barrier to barrier)."""
+    rank = dist.get_rank()
+    local_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    node, local = divmod(rank, local_size)
+    outgoing, incoming = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
+    if intra:
+        role = {0: ("send", 1), 1: ("recv", 0)}.get(rank)
+    elif local < senders and node in (0, 1):
+        role = ("send", rank + local_size) if node == 0 else ("recv", rank - local_size)
+    else:
+        role = None
+    seconds = []
+    for _ in range(repeats + 1):  # the first round is a warm-up
+        dist.barrier()
+        started = time.perf_counter()
+        if role is not None:
+            kind, peer = role
+            request = dist.isend(outgoing, peer) if kind == "send" else dist.irecv(incoming, peer)
+            if request is not None:
+                request.wait()
+        dist.barrier()
+        seconds.append(time.perf_counter() - started)
+    return seconds[1:]
+
+
+def _node_rows(nets: list[str], nodes: str, nbytes: int, repeats: int) -> list[dict]:
+    count, local = (int(part) for part in nodes.lower().split("x"))
+    rows = []
+    for net in nets:
+        if net == "none":
+            continue
+        spec = f"{count}x{local}:{net}"
+        for senders, intra in ((1, True), (1, False), (local, False)):
+            per_rank = run_workers(count * local, _node_nic, nbytes, repeats, senders, intra, net=spec,
+                                   timeout=600)
+            seconds = statistics.median(max(times) for times in zip(*per_rank, strict=False))
+            achieved = senders * nbytes * 8 / seconds
+            rows.append({"net": spec, "path": "intra-node (loopback)" if intra else "node 0 -> node 1",
+                         "senders at once": senders, "MiB per sender": nbytes / 2**20,
+                         "repeats": repeats, "median s": seconds, "node Mbit/s": achieved / 1e6,
+                         "% of NIC rate": 100 * achieved / parse_rate(net)})
+    return rows
+
+
+def _check_nodes(nodes: str | None) -> None:
+    if nodes is None:
+        return
+    parts = nodes.lower().split("x")
+    if len(parts) != 2 or not all(part.isdigit() and int(part) >= 1 for part in parts) or int(parts[0]) < 2:
+        raise SystemExit(f"--nodes={nodes!r} must be NODESxLOCAL with at least 2 nodes (e.g. 2x4)")
+
+
 def _setup_rows(world_sizes: list[int], repeats: int) -> list[dict]:
     rows = []
     for world_size in world_sizes:
@@ -146,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"{name}={value} must be positive")
     if args.ring_size == 1 or args.ring_size < 0:
         raise SystemExit(f"--ring-size={args.ring_size} must be 0 (skip) or at least 2")
+    _check_nodes(args.nodes)
     nets = args.net
     try:
         rates = [parse_rate(net) for net in nets if net != "none"]  # fail before anything runs
@@ -166,6 +230,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nRing shift, {args.ring_size} ranks at once (each sends to rank+1, receives from "
               f"rank-1; the slowest rank's time):\n")
         print(markdown_table(_ring_rows(nets, args.ring_size, nbytes, args.repeats)))
+    if reason is None and args.nodes is not None:
+        print(f"\nNode NIC, {args.nodes} emulated nodes (the senders of node 0 share its one NIC; "
+              f"the slowest sender's time):\n")
+        print(markdown_table(_node_rows(nets, args.nodes, nbytes, args.repeats)))
     if reason is None:
         print("\nBuilding and tearing down an emulated network (namespaces, bridge, veth, tbf):\n")
         print(markdown_table(_setup_rows(args.world_sizes, args.setup_repeats)))
