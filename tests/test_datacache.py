@@ -157,9 +157,9 @@ def _namespaces():
 def test_through_the_file_server_in_its_namespace(images, tmp_path):
     root, names, _, _ = images
     labels = _labels(root)
-    before = _namespaces()
     with FileServer(root, rate="50mbit") as server:
-        assert {server.server_namespace, server.client_namespace} <= _namespaces()
+        own = {server.server_namespace, server.client_namespace}
+        assert own <= _namespaces()
         client = server.client()
         assert client.fetch("labels.txt").decode().split() == [str(y) for y in labels]
         with pytest.raises(FileNotFoundError, match="404"):
@@ -170,7 +170,7 @@ def test_through_the_file_server_in_its_namespace(images, tmp_path):
             os.path.getsize(os.path.join(root, n)) for n in names)
         second = run_workers(2, _epochs_worker, server.client, names, labels, str(tmp_path), 1, timeout=120)
         assert all(again.source_fetches == 0 and again.file_hits > 0 for _, (again,) in second)
-    assert _namespaces() == before, "the file server's namespaces outlived it"
+    assert not own & _namespaces(), "the file server's namespaces outlived it"
 
 
 def test_bad_arguments(images):
@@ -181,3 +181,45 @@ def test_bad_arguments(images):
         PrefetchLoader(DataCache(DirectorySource(root), names, LabelledImages([])), 0, augment)
     with pytest.raises(ValueError, match="root="):
         FileServer(os.path.join(root, "missing"))
+
+
+@pytest.mark.net
+@needs_server
+def test_file_server_torn_down_on_exception_and_after_sigkill(images):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sparsecomm.app.fileserver import cleanup_stale_servers
+
+    root = images[0]
+    server = FileServer(root, rate="50mbit")
+    with pytest.raises(KeyError), server:
+        assert server.server_namespace in _namespaces()
+        raise KeyError("boom")
+    assert not {server.server_namespace, server.client_namespace} & _namespaces()
+    # a creator killed by SIGKILL: its server dies with it, its namespaces go at the next cleanup
+    script = ("import os, signal, sys\nfrom sparsecomm.app.fileserver import FileServer\n"
+              "server = FileServer(sys.argv[1]).__enter__()\nprint(os.getpid(), server._process.pid, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    child = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    creator_pid, server_pid = (int(v) for v in child.stdout.split())
+    deadline = time.monotonic() + 10
+    while _running(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(server_pid), "the server outlived its creator"
+    left = {n for n in _namespaces() if n.startswith(f"scfs{creator_pid}-")}
+    assert len(left) == 2, "the killed creator's namespaces should still be there"
+    assert set(cleanup_stale_servers()) >= left
+    assert not left & _namespaces()
+
+
+def _running(pid):
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
