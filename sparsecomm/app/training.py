@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..integration.hook import SparseHookState, hook
+from ..integration.schedule import MethodSchedule
 from ..integration.synchronizer import SparseSynchronizer
 from ..methods import Stats, method_class
 from .data import Dataset, load_dataset
@@ -89,6 +90,7 @@ class TrainConfig:
     density_warmup: int | None = None
     powersgd_rank: int = 2
     method_options: dict[str, Any] = field(default_factory=dict)
+    schedule: str | None = None     # method switches "EPOCH:METHOD,...", e.g. "3:torus2d" (Shi et al. 5.6)
     model_options: dict[str, Any] = field(default_factory=dict)
     data_options: dict[str, Any] = field(default_factory=dict)
     evals_per_epoch: int = 1
@@ -122,14 +124,29 @@ class TrainConfig:
             raise ValueError("resume=True needs checkpoint_dir")
         if self.evals_per_epoch < 1:
             raise ValueError(f"evals_per_epoch={self.evals_per_epoch!r} must be >= 1")
+        if self.schedule:
+            if self.method in BASELINES:
+                raise ValueError(f"schedule={self.schedule!r} switches sparsecomm methods; method={self.method!r} "
+                                 f"is a torch DDP baseline")
+            late = [epoch for epoch, _ in self.method_schedule().switches if epoch >= self.epochs]
+            if late:
+                raise ValueError(f"schedule={self.schedule!r} switches at epoch {late[0]}, but the run has only "
+                                 f"epochs 0..{self.epochs - 1}")
+
+    def method_schedule(self) -> MethodSchedule:
+        """The method of each epoch: ``method`` from epoch 0, then the switches of ``schedule``."""
+        return MethodSchedule.parse(self.method, self.schedule)
 
     @property
     def is_sparse(self) -> bool:
         return self.method not in BASELINES and method_class(self.method).sparse
 
-    def method_kwargs(self) -> dict[str, Any]:
-        options = dict(self.method_options)
-        if self.is_sparse:
+    def method_kwargs(self, method: str | None = None) -> dict[str, Any]:
+        """Options of ``method`` (default: the initial one): ``method_options`` apply to the initial
+        method; every sparse method gets ``density``."""
+        name = self.method if method is None else method
+        options = dict(self.method_options) if name == self.method else {}
+        if name not in BASELINES and method_class(name).sparse:
             options.setdefault("density", self.density)
         return options
 
@@ -170,6 +187,12 @@ class _Synchronization:
             self.state = SparseHookState(None, config.method, dense_warmup_steps=config.dense_warmup_steps,
                                          **config.method_kwargs())
             self.module.register_comm_hook(self.state, hook)
+
+    def switch_method(self, method: str) -> None:
+        """Synchronize with ``method`` from the next step on (a schedule's switch; residuals flushed)."""
+        target = self.synchronizer if self.synchronizer is not None else self.state
+        if target.method_name != method:
+            target.switch_method(method, **self.config.method_kwargs(method))
 
     @property
     def local_model(self) -> nn.Module:
@@ -260,11 +283,14 @@ def train_worker(config: TrainConfig, dataset: Dataset,
     train_time = 0.0
     start_epoch = 0
     torch.manual_seed(config.seed * 7919 + rank)
+    schedule = config.method_schedule()
     if config.resume:
         assert config.checkpoint_dir is not None  # validate() requires it with resume
         saved = torch.load(_checkpoint_path(config.checkpoint_dir, rank), weights_only=False)
         sync.local_model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
+        if saved["epoch"] > 0:  # the method that wrote the checkpoint's state
+            sync.switch_method(schedule.method_at(saved["epoch"] - 1))
         sync.load_state_dict(saved["sync"])
         torch.set_rng_state(saved["rng"])
         start_epoch, train_time = saved["epoch"], saved["train_time"]
@@ -273,6 +299,8 @@ def train_worker(config: TrainConfig, dataset: Dataset,
     reached = any(h["test_accuracy"] >= (config.target_accuracy or math.inf) for h in history)
     for epoch in range(start_epoch, config.epochs):
         sampler.set_epoch(epoch)
+        if config.schedule:
+            sync.switch_method(schedule.method_at(epoch))
         sums = {"time_iter": 0.0, "loss": 0.0, "correct": 0, "count": 0}
         step_stats: list[Stats] = []
         for step, (x, y) in enumerate(loader, start=1):

@@ -25,6 +25,10 @@ RedSync, Fang et al., section 4):
   sent. The optimizer must then be momentum-free (the momentum lives in ``u``).
 * ``density_warmup=E``: DGC's exponential density warm-up over the first E epochs
   (:func:`sparsecomm.integration.dgc.density_schedule`); call :meth:`SparseSynchronizer.set_epoch`.
+
+:meth:`SparseSynchronizer.switch_method` changes the method between steps (the sparse-then-dense schedule
+of Shi et al., section 5.6; :mod:`sparsecomm.integration.schedule`): the old method's residuals are added
+to the next gradient, so nothing is lost across the switch.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from ..core.validate import check_int, is_int
 from ..methods import Method, Stats, make_method, method_class
 from ..transport.comm import Communicator
 from . import dgc
+from .schedule import ResidualCarry
 
 __all__ = ["SparseSynchronizer"]
 
@@ -107,6 +112,8 @@ class SparseSynchronizer:
         self.epoch = 0.0
         self.last_stats = Stats(calls=0)
         self._dense: Method | None = None
+        #: residuals of a method switched off, added to the next gradient of their bucket
+        self.carry = ResidualCarry()
         if broadcast_parameters:
             with torch.no_grad():
                 for tensor in list(model.parameters()) + list(model.buffers()):
@@ -122,6 +129,31 @@ class SparseSynchronizer:
                              "the optimizer with momentum=0 (got momentum "
                              f"{[g.get('momentum') for g in self.optimizer.param_groups]})")
         dgc.MomentumCorrection(momentum)  # validates m
+
+    def switch_method(self, method: str, **method_options: Any) -> None:
+        """Synchronize with ``method`` (built with ``method_options``) from the next step on.
+
+        Each bucket's residual under the old method is flushed: added to that bucket's next gradient
+        before the new method (or the dense warm-up) averages it, so the sum of what every rank
+        contributes is conserved across the switch (Shi et al., section 5.6: MSTopK-SGD first, then
+        dense all-reduce).
+
+        Raises:
+            ValueError / TypeError: unknown method or option, or a method that momentum correction
+                cannot use; the synchronizer is then unchanged.
+        """
+        methods = [make_method(method, self.comm, **method_options) for _ in self.buckets]
+        if self.corrections is not None and methods and not methods[0].tracks_sent:
+            raise ValueError(f"momentum_correction needs a method that reports the indices it sent "
+                             f"(last_sent); cannot switch to {method!r}")
+        for number, old in enumerate(self.methods):
+            self.carry.put(number, old.residual)
+        log.info("switching from %s to %s at step %d (%d residuals carried)", self.method_name, method,
+                 self.iter, len(self.carry))
+        self.methods = methods
+        self.method_name = method
+        self.method_options = dict(method_options)
+        self.target_density = self.method_options.get("density")
 
     def set_epoch(self, epoch: float) -> None:
         """The current (fractional) epoch, for the density warm-up."""
@@ -158,12 +190,13 @@ class SparseSynchronizer:
                 layout.append((offset, g.numel()))
                 offset += g.numel()
             if self.in_warmup:
-                averaged = self._dense_average(flat, records)
+                averaged = self._dense_average(self.carry.flush_into(number, flat), records)
             else:
                 if self.density_warmup is not None and self.target_density is not None:
                     method.density = dgc.density_schedule(self.epoch, self.target_density, self.density_warmup)
                 if self.corrections is not None:
                     flat = self.corrections[number].update(flat)
+                flat = self.carry.flush_into(number, flat)
                 averaged = method(flat, layout)
                 records.append(method.stats)
                 if self.corrections is not None and method.last_sent is not None:
@@ -199,7 +232,7 @@ class SparseSynchronizer:
         """Step counter and each bucket's method state (residual, step, extra); the optimizer's state
         is saved by the optimizer."""
         state = {"method": self.method_name, "iter": self.iter,
-                 "buckets": [m.state_dict() for m in self.methods]}
+                 "buckets": [m.state_dict() for m in self.methods], "carry": self.carry.state_dict()}
         if self.corrections is not None:
             state["momentum_correction"] = [c.state_dict() for c in self.corrections]
         return state
@@ -214,6 +247,7 @@ class SparseSynchronizer:
         self.iter = int(state["iter"])
         for method, saved in zip(self.methods, state["buckets"], strict=False):
             method.load_state_dict(saved)
+        self.carry.load_state_dict(state.get("carry", {}))
         if self.corrections is not None:
             for correction, saved in zip(self.corrections, state["momentum_correction"], strict=False):
                 correction.load_state_dict(saved)

@@ -1,0 +1,113 @@
+"""Method schedules: change the synchronization method at given epochs.
+
+Shi et al. (section 5.6, the DAWNBench case study) train ResNet-50 with MSTopK-SGD over HiTopKComm for
+the first 13 epochs, while the small input images make the computation short and a dense all-reduce
+would not scale, and then switch to the dense 2D-torus all-reduce. A schedule says which method runs
+from which epoch on::
+
+    schedule = MethodSchedule.parse("hitopk", "13:torus2d")   # hitopk for epochs 0-12, then torus2d
+
+At a switch nothing is lost: the residuals the old method kept (what it did not send) are *flushed*,
+added to the next gradient that the new method synchronizes, so the error-feedback conservation law
+holds across the switch (:class:`ResidualCarry`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..methods import method_class
+
+__all__ = ["MethodSchedule", "ResidualCarry"]
+
+
+@dataclass(frozen=True)
+class MethodSchedule:
+    """The method of each epoch: ``initial`` from epoch 0, then each ``(epoch, name)`` switch in order.
+
+    Raises:
+        ValueError: a switch epoch that is not an integer >= 1 or not increasing, or an unknown method.
+    """
+
+    initial: str
+    switches: tuple[tuple[int, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        method_class(self.initial)
+        last = 0
+        for epoch, name in self.switches:
+            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= last:
+                raise ValueError(f"schedule switch epoch {epoch!r} must be an integer >= 1 and larger than "
+                                 f"the previous switch's ({last})")
+            method_class(name)
+            last = epoch
+
+    @classmethod
+    def parse(cls, initial: str, spec: str | None) -> MethodSchedule:
+        """``spec`` is ``"EPOCH:METHOD[,EPOCH:METHOD...]"`` (e.g. ``"13:torus2d"``), or empty/None."""
+        switches = []
+        for item in (spec or "").split(","):
+            if not item.strip():
+                continue
+            epoch, sep, name = item.partition(":")
+            if not sep or not epoch.strip().isdigit() or not name.strip():
+                raise ValueError(f"schedule entry {item.strip()!r} must read EPOCH:METHOD, e.g. '13:torus2d'")
+            switches.append((int(epoch), name.strip()))
+        return cls(initial, tuple(switches))
+
+    def method_at(self, epoch: int) -> str:
+        """The method that synchronizes epoch ``epoch`` (0-based)."""
+        current = self.initial
+        for start, name in self.switches:
+            if epoch >= start:
+                current = name
+        return current
+
+    @property
+    def methods(self) -> list[str]:
+        """Every method the schedule uses, in order of first use."""
+        return list(dict.fromkeys([self.initial, *(name for _, name in self.switches)]))
+
+    def __str__(self) -> str:
+        return ",".join([f"0:{self.initial}", *(f"{epoch}:{name}" for epoch, name in self.switches)])
+
+
+class ResidualCarry:
+    """Residuals left by a method that was switched off, waiting to be added to the next gradient.
+
+    Keyed like the owner's method instances (a bucket number, a parameter name): :meth:`put` takes a
+    residual (added to whatever is already waiting), :meth:`flush_into` adds the waiting tensor to a
+    gradient in place and forgets it.
+    """
+
+    def __init__(self) -> None:
+        self.waiting: dict[object, torch.Tensor] = {}
+
+    def put(self, key: object, residual: torch.Tensor | None) -> None:
+        if residual is None:
+            return
+        if key in self.waiting:
+            self.waiting[key] += residual
+        else:
+            self.waiting[key] = residual.detach().clone()
+
+    def flush_into(self, key: object, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` plus the residual waiting under ``key`` (``grad`` itself when none waits)."""
+        residual = self.waiting.pop(key, None)
+        if residual is None:
+            return grad
+        if residual.shape != grad.shape:
+            raise ValueError(f"carried residual of shape {tuple(residual.shape)} does not fit the gradient of "
+                             f"shape {tuple(grad.shape)} (key {key!r}); the model or bucketing changed")
+        return grad + residual.to(grad.dtype)
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def state_dict(self) -> dict[object, torch.Tensor]:
+        return {key: value.clone() for key, value in self.waiting.items()}
+
+    def load_state_dict(self, state: dict[object, torch.Tensor]) -> None:
+        self.waiting = {key: value.clone() for key, value in state.items()}
