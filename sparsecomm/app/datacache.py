@@ -30,6 +30,7 @@ cache_dir=None, memory=False)``.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import logging
@@ -72,7 +73,7 @@ class CacheStats:
     source_bytes: int = 0
 
     def copy(self) -> CacheStats:
-        return CacheStats(self.memory_hits, self.file_hits, self.source_fetches, self.source_bytes)
+        return dataclasses.replace(self)
 
 
 class DataCache:

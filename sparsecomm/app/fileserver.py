@@ -38,13 +38,12 @@ import threading
 import time
 
 from .netemu import parse_rate, unavailable_reason
+from .netns import NETNS_DIR, run_tool, setns, stale_namespaces
 
 __all__ = ["FileServer", "FileClient", "cleanup_stale_servers", "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
-NETNS_DIR = "/run/netns"
-CLONE_NEWNET = 0x40000000
 SERVER_ADDRESS = "10.214.0.1"
 CLIENT_ADDRESS = "10.214.0.2"
 PORT = 8000
@@ -56,13 +55,6 @@ _lock = threading.Lock()
 _PR_SET_PDEATHSIG = 1
 
 
-def _run(*argv: str, stdin: str | None = None) -> None:
-    done = subprocess.run(argv, input=stdin, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"`{' '.join(argv)}` failed (exit {done.returncode}): "
-                           f"{done.stderr.strip() or done.stdout.strip()}")
-
-
 def _kill_and_delete(namespace: str) -> None:
     """Kill what runs inside ``namespace`` and delete it (quietly when it is already gone)."""
     if not os.path.exists(os.path.join(NETNS_DIR, namespace)):
@@ -72,33 +64,16 @@ def _kill_and_delete(namespace: str) -> None:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
     try:
-        _run("ip", "netns", "delete", namespace)
+        run_tool("ip", "netns", "delete", namespace)
     except RuntimeError as exc:
         log.warning("could not delete network namespace %s: %s", namespace, exc)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale_servers() -> list[str]:
     """Delete the namespaces of this module's naming scheme whose creating process is dead."""
-    try:
-        names = sorted(os.listdir(NETNS_DIR))
-    except FileNotFoundError:
-        return []
-    removed = []
-    for name in names:
-        match = _NAME_RE.match(name)
-        if match and not _pid_alive(int(match.group("pid"))):
-            _kill_and_delete(name)
-            removed.append(name)
+    removed = stale_namespaces(_NAME_RE)
+    for name in removed:
+        _kill_and_delete(name)
     return removed
 
 
@@ -136,27 +111,17 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _setns(fd: int) -> None:
-    if hasattr(os, "setns"):
-        os.setns(fd, CLONE_NEWNET)
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"setns(CLONE_NEWNET) failed: {os.strerror(errno)}")
-
-
 def connect_in(namespace: str, address: str, port: int, timeout: float) -> socket.socket:
     """A TCP connection to ``address:port`` opened from inside ``namespace`` by the calling thread,
     which then returns to its own namespace (the socket stays in ``namespace``)."""
     home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     target = os.open(os.path.join(NETNS_DIR, namespace), os.O_RDONLY | os.O_CLOEXEC)
     try:
-        _setns(target)
+        setns(target)
         try:
             return socket.create_connection((address, port), timeout=timeout)
         finally:
-            _setns(home)
+            setns(home)
     finally:
         os.close(target)
         os.close(home)
@@ -251,17 +216,17 @@ class FileServer:
 
     def _build(self) -> None:
         srv, cli = self.server_namespace, self.client_namespace
-        _run("ip", "netns", "add", srv)
-        _run("ip", "netns", "add", cli)
-        _run("ip", "-n", srv, "-batch", "-", stdin="\n".join([
+        run_tool("ip", "netns", "add", srv)
+        run_tool("ip", "netns", "add", cli)
+        run_tool("ip", "-n", srv, "-batch", "-", stdin="\n".join([
             "link set lo up", f"link add fs-srv type veth peer name fs-cli netns {cli}",
             f"addr add {SERVER_ADDRESS}/30 dev fs-srv", "link set fs-srv addrgenmode none",
             "link set fs-srv up"]) + "\n")
-        _run("ip", "-n", cli, "-batch", "-", stdin="\n".join([
+        run_tool("ip", "-n", cli, "-batch", "-", stdin="\n".join([
             "link set lo up", f"addr add {CLIENT_ADDRESS}/30 dev fs-cli", "link set fs-cli addrgenmode none",
             "link set fs-cli up"]) + "\n")
-        _run("tc", "-n", srv, *self._tbf("fs-srv").split())
-        _run("tc", "-n", cli, *self._tbf("fs-cli").split())
+        run_tool("tc", "-n", srv, *self._tbf("fs-srv").split())
+        run_tool("tc", "-n", cli, *self._tbf("fs-cli").split())
         # HTTP/1.1 (Python >= 3.11): persistent connections, one per client thread
         protocol = ["--protocol", "HTTP/1.1"] if sys.version_info >= (3, 11) else []
         self._process = subprocess.Popen(

@@ -53,7 +53,6 @@ where this was measured), so the one-way latency is the software stack's (tens o
 from __future__ import annotations
 
 import atexit
-import ctypes
 import itertools
 import logging
 import os
@@ -66,14 +65,13 @@ import time
 from dataclasses import dataclass
 
 from ..core.validate import check_int, is_int
+from .netns import NETNS_DIR, run_tool, setns, stale_namespaces
 
 __all__ = ["EmulatedNetwork", "NetSpec", "parse_net", "unavailable_reason", "cleanup_stale", "parse_rate",
            "parse_size", "parse_time"]
 
 log = logging.getLogger(__name__)
 
-NETNS_DIR = "/run/netns"
-CLONE_NEWNET = 0x40000000
 BRIDGE = "sc-bridge"
 ADDRESS_PREFIX = "10.213"           # private range; the third octet is a per-call id
 MAX_WORLD_SIZE = 253                # hosts .1 .. .253 of a /24
@@ -185,15 +183,6 @@ def parse_net(net: str, world_size: int) -> NetSpec:
 # ---------------------------------------------------------------------------------------------
 # Running iproute2.
 
-def _run(*argv: str) -> None:
-    """Run one iproute2 command; raise RuntimeError with its stderr when it fails."""
-    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"`{' '.join(argv)}` failed (exit {done.returncode}): "
-                           f"{done.stderr.strip() or done.stdout.strip()}")
-
-
 def _run_batch(tool: str, namespace: str, lines: list[str]) -> None:
     """Run many ``ip``/``tc`` commands inside ``namespace`` with one process (``-batch``)."""
     done = subprocess.run([tool, "-n", namespace, "-batch", "-"], input="\n".join(lines) + "\n",
@@ -208,7 +197,7 @@ def _delete_namespace(name: str) -> bool:
     if not os.path.exists(os.path.join(NETNS_DIR, name)):
         return False
     try:
-        _run("ip", "netns", "delete", name)
+        run_tool("ip", "netns", "delete", name)
     except RuntimeError as exc:
         log.warning("could not delete network namespace %s: %s", name, exc)
         return False
@@ -242,13 +231,13 @@ def _probe() -> str | None:
             return f"the `{tool}` command of iproute2 is not installed"
     probe = f"{_new_base_name()}-probe"
     try:
-        _run("ip", "netns", "add", probe)
+        run_tool("ip", "netns", "add", probe)
     except RuntimeError as exc:
         return f"the kernel refused to create a network namespace: {exc}"
     try:
         _run_batch("ip", probe, ["link add sc-bridge type bridge",
                                  "link add sc-a type veth peer name sc-b"])
-        _run("tc", "-n", probe, "qdisc", "add", "dev", "sc-a", "root", "tbf", "rate", "1mbit",
+        run_tool("tc", "-n", probe, "qdisc", "add", "dev", "sc-a", "root", "tbf", "rate", "1mbit",
              "burst", "64kb", "latency", "50ms")
     except RuntimeError as exc:
         return f"the kernel cannot build an emulated link (bridge, veth, tbf): {exc}"
@@ -407,7 +396,7 @@ class EmulatedNetwork:
 
     def _build(self) -> None:
         for namespace in [self._hub] + [link.namespace for link in self._links]:
-            _run("ip", "netns", "add", namespace)
+            run_tool("ip", "netns", "add", namespace)
             self._created.append(namespace)
         # "addrgenmode none": no IPv6 link-local addresses, so the links carry only IPv4 traffic
         # between the ranks' own addresses (no neighbour discovery chatter).
@@ -511,28 +500,12 @@ class EmulatedNetwork:
 
 
 def _setns(path: str) -> None:
-    """Join the network namespace bound at ``path`` (``os.setns`` exists only from Python 3.12)."""
+    """Join the network namespace bound at ``path``."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if hasattr(os, "setns"):
-            os.setns(fd, CLONE_NEWNET)
-            return
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"setns({path}, CLONE_NEWNET) failed: {os.strerror(errno)}")
+        setns(fd)
     finally:
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def cleanup_stale() -> list[str]:
@@ -541,15 +514,7 @@ def cleanup_stale() -> list[str]:
     Returns:
         The names of the namespaces deleted (empty when there were none).
     """
-    try:
-        names = sorted(os.listdir(NETNS_DIR))
-    except FileNotFoundError:
-        return []
-    removed = []
-    for name in names:
-        match = _NAME_RE.match(name)
-        if match and not _pid_alive(int(match.group("pid"))) and _delete_namespace(name):
-            removed.append(name)
+    removed = [name for name in stale_namespaces(_NAME_RE) if _delete_namespace(name)]
     if removed:
         log.info("removed %d stale emulated-network namespaces: %s", len(removed), removed)
     return removed

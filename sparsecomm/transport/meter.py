@@ -91,25 +91,21 @@ class TrafficMeter:
 
     def record_send(self, nbytes: int, header: bool = False, inter_node: bool = False) -> None:
         """Book one sent message; ``inter_node``: its receiver is on another node."""
-        entry = self._entry()
-        if header:
-            entry.header_bytes_sent += nbytes
-        else:
-            entry.bytes_sent += nbytes
-            entry.messages_sent += 1
-            if inter_node:
-                entry.inter_node_bytes_sent += nbytes
+        self._book("sent", nbytes, header, inter_node)
 
     def record_recv(self, nbytes: int, header: bool = False, inter_node: bool = False) -> None:
         """Book one received message; ``inter_node``: its sender is on another node."""
+        self._book("recv", nbytes, header, inter_node)
+
+    def _book(self, direction: str, nbytes: int, header: bool, inter_node: bool) -> None:
         entry = self._entry()
         if header:
-            entry.header_bytes_recv += nbytes
-        else:
-            entry.bytes_recv += nbytes
-            entry.messages_recv += 1
-            if inter_node:
-                entry.inter_node_bytes_recv += nbytes
+            _add(entry, f"header_bytes_{direction}", nbytes)
+            return
+        _add(entry, f"bytes_{direction}", nbytes)
+        _add(entry, f"messages_{direction}", 1)
+        if inter_node:
+            _add(entry, f"inter_node_bytes_{direction}", nbytes)
 
     def phases(self) -> dict[str, PhaseTraffic]:
         """A copy of the per-phase traffic."""
@@ -136,3 +132,7 @@ class TrafficMeter:
 
     def reset(self) -> None:
         self._phases.clear()
+
+
+def _add(entry: PhaseTraffic, field: str, amount: int) -> None:
+    setattr(entry, field, getattr(entry, field) + amount)
