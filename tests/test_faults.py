@@ -3,6 +3,8 @@ within 5 s, naming the rank and the cause, with the state unchanged, or the docu
 next call on finite input must succeed with bit-identical replicas. Every method, P = 2, 3, 4
 (sparsecomm.app.faults; `make test-faults` runs only these), plus a hypothesis fuzz."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -101,6 +103,8 @@ def test_a_rank_out_of_step_is_named():
 
 
 # ---------------------------------------------------------------------------------------------- fuzz
+#: examples of the fuzz (each: one worker launch, 6 scenarios); raise it for a longer search
+FUZZ_EXAMPLES = int(os.environ.get("SPARSECOMM_FUZZ_EXAMPLES", "4"))
 _CORRUPTIONS = ("none", "nan", "inf", "longer", "dtype")
 
 
@@ -139,7 +143,7 @@ _scenario = st.tuples(st.sampled_from(available_methods()), st.integers(0, 300),
                       st.sampled_from(["float32", "float64"]))
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(P=st.integers(2, 3), data=st.data())
 def test_fuzz_clear_error_on_every_rank_or_the_correct_result(P, data):
     scenarios = []

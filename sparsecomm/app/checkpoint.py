@@ -27,8 +27,9 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resume_chec
 
 # status codes exchanged by resume_checkpoint
 _OK, _MISSING, _UNREADABLE, _META = 0, 1, 2, 3
-_STATUS_TEXT = {_MISSING: "has no checkpoint file", _UNREADABLE: "cannot read its checkpoint",
-                _META: "holds a checkpoint of another run"}
+_STATUS_TEXT = {_MISSING: ("has no checkpoint file", "have no checkpoint file"),
+                _UNREADABLE: ("cannot read its checkpoint", "cannot read their checkpoints"),
+                _META: ("holds a checkpoint of another run", "hold checkpoints of another run")}
 
 
 class CheckpointError(ValueError):
@@ -79,8 +80,7 @@ def meta_mismatch(meta: dict[str, Any], expect: dict[str, Any]) -> str:
     diffs = [f"{key}={meta.get(key)!r} in the checkpoint, {value!r} in this run"
              for key, value in expect.items() if meta.get(key) != value]
     if "world_size" in expect and meta.get("world_size") != expect["world_size"]:
-        diffs.append("a change of world size is not supported (each rank's residual is its own); "
-                     "resume with the world size that wrote the checkpoint")
+        diffs.append("resume with the world size that wrote the checkpoint")
     return "; ".join(diffs)
 
 
@@ -92,23 +92,32 @@ def resume_checkpoint(directory: str, expect: dict[str, Any], group=None) -> dic
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     path = checkpoint_path(directory, rank)
-    status, saved, detail = _OK, None, ""
+    status, saved, detail, written_by = _OK, None, "", -1
     try:
-        saved = load_checkpoint(path, expect)
+        saved = torch.load(path, weights_only=False)
+        meta = saved.get("meta") if isinstance(saved, dict) else None
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{path} is not a sparsecomm checkpoint (no 'meta'; written by an older version?)")
+        written_by = int(meta.get("world_size", -1))
+        problems = meta_mismatch(meta, expect)
+        if problems:
+            status, detail = _META, f"{path} was written by another run: {problems}"
     except FileNotFoundError:
         status, detail = _MISSING, f"{path} not found"
-    except CheckpointError as exc:
-        status, detail = _META, str(exc)
     except Exception as exc:  # a torn or foreign file: any unpickling error
         status, detail = _UNREADABLE, f"{path}: {type(exc).__name__}: {exc}"
-    epoch = int(saved.get("epoch", -1)) if saved is not None else -1
-    step = int(saved.get("step", -1)) if saved is not None else -1
-    mine = torch.tensor([status, epoch, step], dtype=torch.int64)
+    epoch = int(saved.get("epoch", -1)) if status == _OK and saved is not None else -1
+    step = int(saved.get("step", -1)) if status == _OK and saved is not None else -1
+    mine = torch.tensor([status, epoch, step, written_by], dtype=torch.int64)
     table = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(table, mine, group=group)
     rows = [[int(v) for v in t.tolist()] for t in table]
     bad = {code: [r for r, row in enumerate(rows) if row[0] == code] for code in _STATUS_TEXT}
-    problems = [f"{_ranks(ranks)} {_STATUS_TEXT[code]}" for code, ranks in bad.items() if ranks]
+    problems = [f"{_ranks(ranks)} {_STATUS_TEXT[code][len(ranks) > 1]}" for code, ranks in bad.items() if ranks]
+    sizes = sorted({row[3] for row in rows if row[3] not in (-1, world)})
+    if sizes:
+        problems.append(f"checkpoints written by {' and '.join(map(str, sizes))} ranks, this run has {world} "
+                        f"(a change of world size is not supported: each rank's residual is its own)")
     if problems:
         here = f" (here, rank {rank}: {detail})" if detail else ""
         raise CheckpointError(f"cannot resume from {directory}: {'; '.join(problems)}{here}")
