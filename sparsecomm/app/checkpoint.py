@@ -99,9 +99,9 @@ def resume_checkpoint(directory: str, expect: dict[str, Any], group=None) -> dic
         if not isinstance(meta, dict):
             raise CheckpointError(f"{path} is not a sparsecomm checkpoint (no 'meta'; written by an older version?)")
         written_by = int(meta.get("world_size", -1))
-        problems = meta_mismatch(meta, expect)
-        if problems:
-            status, detail = _META, f"{path} was written by another run: {problems}"
+        mismatch = meta_mismatch(meta, expect)
+        if mismatch:
+            status, detail = _META, f"{path} was written by another run: {mismatch}"
     except FileNotFoundError:
         status, detail = _MISSING, f"{path} not found"
     except Exception as exc:  # a torn or foreign file: any unpickling error
