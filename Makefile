@@ -10,7 +10,7 @@ STAMP := $(VENV)/.bootstrapped
 # the commands that need them then say how to install them.
 DATA_PACKAGES := dataset-fashion-mnist fortunes-min
 
-.PHONY: venv data lint test test-slow demo bench clean
+.PHONY: venv data lint test test-slow test-faults demo bench clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,9 @@ test: $(STAMP) data lint
 
 test-slow: $(STAMP) data
 	$(PY) -m pytest -q -ra -m slow
+
+test-faults: $(STAMP)
+	$(PY) -m pytest -q -ra -m faults
 
 demo: $(STAMP) data
 	$(VENV)/bin/sparsecomm demo

@@ -43,8 +43,9 @@ from ..integration.hook import SparseHookState, hook
 from ..integration.schedule import MethodSchedule
 from ..integration.synchronizer import SparseSynchronizer
 from ..methods import Stats, method_class
+from .checkpoint import checkpoint_path, resume_checkpoint, save_checkpoint
 from .data import Dataset, load_dataset
-from .launcher import run_workers
+from .launcher import STALL_TIMEOUT, run_workers
 from .models import make_model
 
 __all__ = ["TrainConfig", "train", "train_worker", "save_record", "BASELINES", "describe_method"]
@@ -99,6 +100,8 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     resume: bool = False            # continue from the checkpoint in checkpoint_dir
     timeout: float = 3600.0
+    #: seconds after which a rank that stopped taking part in collectives is reported, by name
+    collective_timeout: float = STALL_TIMEOUT
 
     def validate(self) -> None:
         """Reject bad options before any worker starts, naming the option and the rule."""
@@ -122,6 +125,8 @@ class TrainConfig:
             raise ValueError("momentum_correction, clip_norm and density_warmup need sync='synchronizer'")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs checkpoint_dir")
+        if not self.collective_timeout > 0:
+            raise ValueError(f"collective_timeout={self.collective_timeout!r} must be a number of seconds > 0")
         if self.evals_per_epoch < 1:
             raise ValueError(f"evals_per_epoch={self.evals_per_epoch!r} must be >= 1")
         if self.schedule:
@@ -254,8 +259,10 @@ def _evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 512) -> dict
     return {"test_loss": total_loss / count, "test_accuracy": 100.0 * correct / count}
 
 
-def _checkpoint_path(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"rank{rank}.pt")
+def _checkpoint_meta(config: TrainConfig, world: int) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed by ``config`` (checked by ``resume_checkpoint``)."""
+    return {"method": config.method, "options": config.method_kwargs(), "sync": config.sync,
+            "model": config.model, "world_size": world}
 
 
 def train_worker(config: TrainConfig, dataset: Dataset,
@@ -286,7 +293,7 @@ def train_worker(config: TrainConfig, dataset: Dataset,
     schedule = config.method_schedule()
     if config.resume:
         assert config.checkpoint_dir is not None  # validate() requires it with resume
-        saved = torch.load(_checkpoint_path(config.checkpoint_dir, rank), weights_only=False)
+        saved = resume_checkpoint(config.checkpoint_dir, _checkpoint_meta(config, world))
         sync.local_model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         if saved["epoch"] > 0:  # the method that wrote the checkpoint's state
@@ -346,12 +353,13 @@ def train_worker(config: TrainConfig, dataset: Dataset,
         if rank == 0 and progress is not None:
             progress(summary)
         if config.checkpoint_dir:
-            os.makedirs(config.checkpoint_dir, exist_ok=True)
             state_model = sync.local_model.state_dict()
-            torch.save({"model": state_model, "optimizer": optimizer.state_dict(), "sync": sync.state_dict(),
-                        "rng": torch.get_rng_state(), "epoch": epoch + 1, "train_time": train_time,
-                        "history": history, "epochs": epochs, "steps": steps},
-                       _checkpoint_path(config.checkpoint_dir, rank))
+            save_checkpoint(checkpoint_path(config.checkpoint_dir, rank),
+                            {"model": state_model, "optimizer": optimizer.state_dict(), "sync": sync.state_dict(),
+                             "rng": torch.get_rng_state(), "epoch": epoch + 1,
+                             "step": (epoch + 1) * steps_per_epoch, "train_time": train_time,
+                             "history": history, "epochs": epochs, "steps": steps},
+                            _checkpoint_meta(config, world))
         if config.stop_at_target and reached:
             break
     params = [p.detach().clone() for p in model.parameters()]
@@ -379,7 +387,7 @@ def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None
     network = "loopback"
     if _under_torchrun():
         if not dist.is_initialized():
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.collective_timeout))
         results = [train_worker(config, dataset, progress)]
         network = f"torchrun cluster ({os.environ['WORLD_SIZE']} ranks)"
     else:
@@ -395,7 +403,7 @@ def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None
             else:
                 network = f"emulated {net} switch (tc tbf)"
         results = run_workers(config.workers, train_worker, config, dataset, progress, net=net,
-                              timeout=config.timeout)
+                              timeout=config.timeout, stall_timeout=config.collective_timeout)
     first = results[0]
     record = {
         "config": dataclasses.asdict(config),

@@ -72,6 +72,8 @@ class SparsificationMetrics:
     def __call__(self, grad: torch.Tensor, layout=None) -> torch.Tensor:
         out = super().__call__(grad, layout)  # type: ignore[misc]
         stats: dict[str, Any] = self.stats  # type: ignore[attr-defined]
+        if stats["skipped"] or not stats["n"]:  # nothing was sent: no metrics (Method.__call__)
+            return out
         stats["density_target"] = self.density  # type: ignore[attr-defined]
         stats["density_error"] = abs(stats["density"] - self.density)  # type: ignore[attr-defined]
         if "padding_overhead" not in stats:  # a method without an all-gather sets its own

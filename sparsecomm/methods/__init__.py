@@ -55,9 +55,15 @@ def make_method(name: str, comm: Communicator | None = None, **options: Any) -> 
     """Build method ``name`` over ``comm`` (default: all ranks of the default process group).
 
     Every sparse method takes ``density`` (k = ceil(density * n)); see each method's docstring for
-    its other options. Unknown options raise ``TypeError`` naming them.
+    its other options. Unknown options raise ``TypeError`` naming them. ``nonfinite`` (``"error"``,
+    the default, or ``"skip"``) is every method's policy for NaN/Inf gradients (:attr:`Method.nonfinite`).
+    The options are kept in ``method.options``; every call checks that all ranks built the method alike.
     """
-    return method_class(name)(comm, **options)
+    nonfinite = options.pop("nonfinite", "error")
+    method = method_class(name)(comm, **options)
+    method.nonfinite = nonfinite
+    method.options = dict(options)
+    return method
 
 
 def available_costs() -> list[str]:

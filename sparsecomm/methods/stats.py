@@ -43,6 +43,8 @@ class Stats(Mapping[str, Any]):
         modelled_bytes: the bytes are the cost model's figure for a backend collective the meter
             cannot see (torch's native all-reduce), not metered.
         warmup: the call was a dense warm-up step.
+        skipped: calls skipped on every rank because a rank's gradient held NaN/Inf (policy
+            ``nonfinite="skip"``; ``extra["nonfinite_ranks"]`` names them).
         extra: method-specific figures of a single call (not summed).
     """
 
@@ -65,6 +67,7 @@ class Stats(Mapping[str, Any]):
     inter_node_bytes_sent: int = 0
     inter_node_bytes_recv: int = 0
     dense_fallback: bool = False
+    skipped: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from ..data import DatasetUnavailable, available_datasets
+from ..launcher import STALL_TIMEOUT
 from ..models import MODEL_DATA, available_models
 from ..training import BASELINES, TrainConfig, save_record, train
 
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-dir", default=None, help="save per-rank checkpoints here each epoch")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     parser.add_argument("--runs-dir", default="runs")
+    parser.add_argument("--collective-timeout", type=float, default=STALL_TIMEOUT,
+                        help="seconds after which a rank that stopped taking part in collectives is reported "
+                             f"by name (process group timeout and worker heartbeat; default {STALL_TIMEOUT:g})")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -56,7 +60,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         momentum_correction=args.momentum_correction, density_warmup=args.density_warmup,
         method_options=json.loads(args.method_options), data_options=data_options,
         evals_per_epoch=args.evals_per_epoch, target_accuracy=args.target_accuracy,
-        checkpoint_dir=args.checkpoint_dir, resume=args.resume)
+        checkpoint_dir=args.checkpoint_dir, resume=args.resume, collective_timeout=args.collective_timeout)
 
 
 def print_progress(summary) -> None:

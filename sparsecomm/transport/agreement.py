@@ -1,0 +1,119 @@
+"""Agreement before communication: every rank learns, in one small collective, whether all ranks
+are about to do the same thing, before any payload moves.
+
+A method call fills a fixed-size int64 *header* (its gradient length, dtype, density, step, number
+of non-finite elements, ...; the fields are the caller's). :func:`agree` reduces ``[h, -h]`` with an
+element-wise maximum over the communicator (:meth:`Communicator.agree_max`, a dissemination
+all-reduce of ceil(log2 P) steps), so every rank holds the maximum and the minimum of each field and
+reaches the same verdict:
+
+* every field equal on every rank and every *must-be-zero* field zero: :func:`agree` returns
+  ``None`` and the call goes on;
+* otherwise every rank takes part in a second collective that gathers the whole P x H table
+  (rows of the other ranks start at the int64 minimum, so the same maximum-reduction is an
+  all-gather), and every rank returns the same :class:`Agreement` table, from which
+  :meth:`Agreement.describe` builds the same message naming the offending rank(s).
+
+This is the check that ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` makes for torch's own collectives (it
+compares the collective's shapes and dtypes across ranks) and that NCCL's error checking makes
+before launching a kernel, reduced to what a sparse method needs.
+
+Cost per call, per rank: ceil(log2 P) messages of 2 H int64 (16 H bytes each), booked as header
+bytes in the meter, with no round; only after a disagreement a second exchange of ceil(log2 P)
+messages of 8 P H bytes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .comm import Communicator
+
+__all__ = ["AgreementError", "Agreement", "agree", "INT64_MIN"]
+
+INT64_MIN = -(2 ** 63)
+
+
+class AgreementError(ValueError):
+    """Raised on every rank when the ranks disagree on a call (or one rank's input is unusable).
+
+    Attributes:
+        ranks: the offending ranks (local ranks of the communicator), sorted.
+        cause: short name of the cause, e.g. ``"n"``, ``"dtype"``, ``"nonfinite"``.
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = (), cause: str = "") -> None:
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The header of every rank, after a disagreement (identical on every rank)."""
+
+    names: tuple[str, ...]
+    rows: tuple[tuple[int, ...], ...]  # rows[rank][field]
+
+    def column(self, name: str) -> list[int]:
+        """The value of field ``name`` on each rank, in rank order."""
+        j = self.names.index(name)
+        return [row[j] for row in self.rows]
+
+    def nonzero_ranks(self, name: str) -> list[int]:
+        """Ranks whose field ``name`` is not zero."""
+        return [rank for rank, value in enumerate(self.column(name)) if value != 0]
+
+    def outliers(self, name: str) -> tuple[int, list[int]]:
+        """(the value most ranks hold, the ranks holding another value) for field ``name``.
+
+        A tie between values goes to the one rank 0 holds, so every rank picks the same reference.
+        """
+        column = self.column(name)
+        counts = Counter(column)
+        top = max(counts.values())
+        reference = column[0] if counts[column[0]] == top else min(v for v, c in counts.items() if c == top)
+        return reference, [rank for rank, value in enumerate(column) if value != reference]
+
+    def mismatched(self) -> list[str]:
+        """Fields whose value is not the same on every rank, in header order."""
+        return [name for name in self.names if len(set(self.column(name))) > 1]
+
+    def describe(self, name: str, show=str) -> str:
+        """``"rank 2 has n=999, ranks 0, 1, 3 have n=1000"`` (``show`` formats a value)."""
+        reference, odd = self.outliers(name)
+        groups: dict[int, list[int]] = {}
+        for rank, value in enumerate(self.column(name)):
+            groups.setdefault(value, []).append(rank)
+        parts = [f"{_ranks(groups[v])} {'has' if len(groups[v]) == 1 else 'have'} {name}={show(v)}"
+                 for v in sorted(groups, key=lambda v: (v == reference, groups[v][0]))]
+        return ", ".join(parts)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def agree(comm: Communicator, header: Mapping[str, int], *, zero: Sequence[str] = (),
+          device=None) -> Agreement | None:
+    """``None`` when every rank passed the same ``header`` and the fields in ``zero`` are 0 on every
+    rank; else every rank's header (the same :class:`Agreement` on every rank).
+
+    Collective: every rank of ``comm`` must call it with the same field names, in the same order.
+    """
+    names = tuple(header)
+    values = [int(header[name]) for name in names]
+    both = comm.agree_max(values + [-v for v in values], device=device)
+    hi, lo = both[:len(values)], [-v for v in both[len(values):]]
+    equal = all(a == b for a, b in zip(hi, lo, strict=True))
+    zero_ok = all(hi[names.index(name)] == 0 and lo[names.index(name)] == 0 for name in zero)
+    if equal and zero_ok:
+        return None
+    width = len(values)
+    table = [INT64_MIN] * (comm.size * width)
+    table[comm.rank * width:(comm.rank + 1) * width] = values
+    gathered = comm.agree_max(table, device=device)
+    rows = tuple(tuple(gathered[r * width:(r + 1) * width]) for r in range(comm.size))
+    return Agreement(names, rows)
