@@ -59,8 +59,11 @@ __all__ = ["OkTopk", "PAPER_DEFAULTS"]
 log = logging.getLogger(__name__)
 
 #: the defaults of the public code (Shigangli/Ok-Topk), as recorded in issue 14
-PAPER_DEFAULTS = {"warmup_steps": 512, "threshold_interval": 32, "partition_interval": 64,
-                  "local_scale": 1.012, "global_scale": 1.008}
+WARMUP_STEPS, THRESHOLD_INTERVAL, PARTITION_INTERVAL = 512, 32, 64
+LOCAL_SCALE, GLOBAL_SCALE = 1.012, 1.008
+PAPER_DEFAULTS: dict[str, float] = {"warmup_steps": WARMUP_STEPS, "threshold_interval": THRESHOLD_INTERVAL,
+                                    "partition_interval": PARTITION_INTERVAL, "local_scale": LOCAL_SCALE,
+                                    "global_scale": GLOBAL_SCALE}
 
 
 @register_method("oktopk")
@@ -80,11 +83,11 @@ class OkTopk(Method):
     tracks_sent = True
 
     def __init__(self, comm: Communicator | None = None, *, density: float,
-                 warmup_steps: int = PAPER_DEFAULTS["warmup_steps"],
-                 threshold_interval: int = PAPER_DEFAULTS["threshold_interval"],
-                 partition_interval: int = PAPER_DEFAULTS["partition_interval"],
-                 local_scale: float = PAPER_DEFAULTS["local_scale"],
-                 global_scale: float = PAPER_DEFAULTS["global_scale"]) -> None:
+                 warmup_steps: int = WARMUP_STEPS,
+                 threshold_interval: int = THRESHOLD_INTERVAL,
+                 partition_interval: int = PARTITION_INTERVAL,
+                 local_scale: float = LOCAL_SCALE,
+                 global_scale: float = GLOBAL_SCALE) -> None:
         super().__init__(comm, density=density)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
         self.threshold_interval = check_int("threshold_interval", threshold_interval, minimum=1)
@@ -136,6 +139,7 @@ class OkTopk(Method):
             if estimate or exact:
                 candidates = reduced.select(reduced.values != 0)
             else:
+                assert self.global_threshold is not None
                 candidates = reduced.select(reduced.values.abs() >= self.global_threshold)
         with self.timer("comm"):
             gathered = allgatherv(self.comm, candidates.parts())
@@ -209,8 +213,8 @@ class OkTopk(Method):
 
 @register_cost("oktopk")
 def _oktopk_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, step: int | None = None,
-                 warmup_steps: int = PAPER_DEFAULTS["warmup_steps"],
-                 partition_interval: int = PAPER_DEFAULTS["partition_interval"],
+                 warmup_steps: int = WARMUP_STEPS,
+                 partition_interval: int = PARTITION_INTERVAL,
                  send_counts: Sequence[Sequence[int]] | None = None, gather_counts: Sequence[int] | None = None,
                  **_: Any) -> Cost:
     """Exact with ``step`` (calls before this one), ``send_counts[s][q]`` (pairs rank s sent to
