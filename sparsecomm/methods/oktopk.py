@@ -1,0 +1,238 @@
+"""Ok-Topk (Li and Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22),
+the "Ok-Topk" baseline of SparDL's evaluation (000_3ae287420a79948f.txt, Table I and Fig. 8).
+
+Per call t (t counts every call, warm-up included, as the public code's ``_allreduce_counter``):
+
+0. Dense warm-up: the first ``warmup_steps`` calls (512 by default, as the issue records for the
+   public code) are a plain all-reduce (the metered Rabenseifner algorithm).
+1. ``acc = grad + residual``. Local threshold: when t is a multiple of ``threshold_interval`` (32),
+   the exact k-th largest |acc|; in between the previous one, reused. Select ``|acc| >= threshold``;
+   afterwards the threshold is divided by ``local_scale`` (1.012) when fewer than 3k/4 were selected
+   and multiplied by it when more than 5k/4 were (the public code's ``_scale`` rule).
+2. Balanced partition: when t is a multiple of ``partition_interval`` (64), and on the first sparse
+   call, every rank takes the P - 1 evenly spaced quantiles of its selected (sorted) indices; their
+   sum over the ranks (an all-reduce of P - 1 int64), divided by P, gives the region boundaries, so
+   each region holds about k/P of the globally selected indices. In between the boundaries are reused.
+3. Sparse reduce-scatter: the selected pairs of region q go to rank q (an all-to-all,
+   :func:`~sparsecomm.transport.alltoallv.alltoallv`, P - 1 rounds); rank q adds them in rank order.
+4. Global selection: when t is a multiple of ``threshold_interval``, every region owner all-gathers
+   all its non-zero sums, every rank takes the exact top-k of them and the k-th magnitude becomes the
+   global threshold; in between, owners all-gather only the sums with ``|v| >= threshold`` and the
+   threshold is adjusted by ``global_scale`` (1.008) with the same 3k/4 and 5k/4 rule.
+   (:func:`~sparsecomm.transport.sparse_collectives.allgatherv`, ceil(log2 P) rounds.)
+5. The result is the gathered pairs / P. Error feedback with nothing lost: each rank zeroes in its
+   residual exactly the entries it selected that made it into the result (the public code's
+   ``involved_indexes``); everything else stays.
+
+With density 1 both thresholds are 0: every element is selected and the result is the dense average.
+
+Warm-up and the synchronizer: ``SparseSynchronizer`` / ``SparseHookState`` have their own
+``dense_warmup_steps``, during which this method is not called (its counter does not advance). To
+reproduce Ok-Topk through them, keep this method's ``warmup_steps`` (512) and leave theirs at 0; or set
+``warmup_steps=0`` here and use theirs (the schedules then count sparse calls only).
+
+Cost (:func:`_oktopk_cost`): exact from the counts a call records (stats ``send_counts`` of every rank,
+``gather_counts``) and its step: P - 1 + ceil(log2 P) rounds, plus the boundary all-reduce on
+repartition calls; warm-up calls cost a Rabenseifner all-reduce of n elements.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..core.cost import Cost, register_cost
+from ..core.validate import check_int, check_number
+from ..transport.alltoallv import alltoallv, alltoallv_traffic
+from ..transport.chunk import SparseChunk, add_chunks, index_dtype, pair_bytes
+from ..transport.collectives import allreduce, allreduce_cost
+from ..transport.comm import Communicator
+from ..transport.sparse_collectives import allgatherv, allgatherv_traffic
+from .base import Layout, Method, register_method
+
+__all__ = ["OkTopk", "PAPER_DEFAULTS"]
+
+log = logging.getLogger(__name__)
+
+#: the defaults of the public code (Shigangli/Ok-Topk), as recorded in issue 14
+WARMUP_STEPS, THRESHOLD_INTERVAL, PARTITION_INTERVAL = 512, 32, 64
+LOCAL_SCALE, GLOBAL_SCALE = 1.012, 1.008
+PAPER_DEFAULTS: dict[str, float] = {"warmup_steps": WARMUP_STEPS, "threshold_interval": THRESHOLD_INTERVAL,
+                                    "partition_interval": PARTITION_INTERVAL, "local_scale": LOCAL_SCALE,
+                                    "global_scale": GLOBAL_SCALE}
+
+
+@register_method("oktopk")
+class OkTopk(Method):
+    """Ok-Topk with error feedback (see the module docstring).
+
+    Args:
+        density: k = ceil(density * n), the target count of both the local and the global selection.
+        warmup_steps: dense all-reduce calls first (default 512).
+        threshold_interval: calls between exact threshold estimations (default 32).
+        partition_interval: calls between region repartitions (default 64).
+        local_scale, global_scale: threshold adjustment factors (> 1; defaults 1.012, 1.008).
+    """
+
+    sparse = True
+    has_residual = True
+    tracks_sent = True
+
+    def __init__(self, comm: Communicator | None = None, *, density: float,
+                 warmup_steps: int = WARMUP_STEPS,
+                 threshold_interval: int = THRESHOLD_INTERVAL,
+                 partition_interval: int = PARTITION_INTERVAL,
+                 local_scale: float = LOCAL_SCALE,
+                 global_scale: float = GLOBAL_SCALE) -> None:
+        super().__init__(comm, density=density)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        self.threshold_interval = check_int("threshold_interval", threshold_interval, minimum=1)
+        self.partition_interval = check_int("partition_interval", partition_interval, minimum=1)
+        self.local_scale = float(check_number("local_scale", local_scale, 1.0, strict=True))
+        self.global_scale = float(check_number("global_scale", global_scale, 1.0, strict=True))
+        self.local_threshold: float | None = None
+        self.global_threshold: float | None = None
+        self.boundaries: list[int] | None = None
+
+    # ------------------------------------------------------------------ schedule
+    def estimates_threshold(self, step: int) -> bool:
+        return step % self.threshold_interval == 0 or self.global_threshold is None
+
+    def repartitions(self, step: int) -> bool:
+        return step % self.partition_interval == 0 or self.boundaries is None
+
+    # ------------------------------------------------------------------ the call
+    def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
+        n, P, t = grad.numel(), self.comm.size, self.step
+        if t < self.warmup_steps:
+            with self.timer("comm"):
+                out = allreduce(self.comm, grad, "rabenseifner")
+            self.stats.update(warmup=True, dense_calls=1, selected=n)
+            return out.div_(P)
+        k = self.k(n)
+        exact = k >= n
+        estimate, repartition = self.estimates_threshold(t), self.repartitions(t)
+        with self.timer("select"):
+            acc = self.residual_for(grad).add_(grad)
+            if exact:
+                self.local_threshold = 0.0
+            elif estimate or self.local_threshold is None:
+                self.local_threshold = float(torch.topk(acc.abs(), k, sorted=False).values.min())
+            threshold = self.local_threshold
+            idx = torch.nonzero(acc.abs() >= threshold).reshape(-1)     # sorted
+            count = idx.numel()
+            if not exact:
+                if count < 3 * k / 4:
+                    self.local_threshold = threshold / self.local_scale
+                elif count > 5 * k / 4:
+                    self.local_threshold = threshold * self.local_scale
+        self.stats.selected = count
+        with self.timer("comm"):
+            if repartition:
+                self.boundaries = self._repartition(idx, n)
+            reduced, send_counts = self._reduce_scatter(idx, acc, n)
+        with self.timer("select"):
+            if estimate or exact:
+                candidates = reduced.select(reduced.values != 0)
+            else:
+                assert self.global_threshold is not None
+                candidates = reduced.select(reduced.values.abs() >= self.global_threshold)
+        with self.timer("comm"):
+            gathered = allgatherv(self.comm, candidates.parts())
+        with self.timer("decompress"):
+            chosen = add_chunks([SparseChunk(i, v) for i, v in gathered])  # regions are disjoint: a concat
+            if exact:
+                self.global_threshold = 0.0
+            elif estimate:
+                chosen = chosen.top(k)[0]
+                self.global_threshold = float(chosen.values.abs().min()) if chosen.nnz else 0.0
+            elif chosen.nnz < 3 * k / 4:
+                self.global_threshold = self.global_threshold / self.global_scale  # type: ignore[operator]
+            elif chosen.nnz > 5 * k / 4:
+                self.global_threshold = self.global_threshold * self.global_scale  # type: ignore[operator]
+            out = chosen.to_dense(n).div_(P)
+            in_result = torch.zeros(n, dtype=torch.bool, device=grad.device)
+            in_result[chosen.indices.long()] = True
+            sent = idx[in_result[idx]]
+            acc[sent] = 0                      # the residual keeps what did not reach the result
+        self.last_sent = sent
+        self.stats.update(nnz_out=chosen.nnz)
+        self.stats.extra.update(
+            local_threshold=threshold, global_threshold=self.global_threshold, estimated=estimate or exact,
+            repartitioned=repartition, boundaries=list(self.boundaries or []), send_counts=send_counts,
+            gather_counts=[g[0].numel() for g in gathered], global_count=chosen.nnz)
+        return out
+
+    def _repartition(self, idx: Tensor, n: int) -> list[int]:
+        """Region starts [0, b_1, ..., b_{P-1}, n] from the averaged local quantiles of ``idx``."""
+        P = self.comm.size
+        if P == 1:
+            return [0, n]
+        count = idx.numel()
+        if count >= P:
+            chunk = count // P
+            local = idx[torch.arange(1, P, device=idx.device) * chunk].to(torch.int64)
+        else:                                    # too few selected: even regions
+            local = torch.tensor([q * n // P for q in range(1, P)], dtype=torch.int64, device=idx.device)
+        summed = allreduce(self.comm, local, "rabenseifner")
+        inner = torch.div(summed, P, rounding_mode="floor").clamp(0, n)
+        inner = torch.cummax(inner, 0).values   # the average of sorted quantiles is sorted; keep it so
+        return [0] + [int(b) for b in inner.tolist()] + [n]
+
+    def _reduce_scatter(self, idx: Tensor, acc: Tensor, n: int) -> tuple[SparseChunk, list[int]]:
+        """Send region q's selected pairs to rank q; returns this rank's region sum and the pairs sent
+        to each region."""
+        assert self.boundaries is not None
+        P = self.comm.size
+        edges = torch.tensor(self.boundaries, dtype=torch.int64, device=idx.device)
+        cuts = torch.searchsorted(idx, edges).tolist()
+        chunk = SparseChunk.gather(acc, idx, n=n)
+        messages = [[chunk.indices[cuts[q]:cuts[q + 1]], chunk.values[cuts[q]:cuts[q + 1]]] for q in range(P)]
+        received = alltoallv(self.comm, messages, [index_dtype(n), acc.dtype], acc.device)
+        return add_chunks([SparseChunk(i, v) for i, v in received]), [cuts[q + 1] - cuts[q] for q in range(P)]
+
+    # ------------------------------------------------------------------ checkpoints
+    def extra_state(self) -> dict[str, Any]:
+        return {"local_threshold": self.local_threshold, "global_threshold": self.global_threshold,
+                "boundaries": None if self.boundaries is None else list(self.boundaries)}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.local_threshold = state.get("local_threshold")
+        self.global_threshold = state.get("global_threshold")
+        bounds = state.get("boundaries")
+        self.boundaries = None if bounds is None else list(bounds)
+
+    def __repr__(self) -> str:
+        return (f"OkTopk(P={self.comm.size}, density={self.density:g}, warmup_steps={self.warmup_steps}, "
+                f"threshold_interval={self.threshold_interval}, partition_interval={self.partition_interval})")
+
+
+@register_cost("oktopk")
+def _oktopk_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, step: int | None = None,
+                 warmup_steps: int = WARMUP_STEPS,
+                 partition_interval: int = PARTITION_INTERVAL,
+                 send_counts: Sequence[Sequence[int]] | None = None, gather_counts: Sequence[int] | None = None,
+                 **_: Any) -> Cost:
+    """Exact with ``step`` (calls before this one), ``send_counts[s][q]`` (pairs rank s sent to
+    region q) and ``gather_counts[q]`` (pairs region q's owner all-gathered), for a method run from
+    its first call. Without counts: an upper bound (every rank sends all n pairs to every region)."""
+    step = warmup_steps if step is None else step
+    if step < warmup_steps:
+        return allreduce_cost("rabenseifner", P=P, n=n, rank=rank, itemsize=itemsize)
+    if P == 1:
+        return Cost(0, 0, 0)
+    pair = pair_bytes(n, itemsize)
+    repartition = step % partition_interval == 0 or step == warmup_steps
+    exact = send_counts is not None and gather_counts is not None
+    sends = [list(row) for row in send_counts] if send_counts is not None else [[n] * P for _ in range(P)]
+    gathers = list(gather_counts) if gather_counts is not None else [n] * P
+    r1, s1, v1 = alltoallv_traffic([[c * pair for c in row] for row in sends], rank)
+    r2, s2, v2 = allgatherv_traffic([c * pair for c in gathers], rank)
+    total = Cost(r1 + r2, s1 + s2, v1 + v2, exact=exact)
+    if repartition:
+        total = total + allreduce_cost("rabenseifner", P=P, n=P - 1, rank=rank, itemsize=8)
+    return total

@@ -1,0 +1,107 @@
+"""TopkDSA: local top-k with error feedback, then SparCML's dynamic sparse all-reduce (Renggli et al.,
+"SparCML: High-Performance Sparse Communication for Machine Learning", SC'19, section 4), the
+"TopkDSA" baseline of SparDL's evaluation (000_3ae287420a79948f.txt, Table I and Fig. 8) and the
+"SparCML" baseline of S2 Reducer's (004_691b8e40129c73cd.txt, section 4).
+
+Per call, on every rank:
+
+1. ``acc = grad + residual``; keep the exact local top-k of ``acc``; the rest stays in the residual.
+2. The k (index, value) pairs form a sparse stream (:class:`~sparsecomm.transport.sparse_stream.Stream`);
+   the streams are summed over the ranks with
+   * ``algorithm="recursive_doubling"``: SSAR_Recursive_double, log2 p' rounds (+2 for the fold when P
+     is not a power of two); each merged stream switches to dense once its sparse form is larger
+     than the dense one (m (s_idx + s_val) > n s_val, i.e. past n/2 pairs for fp32 with int32
+     indices), so the traffic of late steps is capped at n values;
+   * ``algorithm="split_allgather"``: SSAR_Split_allgather for large results (P - 1 + ceil(log2 P)
+     rounds): an all-to-all of P index partitions, a sum per partition, an all-gather of the sums;
+   * ``algorithm="auto"`` (default): recursive doubling while the result, P k pairs at most, is
+     expected sparse, the split all-gather once it is expected dense (SparCML's rule of thumb).
+3. Divide by P. Every pair that was selected is sent whole, so nothing is lost: the residual keeps
+   exactly what was not selected.
+
+Cost: :func:`~sparsecomm.transport.sparse_stream.dsa_cost` (exact when the supports of the ranks are
+disjoint, else an upper bound) or :func:`~sparsecomm.transport.sparse_stream.split_cost` (a bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..core.cost import Cost, register_cost
+from ..core.validate import check_choice
+from ..transport.comm import Communicator
+from ..transport.sparse_stream import Stream, dense_switch_count, dsa_allreduce, dsa_cost, split_allreduce, split_cost
+from .base import Layout, Method, register_method
+
+__all__ = ["TopkDSA", "resolve_algorithm", "ALGORITHMS"]
+
+ALGORITHMS = ("auto", "recursive_doubling", "split_allgather")
+
+
+def resolve_algorithm(algorithm: str, P: int, n: int, k: int, value_size: int = 4) -> str:
+    """The variant ``auto`` picks: split all-gather once P k pairs would reach the dense break-even."""
+    check_choice("algorithm", algorithm, ALGORITHMS)
+    if algorithm != "auto":
+        return algorithm
+    return "split_allgather" if P > 2 and P * k >= dense_switch_count(n, 1, value_size) else "recursive_doubling"
+
+
+@register_method("topkdsa")
+class TopkDSA(Method):
+    """Top-k with error feedback and SparCML's dynamic sparse all-reduce (see the module docstring).
+
+    Args:
+        density: k = ceil(density * n) pairs selected per rank.
+        algorithm: ``"auto"`` (default), ``"recursive_doubling"`` or ``"split_allgather"``.
+    """
+
+    sparse = True
+    has_residual = True
+    tracks_sent = True
+
+    def __init__(self, comm: Communicator | None = None, *, density: float, algorithm: str = "auto") -> None:
+        super().__init__(comm, density=density)
+        self.algorithm = check_choice("algorithm", algorithm, ALGORITHMS)
+
+    def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
+        n, P = grad.numel(), self.comm.size
+        k = self.k(n)
+        with self.timer("select"):
+            acc = self.residual_for(grad).add_(grad)
+            idx = torch.topk(acc.abs(), k, sorted=False).indices
+            stream = Stream.sparse(n, idx, acc[idx])
+            acc[idx] = 0                                  # acc is the residual: what stays
+        self.last_sent = idx
+        self.stats.selected = k
+        variant = resolve_algorithm(self.algorithm, P, n, k, grad.element_size())
+        with self.timer("comm"):
+            if variant == "recursive_doubling":
+                total, kinds = dsa_allreduce(self.comm, stream)
+            else:
+                total, kinds = split_allreduce(self.comm, stream), []
+        with self.timer("decompress"):
+            out = total.to_dense().reshape(-1)
+            out.div_(P)
+        self.stats["algorithm"] = variant
+        self.stats["sent_representation"] = kinds
+        self.stats["dense_result"] = total.dense
+        return out
+
+    def __repr__(self) -> str:
+        return f"TopkDSA(P={self.comm.size}, density={self.density:g}, algorithm={self.algorithm!r})"
+
+
+@register_cost("topkdsa")
+def _topkdsa_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, algorithm: str = "auto",
+                  counts: Sequence[int] | None = None, disjoint: bool = False, **_: Any) -> Cost:
+    """Recursive doubling: exact for disjoint supports (``disjoint=True``), else a bound; split
+    all-gather: a bound. ``counts``: pairs per rank (default k each)."""
+    per_rank = list(counts) if counts is not None else [min(k, n)] * P
+    variant = resolve_algorithm(algorithm, P, n, k, itemsize)
+    if variant == "recursive_doubling":
+        return dsa_cost(per_rank, n, rank, 1, itemsize, disjoint=disjoint)
+    return split_cost(per_rank, n, rank, 1, itemsize)
