@@ -62,7 +62,8 @@ def test_dense_hook_equals_plain_ddp(P):
 
 @pytest.mark.parametrize("method", SPARSE_METHODS)
 def test_sparse_hook_at_density_one_equals_plain_ddp(method):
-    results = run_workers(3, _hook_vs_ddp_grads, method, {"density": 1.0, **method_class(method).exact_options}, 3)
+    options = {"density": 1.0, "dense_below": 0, **method_class(method).exact_options}  # 0: the method, not
+    results = run_workers(3, _hook_vs_ddp_grads, method, options, 3)                  # the small-tensor path
     for diffs, _ in results:
         assert max(diffs) < 1e-5, f"{method}: hook gradient differs from DDP's by {max(diffs):g}"
     for _, grads in results[1:]:  # consistency: bit for bit on every rank
@@ -158,7 +159,7 @@ def _resume_rank(method, params_per_rank, blobs_per_rank):
 
 def _warmup_stats():
     net = DDP(_model())
-    state = SparseHookState(None, method=SPARSE_METHODS[0], density=0.05, dense_warmup_steps=2)
+    state = SparseHookState(None, method=SPARSE_METHODS[0], density=0.05, dense_warmup_steps=2, dense_below=0)
     net.register_comm_hook(state, hook)
     seen = []
     for step in range(4):
