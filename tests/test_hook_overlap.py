@@ -18,13 +18,13 @@ class _Net(nn.Module):
     order than DDP's first-iteration bucketing (registration order reversed): DDP's rebuild after
     the first iteration really changes the buckets. ``unused`` never gets a gradient."""
 
-    def __init__(self) -> None:
+    def __init__(self, unused: bool = True) -> None:
         super().__init__()
         self.a = nn.Linear(24, 256)
         self.b = nn.Linear(256, 10)
         self.c = nn.Linear(256, 256)
         self.d = nn.Linear(256, 256)
-        self.unused = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8) if unused else None
 
     def forward(self, x):
         return self.b(torch.relu(self.d(torch.relu(self.c(torch.relu(self.a(x)))))))
@@ -37,7 +37,7 @@ def _batch(rank: int, step: int):
 
 def _ddp(options: dict, params=None, state=None, bucket_cap_mb: float = 0.25, find_unused: bool = True):
     torch.manual_seed(0)
-    model = _Net()
+    model = _Net(unused=find_unused)
     if params is not None:
         with torch.no_grad():
             for p, saved in zip(model.parameters(), params, strict=True):
@@ -71,7 +71,8 @@ def _train(net, state, start: int, steps: int, accumulate: bool = False):
 def _overlap_vs_sync(method: str, granularity: str, bucket_cap_mb: float, accumulate: bool):
     out = {}
     for overlap in (True, False):
-        net, state = _ddp({"method": method, "density": 0.02, "granularity": granularity, "overlap": overlap},
+        net, state = _ddp({"method": method, "density": 0.02, "granularity": granularity, "overlap": overlap,
+                           "dense_below": 1024},
                           bucket_cap_mb=bucket_cap_mb)
         params, stats = _train(net, state, 0, 4, accumulate)
         out[overlap] = (params, [(s.hidden_time, s.time_total, s.calls, s.dense_calls) for s in stats])

@@ -59,8 +59,8 @@ log = logging.getLogger(__name__)
 _STATE_VERSION = 2
 #: The values of ``SparseHookState(granularity=...)``.
 GRANULARITIES = ("bucket", "model")
-#: Default ``dense_below``: parameters with fewer elements are all-reduced densely (biases, norms).
-DENSE_BELOW = 1024
+#: Default ``dense_below``: 0, every parameter goes to the method (see docs/training.md).
+DENSE_BELOW = 0
 
 
 @dataclass
