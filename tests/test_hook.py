@@ -62,7 +62,8 @@ def test_dense_hook_equals_plain_ddp(P):
 
 @pytest.mark.parametrize("method", SPARSE_METHODS)
 def test_sparse_hook_at_density_one_equals_plain_ddp(method):
-    results = run_workers(3, _hook_vs_ddp_grads, method, {"density": 1.0, **method_class(method).exact_options}, 3)
+    options = {"density": 1.0, "dense_below": 0, **method_class(method).exact_options}  # 0: the method, not
+    results = run_workers(3, _hook_vs_ddp_grads, method, options, 3)                  # the small-tensor path
     for diffs, _ in results:
         assert max(diffs) < 1e-5, f"{method}: hook gradient differs from DDP's by {max(diffs):g}"
     for _, grads in results[1:]:  # consistency: bit for bit on every rank
@@ -158,7 +159,7 @@ def _resume_rank(method, params_per_rank, blobs_per_rank):
 
 def _warmup_stats():
     net = DDP(_model())
-    state = SparseHookState(None, method=SPARSE_METHODS[0], density=0.05, dense_warmup_steps=2)
+    state = SparseHookState(None, method=SPARSE_METHODS[0], density=0.05, dense_warmup_steps=2, dense_below=0)
     net.register_comm_hook(state, hook)
     seen = []
     for step in range(4):
@@ -177,13 +178,19 @@ def test_dense_warmup_then_sparse():
     assert seen[0][1] == 1.0 and seen[3][1] < 0.5
 
 
-def _big_model_rebuild():
-    """A 1.4 MB model with find_unused_parameters: DDP starts with a 1 MiB first bucket, then rebuilds.
+def _big_model_rebuild(granularity: str):
+    """A 1.4 MB model with find_unused_parameters: DDP starts with a 1 MiB first bucket, so two buckets.
     Step 1's loss is multiplied by zero, so all it synchronizes is step 0's residual."""
     torch.manual_seed(0)
     net = DDP(nn.Sequential(nn.Linear(600, 600), nn.ReLU(), nn.Linear(600, 10)), find_unused_parameters=True)
-    state = SparseHookState(None, method=SPARSE_METHODS[0], density=0.01)
-    net.register_comm_hook(state, hook)
+    state = SparseHookState(None, method=SPARSE_METHODS[0], density=0.01, granularity=granularity)
+    seen = set()
+
+    def counting_hook(state, bucket):
+        seen.add(bucket.index())
+        return hook(state, bucket)
+
+    net.register_comm_hook(state, counting_hook)
     record = []
     for step, scale in enumerate((1.0, 0.0)):
         gen = torch.Generator().manual_seed(dist.get_rank() * 10 + step)
@@ -191,17 +198,18 @@ def _big_model_rebuild():
         loss = nn.functional.cross_entropy(net(torch.randn(4, 600, generator=gen)),
                                            torch.randint(10, (4,), generator=gen))
         (scale * loss).backward()
-        record.append({"buckets": len(state.methods),
-                       "residual_sum": sum(float(m.residual.double().sum()) for m in state.methods.values()),
+        record.append({"buckets": len(seen),
+                       "residual_sum": sum(float(r.double().sum()) for r in state.residuals().values()),
                        "out_sum": sum(float(p.grad.double().sum()) for p in net.parameters())})
     return record
 
 
 @pytest.mark.skipif(not SPARSE_METHODS, reason="no sparse method registered yet")
-def test_rebuilt_buckets_keep_their_residuals():
+@pytest.mark.parametrize("granularity", ["bucket", "model"])
+def test_rebuilt_buckets_keep_their_residuals(granularity):
     P = 2
-    records = run_workers(P, _big_model_rebuild)
-    assert records[0][1]["buckets"] >= 2  # step 1 runs on DDP's rebuilt (execution-order) buckets
+    records = run_workers(P, _big_model_rebuild, granularity)
+    assert records[0][1]["buckets"] >= 2  # several DDP buckets
     given = sum(r[0]["residual_sum"] for r in records)          # step 0's residuals, all ranks
     accounted = P * records[0][1]["out_sum"] + sum(r[1]["residual_sum"] for r in records)
     assert abs(given) > 1e-3 and abs(given - accounted) < 1e-6 * max(1.0, abs(given))

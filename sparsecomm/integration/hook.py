@@ -1,4 +1,4 @@
-"""A DDP communication hook that synchronizes each gradient bucket with a sparsecomm method.
+"""A DDP communication hook that synchronizes gradients with a sparsecomm method, overlapped with backward.
 
 One line in an existing DDP script::
 
@@ -7,200 +7,292 @@ One line in an existing DDP script::
 
 The state follows the conventions of torch's ``PowerSGDState``
 (``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``): the process group comes first,
-per-bucket state is keyed by ``bucket.index()``, the iteration counter advances on the last bucket,
-the state pickles without its process group, and the hook returns a ``torch.futures.Future`` of a
-tensor shaped like the bucket. The hook's result is what plain DDP's is: the bucket's *average*
-gradient over the ranks (the sum divided by the world size; sparsecomm methods return that average).
+the iteration counter advances on the last bucket, the state pickles without its process group, small
+tensors are not compressed (``dense_below``, the analogue of ``min_compression_rate``), and the hook
+returns a ``torch.futures.Future`` of a tensor shaped like the bucket: the bucket's *average* gradient
+over the ranks, as plain DDP's.
 
-Each bucket gets its own method instance (so its own residual), built on first use, and is told the
-layer layout of the bucket (the ``(offset, numel)`` of each parameter, from ``bucket.gradients()``),
-which layer-wise methods use. For the first ``dense_warmup_steps`` iterations the buckets are
-all-reduced densely (the dense warm-up of DGC and RedSync).
+How a step runs:
 
-DDP rebuilds its buckets after the first iteration (by the order gradients became ready); the state
-then moves each parameter's residual to its new bucket, so no residual is lost. After
-:meth:`SparseHookState.load_state_dict` in a fresh process, the saved buckets' residuals are laid out
-again, parameter by parameter in bucket order, on the buckets DDP hands the hook.
+* **Overlap** (``overlap=True``, :mod:`.overlap`): the hook returns a pending future at once and hands
+  the bucket to the state's communication thread, which selects and communicates while backward
+  computes the next buckets; DDP waits on the futures at the end of backward. The thread takes the
+  buckets in DDP's order (bucket index order, the same on every rank) over a process group of its
+  own, so every rank issues the same collectives in the same order. ``overlap=False`` runs the same
+  work inside the hook (the synchronous path; bit-identical results).
+* **Groups** (:mod:`.residuals`): one method call per group and step. ``granularity="bucket"``: one
+  group per bucket of DDP's first iteration; ``granularity="model"``: the whole model in one flat
+  buffer (canonical parameter order) and one call when its last gradient arrives, as SparDL, Ok-Topk
+  and ExDyna select over the whole model. Parameters that :func:`~.residuals.goes_dense` (fewer
+  than ``dense_below`` elements, or a sparse message not smaller than the dense one) are all-reduced
+  densely in one fused call (stats ``dense_calls``).
+* **Residuals belong to parameters**: each group's residual is one flat tensor the method updates in
+  place, each parameter's residual a view of it. The groups never change, so DDP's bucket rebuild
+  after the first iteration and a checkpoint reload are lookups, and a resumed run continues
+  bit-identically.
+* For the first ``dense_warmup_steps`` iterations each bucket is all-reduced densely (the dense
+  warm-up of DGC and RedSync).
 
 Bad options raise at construction (``ValueError`` / ``TypeError`` naming the option), before the
 first backward: the state builds a probe instance of the method when the process group is up.
 """
 
 import logging
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..core.validate import check_int
+from ..core.validate import check_choice, check_int
 from ..methods import Method, Stats, make_method, method_class
 from ..transport.comm import Communicator
+from .overlap import CommThread, hidden_seconds, private_group
+from .residuals import ParamPlan, Route, goes_dense
 
-__all__ = ["SparseHookState", "hook"]
+__all__ = ["SparseHookState", "hook", "GRANULARITIES", "DENSE_BELOW"]
 
 log = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+#: The values of ``SparseHookState(granularity=...)``.
+GRANULARITIES = ("bucket", "model")
+#: Default ``dense_below``: 0, every parameter goes to the method (see docs/training.md).
+DENSE_BELOW = 0
 
 
-def _layout(numels: list[int]) -> list[tuple[int, int]]:
-    """``(offset, numel)`` of consecutive pieces of the given sizes."""
-    layout, offset = [], 0
-    for numel in numels:
-        layout.append((offset, numel))
-        offset += numel
-    return layout
+@dataclass
+class _Bucket:
+    """What the hook hands the communication thread: one DDP bucket of one iteration."""
+
+    index: int
+    buffer: torch.Tensor
+    params: list[torch.Tensor]
+    is_last: bool
+    warmup: bool
+    arrival: float
+    future: torch.futures.Future
+    route: Route | None = None
+    result: torch.Tensor | None = None
 
 
 class SparseHookState:
-    """State of :func:`hook`: the method, its per-bucket instances and the iteration counter.
+    """State of :func:`hook`: the method's groups, their per-parameter residuals, the iteration counter.
 
     Args:
         process_group: the group to synchronize over (``None``: the default group), as for DDP.
+            The state communicates over a private copy of it (same ranks and backend).
         method: a name from :func:`sparsecomm.available_methods`.
         dense_warmup_steps: all-reduce densely for this many first iterations (>= 0).
-        use_layout: pass each bucket's layer layout to the method (layer-wise methods need it).
+        use_layout: pass each group's layer layout to the method (layer-wise methods need it).
+        granularity: ``"bucket"`` (one method call per DDP bucket of the first iteration, overlapped
+            with backward) or ``"model"`` (one call over the whole model when its last gradient
+            arrives).
+        overlap: run selection and communication on a thread, behind backward (default), or inside
+            the hook (``False``, the synchronous path).
+        dense_below: parameters with fewer elements, or whose sparse message would not be smaller
+            than the dense one, are all-reduced densely in one fused call; 0: none (sparse methods).
         **method_options: passed to :func:`sparsecomm.make_method`, e.g. ``density=0.01``.
 
     Raises:
-        ValueError / TypeError: unknown method, density outside (0, 1], unknown option, bad warm-up.
+        ValueError / TypeError: unknown method, density outside (0, 1], unknown option, bad warm-up,
+            granularity or dense_below.
     """
 
     _comm: Communicator | None
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, method: str = "spardl", *,
-                 dense_warmup_steps: int = 0, use_layout: bool = True, **method_options: Any) -> None:
+                 dense_warmup_steps: int = 0, use_layout: bool = True, granularity: str = "bucket",
+                 overlap: bool = True, dense_below: int = DENSE_BELOW, **method_options: Any) -> None:
         method_class(method)  # unknown name: ValueError listing the available ones
         check_int("dense_warmup_steps", dense_warmup_steps, minimum=0)
+        check_choice("granularity", granularity, GRANULARITIES)
+        check_int("dense_below", dense_below, minimum=0)
         self.process_group = process_group
         self.method_name = method
         self.method_options = dict(method_options)
         self.dense_warmup_steps = dense_warmup_steps
         self.use_layout = bool(use_layout)
+        self.granularity = granularity
+        self.overlap = bool(overlap)
+        self.dense_below = dense_below
         self.iter = 0
         self._reset_runtime()
         if dist.is_available() and dist.is_initialized():
-            self._comm = Communicator(process_group)
-            make_method(method, self._comm, **self.method_options)  # probe: validates every option
+            make_method(method, Communicator(process_group), **self.method_options)  # probe: validates options
+            self._comm = Communicator(private_group(process_group))
         else:
             log.info("process group not initialized yet: %r options are checked on the first bucket", method)
 
     def _reset_runtime(self) -> None:
         self._comm = None
-        self.methods: dict[int, Method] = {}
-        self._param_ids: dict[int, int] = {}                         # data_ptr -> canonical id
-        self._layouts: dict[int, tuple[tuple[int, int], ...]] = {}   # bucket -> ((param id, numel), ...)
-        self._loose: dict[int, torch.Tensor] = {}                    # param id -> residual awaiting a bucket
-        self._loose_step = 0
-        self._whole: dict[tuple[tuple[int, int], ...], dict[str, Any]] = {}  # loaded bucket states
-        self._whole_methods: dict[tuple[tuple[int, int], ...], Method] = {}  # instances between buckets
-        self._unplaced: dict[int, Any] | None = None              # loaded, before the first bucket
-        self._dense: Method | None = None
+        self.plan: ParamPlan | None = None
+        self._loaded: dict[str, Any] | None = None   # a loaded plan state, until the groups exist
+        self._thread: CommThread | None = None
+        self._warmup_method: Method | None = None
+        self._first: list[_Bucket] = []              # first-iteration buckets, until the groups exist
+        self._pending: list[_Bucket] = []            # this iteration's buckets not yet answered
+        self._inputs: dict[int, torch.Tensor] = {}   # group -> its gradient this iteration
+        self._outputs: dict[int, torch.Tensor] = {}  # group -> its averaged gradient this iteration
+        self._calls: list[tuple[Stats, float, float]] = []  # this iteration's (stats, start, end)
+        self._error: BaseException | None = None
         self._stats: list[Stats] = []
+        self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ the methods per bucket
+    # ------------------------------------------------------------------ setup
     @property
     def comm(self) -> Communicator:
+        """The communicator of the state's private process group."""
         if self._comm is None:
-            self._comm = Communicator(self.process_group)
+            self._comm = Communicator(private_group(self.process_group))
         return self._comm
 
     @property
     def in_warmup(self) -> bool:
         return self.iter < self.dense_warmup_steps
 
-    def _signature(self, bucket: dist.GradBucket) -> tuple[tuple[int, int], ...]:
-        """The bucket's parameters as (canonical id, numel), in bucket order. Ids number the
-        parameters in the order this state first sees them: on a fresh DDP that is its
-        first-iteration bucketing, the same in the run that saved a checkpoint and the run that
-        loads it."""
-        signature = []
-        for param in bucket.parameters():
-            pid = self._param_ids.setdefault(param.data_ptr(), len(self._param_ids))
-            signature.append((pid, param.numel()))
-        return tuple(signature)
+    def _new_method(self, dense: bool) -> Method:
+        return make_method("dense", self.comm) if dense else \
+            make_method(self.method_name, self.comm, **self.method_options)
 
-    def method_for(self, bucket: dist.GradBucket) -> tuple[Method, tuple[tuple[int, int], ...]]:
-        """This bucket's method instance, built (and given its state) on first use, and the
-        bucket's parameters (id, numel) in bucket order.
+    def _is_dense(self, numel: int, itemsize: int) -> bool:
+        if not method_class(self.method_name).sparse:
+            return False
+        return goes_dense(numel, itemsize, self.method_options.get("density"), self.dense_below)
 
-        The method sees the bucket's parameters in canonical (id) order, so when DDP rebuilds a
-        bucket that holds the same parameters in another order (a small model's single bucket),
-        the method keeps all its state; parameters that change buckets keep their residual.
-        """
-        index = bucket.index()
-        signature = self._signature(bucket)
-        canonical = tuple(sorted(signature))
-        known = self._layouts.get(index)
-        if known is not None and known != canonical:
-            log.info("DDP rebuilt its buckets (bucket %d changed); moving residuals parameter by parameter",
-                     index)
-            self._loosen_all()
-        if index not in self.methods:
-            self._unplaced = None
-            method = self._whole_methods.pop(canonical, None)
-            if method is None:
-                method = make_method(self.method_name, self.comm, **self.method_options)
-                self._give_state(method, index, canonical, bucket.buffer())
-            self.methods[index] = method
-            self._layouts[index] = canonical
-        return self.methods[index], signature
+    def _build(self, buckets: list[_Bucket]) -> None:
+        self.plan = ParamPlan(self.granularity, self._is_dense, self._new_method)
+        self.plan.build([b.params for b in buckets])
+        if self._loaded is not None:
+            self.plan.load_state_dict(self._loaded)
+            self._loaded = None
 
-    def _loosen_all(self) -> None:
-        """Drop the per-bucket assignment: keep each instance by its parameter set (reused whole if a
-        new bucket holds exactly those parameters) and each parameter's residual slice."""
-        for index, method in self.methods.items():
-            self._loose_step = max(self._loose_step, method.step)
-            self._whole_methods[self._layouts[index]] = method
-            if method.residual is None:
-                continue
-            offset = 0
-            for pid, numel in self._layouts[index]:
-                self._loose[pid] = method.residual[offset:offset + numel].clone()
-                offset += numel
-        self.methods.clear()
-        self._layouts.clear()
+    # ------------------------------------------------------------------ the work of one bucket
+    def submit(self, bucket: _Bucket) -> None:
+        """Process ``bucket`` on the communication thread (``overlap``) or right here."""
+        if not self.overlap:
+            self._process(bucket)
+            return
+        if self._thread is None:
+            self._thread = CommThread()
+        self._thread.submit(self._process, bucket)
 
-    def _give_state(self, method: Method, index: int, signature, buffer: torch.Tensor) -> None:
-        if self._whole_methods:
-            # A parameter set that no longer exists as a bucket: its instance is gone for good.
-            for old in list(self._whole_methods):
-                if any(pid in {p for p, _ in signature} for pid, _ in old):
-                    del self._whole_methods[old]
-        saved = self._whole.pop(signature, None)
-        if saved is not None:  # the same bucket as when saved: method-specific state too
-            method.load_state_dict(saved)
-            for pid, _ in signature:
-                self._loose.pop(pid, None)
+    def _process(self, bucket: _Bucket) -> None:
+        try:
+            if self._error is not None:
+                raise RuntimeError(f"an earlier bucket failed: {self._error}") from self._error
+            if self.plan is None:  # DDP's first iteration: the groups exist once every bucket is seen
+                self._first.append(bucket)
+                if not bucket.is_last:
+                    return
+                self._build(self._first)
+                todo, self._first = self._first, []
+            else:
+                todo = [bucket]
+            for item in todo:
+                self._step(item)
+            if bucket.is_last:
+                self._finish(bucket)
+        except BaseException as exc:  # noqa: BLE001 - fail every waiting future, DDP raises it
+            self._fail(exc)
+
+    def _step(self, bucket: _Bucket) -> None:
+        plan = self.plan
+        assert plan is not None
+        bucket.route = route = plan.route(bucket.index, bucket.params, bucket.buffer.numel())
+        self._pending.append(bucket)
+        if bucket.warmup:
+            if self._warmup_method is None:
+                self._warmup_method = make_method("dense", self.comm)
+            bucket.result = self._call(self._warmup_method, self._warmup_method, bucket.buffer, warmup=True)
             return
-        if not self._loose:
-            return
-        method.step = self._loose_step
-        pieces = [self._loose.pop(pid, None) for pid, _ in signature]
-        if not method.has_residual or all(piece is None for piece in pieces):
-            return
-        if any(piece is None or piece.numel() != numel for piece, (_, numel) in zip(pieces, signature, strict=False)):
-            log.warning("bucket %d: the saved residuals do not fit its parameters; its residual restarts "
-                        "at zero", index)
-            return
-        method.residual = torch.cat([piece for piece in pieces if piece is not None]).to(buffer)
+        if route.direct is not None:
+            self._inputs[route.direct] = bucket.buffer
+        else:
+            for boff, gi, goff, numel in route.pieces:
+                plan.groups[gi].inbuf()[goff:goff + numel].copy_(bucket.buffer[boff:boff + numel])
+        for _, gi, _, _ in route.pieces:
+            plan.groups[gi].arrived += 1
+        for gi in route.groups:
+            group = plan.groups[gi]
+            if group.arrived == len(group.ids):
+                grad = self._inputs.pop(gi, None)
+                grad = group.inbuf() if grad is None else grad
+                self._outputs[gi] = self._call(group.method, group.call, grad, self.use_layout,
+                                               dense_calls=int(group.dense))
+                if group.dense:
+                    group.method.stats["dense_params"] = len(group.ids)
+
+    def _call(self, method: Method, run: Any, *args: Any, **figures: Any) -> torch.Tensor:
+        """``run(*args)``, timed; ``method``'s stats of the call get ``figures``."""
+        start = time.perf_counter()
+        out = run(*args)
+        self._calls.append((method.stats, start, time.perf_counter()))
+        method.stats.update(**figures)
+        return out
+
+    def _answer(self, bucket: _Bucket) -> None:
+        route = bucket.route
+        assert route is not None
+        if bucket.result is not None:
+            result = bucket.result
+        elif route.direct is not None:
+            result = self._outputs[route.direct]
+        else:
+            for boff, gi, goff, numel in route.pieces:
+                bucket.buffer[boff:boff + numel].copy_(self._outputs[gi][goff:goff + numel])
+            result = bucket.buffer
+        bucket.future.set_result(result.view_as(bucket.buffer))
+
+    def _finish(self, last: _Bucket) -> None:
+        """End of an iteration: every group has run; record the stats, then answer every bucket."""
+        plan = self.plan
+        assert plan is not None
+        if not last.warmup and len(self._outputs) != len(plan.groups):
+            missing = [g.index for g in plan.groups if g.index not in self._outputs]
+            raise RuntimeError(f"hook groups {missing} did not receive all their gradients this iteration")
+        for stats, start, end in self._calls:
+            stats.hidden_time = hidden_seconds([(start, end)], last.arrival) if self.overlap else 0.0
+        with self._lock:
+            self._stats.extend(stats for stats, _, _ in self._calls)
+        for bucket in self._pending:
+            self._answer(bucket)
+        for group in plan.groups:
+            group.arrived = 0
+        self._pending, self._calls, self._outputs, self._inputs = [], [], {}, {}
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+        for bucket in self._pending + self._first:
+            if not bucket.future.done():
+                bucket.future.set_exception(error)
+        self._pending, self._first = [], []
+
+    def wait_idle(self) -> None:
+        """Block until the communication thread has finished everything handed to it so far."""
+        if self._thread is not None:
+            done = threading.Event()
+            self._thread.submit(done.set)
+            done.wait()
+
+    def close(self) -> None:
+        """Stop the communication thread (a later bucket starts a new one)."""
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
 
     # ------------------------------------------------------------------ statistics
-    @property
-    def dense_method(self) -> Method:
-        """The ``dense`` method (the backend's all-reduce) used for the dense warm-up."""
-        if self._dense is None:
-            self._dense = make_method("dense", self.comm)
-        return self._dense
-
-    def record(self, stats: Stats) -> None:
-        self._stats.append(stats)
-
     def take_stats(self) -> Stats:
-        """Totals over the buckets synchronized since the last call: elements ``n``, output
-        non-zeros, ``density``, bytes, rounds and seconds per phase; then start counting afresh."""
-        total = Stats.total(self._stats)
-        self._stats.clear()
+        """Totals over the method calls since the last call: elements ``n``, output non-zeros,
+        ``density``, bytes, rounds, seconds per phase, ``dense_calls`` (small-tensor and warm-up
+        calls) and ``hidden_time`` (method seconds that ran while backward was still computing);
+        then start counting afresh."""
+        with self._lock:
+            total = Stats.total(self._stats)
+            self._stats.clear()
         return total
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
@@ -209,42 +301,43 @@ class SparseHookState:
             if self.iter == self.dense_warmup_steps and self.dense_warmup_steps:
                 log.info("dense warm-up over after %d iterations: %s starts", self.iter, self.method_name)
 
+    def residuals(self) -> dict[int, torch.Tensor]:
+        """Each parameter's residual (a view, by canonical id: DDP's first-iteration bucket order)."""
+        if self.plan is None:
+            return {}
+        found = {pid: self.plan.residual_of(pid) for pid in range(len(self.plan.numels))}
+        return {pid: r for pid, r in found.items() if r is not None}
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Iteration counter and, per bucket, the method's state (residual, step, extra) and the
-        (canonical id, numel) of its parameters."""
-        buckets = {index: {"params": [list(entry) for entry in self._layouts[index]],
-                           "method": method.state_dict()} for index, method in sorted(self.methods.items())}
-        if not buckets and self._unplaced is not None:  # loaded and not used yet: save it unchanged
-            buckets = self._unplaced
+        """Iteration counter, options, and the plan: the groups' method states and one residual per
+        parameter (by canonical id)."""
+        self.wait_idle()
+        plan = self.plan.state_dict() if self.plan is not None else self._loaded
         return {"version": _STATE_VERSION, "method": self.method_name, "options": dict(self.method_options),
-                "dense_warmup_steps": self.dense_warmup_steps, "iter": self.iter, "buckets": buckets}
+                "dense_warmup_steps": self.dense_warmup_steps, "granularity": self.granularity,
+                "dense_below": self.dense_below, "iter": self.iter, "plan": plan}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`. Each bucket DDP hands the hook afterwards gets its saved
-        state whole when its parameters are those of a saved bucket, else the saved residuals of its
-        parameters, one by one (DDP's bucketing differs between its first and later iterations)."""
+        """Restore a :meth:`state_dict`: residuals are looked up per parameter, method states per
+        group (now, or when the groups form on the first bucket)."""
         if state.get("method") != self.method_name:
             raise ValueError(f"state_dict of method {state.get('method')!r} cannot load into a hook "
                              f"state of method {self.method_name!r}")
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"hook state_dict version {state.get('version')!r} is not {_STATE_VERSION} "
+                             "(per-parameter residuals); it was saved by an older sparsecomm")
+        self.wait_idle()
         self.iter = int(state["iter"])
-        self.methods.clear()
-        self._layouts.clear()
-        self._loose, self._whole, self._whole_methods = {}, {}, {}
-        self._unplaced = state["buckets"]
-        self._loose_step = max((b["method"]["step"] for b in state["buckets"].values()), default=0)
-        for saved in state["buckets"].values():
-            signature = tuple((int(pid), int(numel)) for pid, numel in saved["params"])
-            self._whole[signature] = saved["method"]
-            residual, offset = saved["method"]["residual"], 0
-            for pid, numel in signature:
-                if residual is not None:
-                    self._loose[pid] = residual[offset:offset + numel]
-                offset += numel
+        saved = state["plan"]
+        if saved is not None and self.plan is not None:
+            self.plan.load_state_dict(saved)
+        else:
+            self._loaded = saved
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle without the process group and communicator (like ``PowerSGDState``)."""
-        return {"state": self.state_dict(), "use_layout": self.use_layout}
+        """Pickle without the process group, communicator and thread (like ``PowerSGDState``)."""
+        return {"state": self.state_dict(), "use_layout": self.use_layout, "overlap": self.overlap}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         """Unpickle onto the default process group; set ``process_group`` after loading for another."""
@@ -253,49 +346,30 @@ class SparseHookState:
         self.method_name = state["method"]
         self.method_options = dict(state["options"])
         self.dense_warmup_steps = state["dense_warmup_steps"]
+        self.granularity = state["granularity"]
+        self.dense_below = state["dense_below"]
         self.use_layout = pickled["use_layout"]
+        self.overlap = pickled["overlap"]
         self._reset_runtime()
         self.load_state_dict(state)
 
     def __repr__(self) -> str:
+        groups = 0 if self.plan is None else len(self.plan.groups)
         return (f"SparseHookState(method={self.method_name!r}, options={self.method_options}, "
-                f"iter={self.iter}, buckets={sorted(self.methods)})")
-
-
-def _completed(tensor: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
+                f"granularity={self.granularity!r}, overlap={self.overlap}, iter={self.iter}, groups={groups})")
 
 
 # No ``from __future__ import annotations`` in this module: DDP checks these annotations at runtime.
 def hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's average gradient over the ranks, by ``state``'s method.
 
-    Register with ``ddp_model.register_comm_hook(state, sparsecomm.hook)``. The returned future
-    holds a tensor shaped like ``bucket.buffer()``.
+    Register with ``ddp_model.register_comm_hook(state, sparsecomm.hook)``. Returns a future (pending
+    while the state's thread works on it) of a tensor shaped like ``bucket.buffer()``.
     """
-    buffer = bucket.buffer()
-    if state.in_warmup:
-        averaged = state.dense_method(buffer)
-        state.dense_method.stats.update(warmup=True, dense_calls=1)
-        state.record(state.dense_method.stats)
-        state.maybe_increase_iter(bucket)
-        return _completed(averaged)
-    method, signature = state.method_for(bucket)
-    grads = bucket.gradients()
-    if sum(g.numel() for g in grads) != buffer.numel():
-        raise RuntimeError(f"bucket {bucket.index()}: its gradients hold {sum(g.numel() for g in grads)} "
-                           f"elements but its buffer {buffer.numel()}; cannot derive the layer layout")
-    order = sorted(range(len(signature)), key=lambda i: signature[i][0])
-    in_order = order == list(range(len(order)))
-    flat = buffer if in_order else torch.cat([grads[i].reshape(-1) for i in order])
-    layout = _layout([signature[i][1] for i in order]) if state.use_layout else None
-    averaged = method(flat, layout)
-    if not in_order:  # back to the bucket's order
-        pieces = averaged.split([signature[i][1] for i in order])
-        by_position = {i: piece for i, piece in zip(order, pieces, strict=False)}
-        averaged = torch.cat([by_position[i] for i in range(len(order))])
-    state.record(method.stats)
+    future: torch.futures.Future = torch.futures.Future()
+    state.comm  # noqa: B018 - the private group is made here, on every rank, before any thread uses it
+    item = _Bucket(bucket.index(), bucket.buffer(), list(bucket.parameters()), bucket.is_last(),
+                   state.in_warmup, time.perf_counter(), future)
     state.maybe_increase_iter(bucket)
-    return _completed(averaged.view_as(buffer))
+    state.submit(item)
+    return future

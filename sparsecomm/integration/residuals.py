@@ -1,0 +1,279 @@
+"""Residuals that belong to parameters: the DDP hook's groups, laid out in canonical parameter order.
+
+GRACE (Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine Learning",
+ICDCS 2021) keeps its error-feedback ``Memory`` keyed by tensor name, not by communication bucket.
+This module does the same for the DDP hook, so that a DDP bucket rebuild and a checkpoint reload are
+lookups instead of re-homing:
+
+* Every parameter gets a *canonical id*: the order in which the hook first sees it, i.e. DDP's
+  first-iteration bucketing (bucket 0's parameters in bucket order, then bucket 1's, ...). A fresh
+  DDP over the same model starts with the same bucketing, so the run that saves a checkpoint and the
+  run that loads it number the parameters alike.
+* Parameters are synchronized in fixed *groups*, one method call per group and step:
+  ``granularity="bucket"``: one group per first-iteration bucket; ``granularity="model"``: one group
+  holding every parameter. Parameters too small to be worth sparsifying form one more, dense group
+  (see :func:`goes_dense`). The groups never change afterwards, whatever DDP does to its buckets, so
+  a method always selects over the same elements (the condition for an exact resume).
+* A group's residual is one flat tensor; each parameter's residual is a view into it
+  (:meth:`ParamPlan.residual_of`). The method is handed that tensor as its ``residual`` and updates
+  it in place: no copy per step. Checkpoints store one residual per parameter id.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..methods import Method
+
+__all__ = ["Group", "ParamPlan", "Route", "goes_dense", "INDEX_BYTES"]
+
+log = logging.getLogger(__name__)
+
+#: Bytes of one transmitted index (int32 while n < 2**31), for the small-tensor rule.
+INDEX_BYTES = 4
+
+
+def goes_dense(numel: int, itemsize: int, density: float | None, dense_below: int) -> bool:
+    """Whether a parameter of ``numel`` elements is all-reduced densely instead of sparsely.
+
+    The analogue of PowerSGD's ``min_compression_rate`` (Vogels et al. 2019; torch's
+    ``powerSGD_hook``): dense when ``numel < dense_below``, or when its sparse message,
+    ``ceil(density * numel)`` (value, int32 index) pairs, would not be smaller than the dense one,
+    ``numel`` values. ``dense_below=0`` turns the rule off (every parameter goes to the method).
+    """
+    if dense_below <= 0 or density is None:
+        return False
+    sparse_bytes = math.ceil(density * numel) * (itemsize + INDEX_BYTES)
+    return numel < dense_below or sparse_bytes >= numel * itemsize
+
+
+@dataclass
+class Group:
+    """Parameters synchronized by one method call, contiguous in the group's flat buffers.
+
+    Attributes:
+        index: position in :attr:`ParamPlan.groups` (groups run in this order when several complete
+            at once).
+        ids: canonical parameter ids, in group order; ``offsets``/``numels`` locate each one.
+        dense: the small-tensor group (all-reduced densely in one fused call).
+        method: the method instance of this group.
+        residual: the group's error-feedback residual (``None`` when the method keeps none); the
+            method's ``residual`` attribute is this very tensor.
+    """
+
+    index: int
+    ids: tuple[int, ...]
+    numels: tuple[int, ...]
+    dense: bool
+    method: Method
+    dtype: torch.dtype
+    device: torch.device
+    residual: torch.Tensor | None = None
+    offsets: tuple[int, ...] = ()
+    _inbuf: torch.Tensor | None = None
+    arrived: int = 0
+
+    def __post_init__(self) -> None:
+        offsets, offset = [], 0
+        for numel in self.numels:
+            offsets.append(offset)
+            offset += numel
+        self.offsets = tuple(offsets)
+        if self.method.has_residual:
+            self.residual = torch.zeros(self.n, dtype=self.dtype, device=self.device)
+            self.method.residual = self.residual
+
+    @property
+    def n(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def layout(self) -> list[tuple[int, int]]:
+        return list(zip(self.offsets, self.numels, strict=True))
+
+    def inbuf(self) -> torch.Tensor:
+        """The group's reused input buffer, where gradients are gathered when no bucket holds the
+        group's parameters contiguously in group order."""
+        if self._inbuf is None:
+            self._inbuf = torch.empty(self.n, dtype=self.dtype, device=self.device)
+        return self._inbuf
+
+    def call(self, grad: torch.Tensor, use_layout: bool) -> torch.Tensor:
+        """Run the method on the group's gradient; its residual stays the group's tensor."""
+        out = self.method(grad, self.layout if use_layout else None)
+        if self.residual is not None and self.method.residual is not self.residual:
+            # a method that replaced its residual instead of updating it in place: keep ours
+            assert self.method.residual is not None
+            self.residual.copy_(self.method.residual)
+            self.method.residual = self.residual
+        return out
+
+
+@dataclass
+class Route:
+    """Where one DDP bucket's parameters live in the groups.
+
+    ``direct`` is set when the bucket's buffer *is* one group's gradient (same parameters, same
+    order): the method then reads the buffer itself and its output is the bucket's result.
+    Otherwise ``pieces`` lists ``(buffer offset, group, group offset, numel)`` to copy in and out.
+    """
+
+    groups: tuple[int, ...]
+    direct: int | None
+    pieces: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+
+class ParamPlan:
+    """Canonical parameter ids, the fixed groups and each bucket's route into them.
+
+    Args:
+        granularity: ``"bucket"`` (one group per first-iteration bucket) or ``"model"`` (one group).
+        is_dense: ``is_dense(numel, itemsize)``: the small-tensor rule (:func:`goes_dense`).
+        make_method: ``make_method(dense)``: a new method instance for a group.
+    """
+
+    def __init__(self, granularity: str, is_dense: Callable[[int, int], bool],
+                 make_method: Callable[[bool], Method]) -> None:
+        self.granularity = granularity
+        self._is_dense = is_dense
+        self._make_method = make_method
+        self.ids: dict[int, int] = {}            # data_ptr -> canonical id
+        self.numels: list[int] = []              # canonical id -> numel
+        self.where: list[tuple[int, int]] = []   # canonical id -> (group index, offset)
+        self.groups: list[Group] = []
+        self._routes: dict[tuple[int, tuple[int, ...]], Route] = {}
+
+    @property
+    def built(self) -> bool:
+        return bool(self.groups)
+
+    # ------------------------------------------------------------------ building (first iteration)
+    def build(self, buckets: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Number the parameters and form the groups from the first iteration's buckets (each a
+        list of parameters in bucket order, buckets in index order)."""
+        if self.built:
+            raise RuntimeError("ParamPlan.build: the groups are fixed once built")
+        members: list[list[int]] = []
+        model: list[int] = []
+        dense: list[int] = []
+        kinds: dict[int, tuple[torch.dtype, torch.device]] = {}
+        for params in buckets:
+            sparse_here = []
+            for param in params:
+                pid = len(self.numels)
+                self.ids[param.data_ptr()] = pid
+                self.numels.append(param.numel())
+                kinds[pid] = (param.dtype, param.device)
+                if self._is_dense(param.numel(), param.element_size()):
+                    dense.append(pid)
+                elif self.granularity == "model":
+                    model.append(pid)
+                else:
+                    sparse_here.append(pid)
+            if sparse_here:
+                members.append(sparse_here)
+        if model:
+            members.append(model)
+        self.where = [(-1, 0)] * len(self.numels)
+        for ids in members:
+            self._add_group(ids, kinds, dense=False)
+        if dense:
+            self._add_group(dense, kinds, dense=True)
+        log.info("hook groups: %s", ", ".join(
+            f"{'dense' if g.dense else 'sparse'} {len(g.ids)} params / {g.n} elements" for g in self.groups))
+
+    def _add_group(self, ids: list[int], kinds: dict[int, tuple[torch.dtype, torch.device]], dense: bool) -> None:
+        found = {kinds[pid] for pid in ids}
+        if len(found) > 1:
+            raise ValueError(f"the hook's {'dense' if dense else self.granularity} group mixes dtypes/devices "
+                             f"{sorted(map(str, found))}; use granularity='bucket' (DDP buckets hold one dtype)")
+        dtype, device = found.pop()
+        group = Group(len(self.groups), tuple(ids), tuple(self.numels[pid] for pid in ids), dense,
+                      self._make_method(dense), dtype, device)
+        for pid, offset in zip(group.ids, group.offsets, strict=True):
+            self.where[pid] = (group.index, offset)
+        self.groups.append(group)
+
+    # ------------------------------------------------------------------ routing (every step)
+    def route(self, index: int, params: Sequence[torch.Tensor], buffer_numel: int) -> Route:
+        """The route of DDP bucket ``index`` holding ``params`` (cached; DDP's rebuilt buckets get
+        theirs on first sight, by looking their parameters up)."""
+        key = (index, tuple(p.data_ptr() for p in params))
+        route = self._routes.get(key)
+        if route is not None:
+            return route
+        if sum(p.numel() for p in params) != buffer_numel:
+            raise RuntimeError(f"bucket {index}: its parameters hold {sum(p.numel() for p in params)} elements "
+                               f"but its buffer {buffer_numel}; cannot locate them in the buffer")
+        pids = []
+        for param in params:
+            pid = self.ids.get(param.data_ptr())
+            if pid is None or self.numels[pid] != param.numel():
+                raise RuntimeError(f"bucket {index}: a parameter of {param.numel()} elements was not in DDP's "
+                                   "first-iteration buckets (was a parameter replaced after the first step?)")
+            pids.append(pid)
+        groups = sorted({self.where[pid][0] for pid in pids})
+        direct = None
+        if len(groups) == 1 and self.groups[groups[0]].ids == tuple(pids):
+            direct = groups[0]
+        route = Route(tuple(groups), direct)
+        offset = 0
+        for pid in pids:
+            gi, goff = self.where[pid]
+            route.pieces.append((offset, gi, goff, self.numels[pid]))
+            offset += self.numels[pid]
+        self._routes[key] = route
+        return route
+
+    # ------------------------------------------------------------------ per-parameter residuals
+    def residual_of(self, pid: int) -> torch.Tensor | None:
+        """Parameter ``pid``'s residual: a view into its group's residual (``None``: none kept)."""
+        gi, offset = self.where[pid]
+        residual = self.groups[gi].residual
+        return None if residual is None else residual[offset:offset + self.numels[pid]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The numbering, the groups (their methods' step and extra state) and one residual per
+        parameter id."""
+        groups = []
+        for group in self.groups:
+            method_state = group.method.state_dict()
+            method_state["residual"] = None  # kept per parameter below
+            groups.append({"params": list(group.ids), "dense": group.dense, "method": method_state})
+        residuals = {}
+        for pid in range(len(self.numels)):
+            residual = self.residual_of(pid)
+            if residual is not None:
+                residuals[pid] = residual.clone()
+        return {"numels": list(self.numels), "granularity": self.granularity, "groups": groups,
+                "residuals": residuals}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Give each parameter its saved residual (a lookup by id) and each group whose parameters
+        are those of a saved group its method's step and extra state."""
+        numels = [int(m) for m in saved["numels"]]
+        if numels != self.numels:
+            raise ValueError(f"the saved hook state numbers {len(numels)} parameters ({sum(numels)} elements), "
+                             f"this model's DDP buckets {len(self.numels)} ({sum(self.numels)}): not the same model")
+        by_ids = {(tuple(int(i) for i in g["params"]), bool(g["dense"])): g["method"] for g in saved["groups"]}
+        last_step = max((int(g["method"]["step"]) for g in saved["groups"]), default=0)
+        for group in self.groups:
+            method_state = by_ids.get((group.ids, group.dense))
+            if method_state is not None:
+                group.method.load_state_dict(method_state)
+            else:
+                log.info("hook group %d has no saved counterpart (granularity or bucket size changed): its "
+                         "method restarts its own state at step %d; residuals are restored per parameter",
+                         group.index, last_step)
+                group.method.step = last_step
+            group.method.residual = group.residual
+        for pid, residual in saved["residuals"].items():
+            mine = self.residual_of(int(pid))
+            if mine is not None:
+                mine.copy_(residual)
