@@ -51,6 +51,7 @@ from ..methods import Method, Stats, make_method, method_class
 from ..transport.comm import Communicator
 from .overlap import CommThread, hidden_seconds, private_group
 from .residuals import ParamPlan, Route, goes_dense
+from .schedule import ResidualCarry
 
 __all__ = ["SparseHookState", "hook", "GRANULARITIES", "DENSE_BELOW"]
 
@@ -119,6 +120,8 @@ class SparseHookState:
         self.overlap = bool(overlap)
         self.dense_below = dense_below
         self.iter = 0
+        #: residuals of a method switched off (:meth:`switch_method`), by group, for the next gradient
+        self.carry = ResidualCarry()
         self._reset_runtime()
         if dist.is_available() and dist.is_initialized():
             make_method(method, Communicator(process_group), **self.method_options)  # probe: validates options
@@ -130,6 +133,7 @@ class SparseHookState:
         self._comm = None
         self.plan: ParamPlan | None = None
         self._loaded: dict[str, Any] | None = None   # a loaded plan state, until the groups exist
+        self._deferred_switch: tuple[str, dict[str, Any]] | None = None  # a switch after loading it
         self._thread: CommThread | None = None
         self._warmup_method: Method | None = None
         self._first: list[_Bucket] = []              # first-iteration buckets, until the groups exist
@@ -168,6 +172,9 @@ class SparseHookState:
         if self._loaded is not None:
             self.plan.load_state_dict(self._loaded)
             self._loaded = None
+        if self._deferred_switch is not None:
+            self._swap_methods(*self._deferred_switch)
+            self._deferred_switch = None
 
     # ------------------------------------------------------------------ the work of one bucket
     def submit(self, bucket: _Bucket) -> None:
@@ -219,7 +226,7 @@ class SparseHookState:
             group = plan.groups[gi]
             if group.arrived == len(group.ids):
                 grad = self._inputs.pop(gi, None)
-                grad = group.inbuf() if grad is None else grad
+                grad = self.carry.flush_into(gi, group.inbuf() if grad is None else grad)
                 self._outputs[gi] = self._call(group.method, group.call, grad, self.use_layout,
                                                dense_calls=int(group.dense))
                 if group.dense:
@@ -301,6 +308,43 @@ class SparseHookState:
             if self.iter == self.dense_warmup_steps and self.dense_warmup_steps:
                 log.info("dense warm-up over after %d iterations: %s starts", self.iter, self.method_name)
 
+    def switch_method(self, method: str, **method_options: Any) -> None:
+        """Synchronize with ``method`` (built with ``method_options``) from the next iteration on.
+
+        The groups stay as they are (so a resumed run that switches at the same iteration selects over
+        the same elements); each sparse group gets a new method instance, and its residual under the
+        old method is flushed: added to the group's next gradient before the new method averages it
+        (Shi et al., section 5.6: MSTopK-SGD first, then a dense all-reduce). Call it between
+        iterations; it waits for the communication thread.
+
+        Raises:
+            ValueError / TypeError: unknown method or option; the state is then unchanged.
+        """
+        method_class(method)
+        if dist.is_available() and dist.is_initialized():
+            make_method(method, self.comm, **method_options)  # probe: validates the options
+        self.wait_idle()
+        if self.plan is None and self._loaded is not None:
+            # a loaded state whose groups form on the first bucket: its methods are the old method's
+            self._deferred_switch = (method, dict(method_options))
+            return
+        self._swap_methods(method, method_options)
+
+    def _swap_methods(self, method: str, method_options: dict[str, Any]) -> None:
+        self.method_name, self.method_options = method, dict(method_options)
+        if self.plan is None:
+            return
+        for group in self.plan.groups:
+            if group.dense:
+                continue
+            self.carry.put(group.index, group.residual)
+            group.method = self._new_method(dense=False)
+            group.residual = None
+            if group.method.has_residual:
+                group.residual = torch.zeros(group.n, dtype=group.dtype, device=group.device)
+                group.method.residual = group.residual
+        log.info("hook switched to %s at iteration %d (%d residuals carried)", method, self.iter, len(self.carry))
+
     def residuals(self) -> dict[int, torch.Tensor]:
         """Each parameter's residual (a view, by canonical id: DDP's first-iteration bucket order)."""
         if self.plan is None:
@@ -316,7 +360,8 @@ class SparseHookState:
         plan = self.plan.state_dict() if self.plan is not None else self._loaded
         return {"version": _STATE_VERSION, "method": self.method_name, "options": dict(self.method_options),
                 "dense_warmup_steps": self.dense_warmup_steps, "granularity": self.granularity,
-                "dense_below": self.dense_below, "iter": self.iter, "plan": plan}
+                "dense_below": self.dense_below, "iter": self.iter, "plan": plan,
+                "carry": self.carry.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: residuals are looked up per parameter, method states per
@@ -329,6 +374,7 @@ class SparseHookState:
                              "(per-parameter residuals); it was saved by an older sparsecomm")
         self.wait_idle()
         self.iter = int(state["iter"])
+        self.carry.load_state_dict(state.get("carry", {}))
         saved = state["plan"]
         if saved is not None and self.plan is not None:
             self.plan.load_state_dict(saved)
@@ -350,6 +396,7 @@ class SparseHookState:
         self.dense_below = state["dense_below"]
         self.use_layout = pickled["use_layout"]
         self.overlap = pickled["overlap"]
+        self.carry = ResidualCarry()
         self._reset_runtime()
         self.load_state_dict(state)
 
