@@ -114,10 +114,11 @@ def check(args: argparse.Namespace) -> None:
     """Every option, before any worker starts (ValueError naming the option and the valid values)."""
     from ..netemu import parse_net
 
-    if args.method not in BASELINES:
-        from ..simulator import check_methods
+    from ...methods import available_methods
 
-        check_methods([args.method])  # "unknown method ...; valid names: ..."
+    if args.method not in BASELINES and args.method not in available_methods():
+        raise ValueError(f"unknown method {args.method!r}; valid names: "
+                         f"{', '.join(list(BASELINES) + available_methods())}")
     fits = MODEL_DATA.get(args.model, [])
     if args.data is not None and args.data not in fits:
         raise ValueError(f"--model {args.model} does not fit --data {args.data}; it trains on: {', '.join(fits)}")
