@@ -45,6 +45,9 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 def _add(group, name: str, module: ModuleType) -> None:
     sub = group.add_parser(name, help=module.HELP, description=module.HELP, formatter_class=DefaultsHelpFormatter)
     module.add_arguments(sub)
+    for action in sub._actions:  # argparse prints no help line for an option without help text
+        if action.help is None and action.option_strings and action.default not in (None, False):
+            action.help = "(default: %(default)s)"
     sub.set_defaults(_run=module.run, _check=getattr(module, "check", None))
 
 

@@ -34,7 +34,7 @@ class Progress:
         self.stream = sys.stderr if stream is None else stream
         self.count = 0
         self.started = time.perf_counter()
-        self._last_line = -float("inf")
+        self._last_line = -math.inf if math.isfinite(interval) else self.started  # first update: a line
         self._bar: Any = None
         if is_terminal(self.stream) if bar is None else bar:
             from tqdm import tqdm

@@ -112,9 +112,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def check(args: argparse.Namespace) -> None:
     """Every option, before any worker starts (ValueError naming the option and the valid values)."""
-    from ..netemu import parse_net
-
     from ...methods import available_methods
+    from ..netemu import parse_net
 
     if args.method not in BASELINES and args.method not in available_methods():
         raise ValueError(f"unknown method {args.method!r}; valid names: "
