@@ -160,3 +160,11 @@ def test_hook_switch_conserves_every_contribution(P):
     assert all(torch.equal(r[1], results[0][1]) for r in results)
     assert all(r[2] == 0 for r in results)  # dense after the switch: nothing held anywhere
     assert P * float(results[0][1].sum()) == pytest.approx(sum(r[0] for r in results), rel=1e-4, abs=1e-3)
+
+
+def test_cli_refuses_a_bad_schedule_before_workers(capsys):
+    from sparsecomm.app.cli import main
+
+    assert main(["train", "--method", "topka", "--schedule", "3:nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown method 'nope'" in err

@@ -31,7 +31,8 @@ The spelling of a network for :func:`~sparsecomm.run_workers` (``net=``) is pars
 
 The rate limiter is a token bucket filter (``tc-tbf(8)``) with
 
-* ``rate``: any tc rate with an explicit unit (``"100mbit"``, ``"1gbit"``, ``"500kbit"``, ``"10mbps"``);
+* ``rate``: a tc rate in bits per second with an explicit unit (``"100mbit"``, ``"1gbit"``, ``"500kbit"``,
+  ``"1gibit"``). tc's byte units (``"1gbps"`` is 8 Gbit/s to tc, 1 Gbit/s to most readers) are refused;
 * ``burst`` (bucket size): default ``max(rate x 1 ms, 64 KiB)``. At least 64 KiB because veth passes
   GSO super-packets of up to 64 KiB (a smaller bucket makes tbf split every one of them), and at
   least 1 ms of traffic so that timer granularity does not cap high rates (on ``lo``, whose packets
@@ -88,9 +89,10 @@ _counter = itertools.count()
 _RATE_UNITS = {  # bits per second
     "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
     "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40,
-    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
-    "kibps": 8 * 2**10, "mibps": 8 * 2**20, "gibps": 8 * 2**30, "tibps": 8 * 2**40,
 }
+#: tc's bytes-per-second units: ambiguous (tc reads "1gbps" as 8 Gbit/s), so refused with the bit spelling
+_BYTE_RATE_UNITS = {"bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
+                    "kibps": 8 * 2**10, "mibps": 8 * 2**20, "gibps": 8 * 2**30, "tibps": 8 * 2**40}
 _SIZE_UNITS = {  # bytes; a bare number is bytes
     "": 1, "b": 1, "k": 2**10, "kb": 2**10, "m": 2**20, "mb": 2**20, "g": 2**30, "gb": 2**30,
     "kbit": 2**10 / 8, "mbit": 2**20 / 8, "gbit": 2**30 / 8,
@@ -116,12 +118,27 @@ def _parse(what: str, value: object, units: dict[str, float], example: str) -> f
 
 
 def parse_rate(rate: str) -> float:
-    """A tc rate string (``"100mbit"``, ``"1gbit"``, ``"10mbps"``) in bits per second.
+    """A tc rate string in bits per second (``"100mbit"``, ``"1gbit"``) -> bits per second.
 
     A unit is required: tc reads a bare number as bytes per second while its manual says bits,
-    so ``"100"`` is refused rather than guessed.
+    so ``"100"`` is refused rather than guessed. So are tc's byte units (``"1gbps"``: 8 Gbit/s to tc,
+    1 Gbit/s to many readers): the error names both bit spellings.
     """
+    match = _NUMBER_RE.match(rate) if isinstance(rate, str) else None
+    if match and match.group(2).lower() in _BYTE_RATE_UNITS:
+        number, unit = match.group(1), match.group(2).lower()
+        as_tc = _bits_spelling(float(number) * _BYTE_RATE_UNITS[unit])
+        as_bits = f"{number}{unit[:-3]}bit"
+        raise ValueError(f"rate={rate!r} is ambiguous: tc reads {unit!r} as bytes per second ({as_tc}), many "
+                         f"read it as bits per second ({as_bits}); write the rate in bits: {as_bits} or {as_tc}")
     return _parse("rate", rate, _RATE_UNITS, "100mbit")
+
+
+def _bits_spelling(bits_per_second: float) -> str:
+    for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits_per_second >= scale:
+            return f"{bits_per_second / scale:g}{unit}"
+    return f"{bits_per_second:g}bit"
 
 
 def parse_size(size: str) -> float:

@@ -5,6 +5,10 @@ writes) and produces, in one folder: ``accuracy_vs_time.png`` (test accuracy aga
 time), ``time_breakdown.png`` (mean time per step split into compute / select / communicate /
 decompress), ``density.png`` (actual density of the synchronized gradient per step) and
 ``report.md`` with the summary table (:func:`summary_rows`).
+
+One report compares runs of one setting: the same model, data, worker count P and network
+(:func:`group_key`). :func:`group_records` splits a mix into such groups, and :func:`write_report`
+refuses a mix rather than title it after its first run.
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from .report_table import markdown_table
 
-__all__ = ["load_records", "summary_rows", "write_report", "PLOTS"]
+__all__ = ["load_records", "summary_rows", "write_report", "group_key", "group_records", "group_slug", "PLOTS"]
 
 PLOTS = ("accuracy_vs_time.png", "time_breakdown.png", "density.png")
 _PHASES = (("time_compute", "compute"), ("time_select", "select"), ("time_comm", "communicate"),
@@ -43,6 +48,35 @@ def load_records(paths: Sequence[str]) -> list[dict[str, Any]]:
         record["_path"] = file
         records.append(record)
     return records
+
+
+def group_key(record: dict[str, Any]) -> tuple[str, str, int, str]:
+    """(model, data, P, network) of a run record: the setting one report compares methods in. The
+    network is the record's network without its parenthesized detail."""
+    cfg = record["config"]
+    return cfg["model"], cfg["data"], int(cfg["workers"]), record["network"].split(" (")[0]
+
+
+def group_records(records: Sequence[dict[str, Any]]) -> dict[tuple[str, str, int, str], list[dict[str, Any]]]:
+    """The records split by :func:`group_key`, in order of first appearance."""
+    groups: dict[tuple[str, str, int, str], list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault(group_key(record), []).append(record)
+    return groups
+
+
+def group_slug(key: tuple[str, str, int, str]) -> str:
+    """A shell-safe folder name for a group: ``cnn-digits-P4-emulated-1gbit-switch``."""
+    model, data, P, network = key
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{model}-{data}-P{P}-{network}").strip("-")
+
+
+def _one_setting(records: Sequence[dict[str, Any]]) -> None:
+    keys = list(group_records(records))
+    if len(keys) > 1:
+        settings = "; ".join(f"{m} on {d}, P={P}, {net}" for m, d, P, net in keys)
+        raise ValueError(f"one report compares runs of one model, data, P and network; these runs mix {len(keys)} "
+                         f"settings ({settings}): report each group apart (group_records)")
 
 
 def _mean(values: list[float]) -> float:
@@ -130,6 +164,7 @@ def _plot(records: Sequence[dict[str, Any]], outdir: str) -> list[str]:
 
 
 def _title(records: Sequence[dict[str, Any]], what: str) -> str:
+    _one_setting(records)
     cfg = records[0]["config"]
     return f"{what}: {cfg['model']} on {cfg['data']}, P={cfg['workers']}, {records[0]['network'].split(' (')[0]}"
 
@@ -142,7 +177,9 @@ def _save(fig, outdir: str, name: str) -> str:
 
 def write_report(records: Sequence[dict[str, Any]], outdir: str, html_too: bool = False,
                  title: str = "sparsecomm training report", command: str | None = None) -> dict[str, str]:
-    """Write the plots and ``report.md`` (and ``report.html``) into ``outdir``; returns their paths."""
+    """Write the plots and ``report.md`` (and ``report.html``) into ``outdir``; returns their paths.
+    ``records`` must share one setting (:func:`group_key`): ValueError otherwise."""
+    _one_setting(records)
     os.makedirs(outdir, exist_ok=True)
     plots = _plot(records, outdir)
     table = markdown_table(summary_rows(records))

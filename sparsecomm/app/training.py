@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import platform
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -48,7 +49,7 @@ from .data import Dataset, load_dataset
 from .launcher import STALL_TIMEOUT, run_workers
 from .models import make_model
 
-__all__ = ["TrainConfig", "train", "train_worker", "save_record", "BASELINES", "describe_method"]
+__all__ = ["TrainConfig", "train", "train_worker", "save_record", "shell_safe", "BASELINES", "describe_method"]
 
 log = logging.getLogger(__name__)
 
@@ -266,9 +267,12 @@ def _checkpoint_meta(config: TrainConfig, world: int) -> dict[str, Any]:
 
 
 def train_worker(config: TrainConfig, dataset: Dataset,
-                 progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                 progress: Callable[[dict[str, Any]], None] | None = None,
+                 step_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """One rank's training loop (call inside an initialized process group). Rank 0 returns the
-    history; every rank returns its final parameters' checksum and, on request, the parameters."""
+    history; every rank returns its final parameters' checksum and, on request, the parameters.
+    On rank 0, ``progress`` gets each epoch's summary and ``step_progress`` each step's
+    ``{"epoch", "epochs", "step", "steps", "loss"}`` (1-based)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(config.seed)
     model = make_model(config.model, dataset.info, **config.model_options)
@@ -326,6 +330,9 @@ def train_worker(config: TrainConfig, dataset: Dataset,
             sums["loss"] += loss.item() * count
             sums["correct"] += correct
             sums["count"] += count
+            if rank == 0 and step_progress is not None:
+                step_progress({"epoch": epoch + 1, "epochs": config.epochs, "step": step,
+                               "steps": steps_per_epoch, "loss": loss.item()})
             if rank == 0:
                 steps.append({"step": epoch * steps_per_epoch + step, "time": elapsed,
                               "density": stats.density if stats.n else None,
@@ -374,21 +381,24 @@ def _under_torchrun() -> bool:
 
 
 def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None = None,
-          keep_params: bool = False) -> dict[str, Any]:
+          keep_params: bool = False,
+          step_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run ``config`` and return its run record (see the module docstring).
 
-    Local workers by default; under torchrun this process is one rank and the record is returned
-    on every rank (save it on rank 0). With ``config.net`` set and no network emulation possible,
-    the run falls back to loopback and the record's ``network`` says why.
+    Local workers by default; under torchrun this process is one rank, the record is returned on
+    every rank (save it on rank 0) and its ``workers`` is torchrun's ``WORLD_SIZE``. With
+    ``config.net`` set and no network emulation possible, the run falls back to loopback and the
+    record's ``network`` says why.
     """
     config.validate()
     dataset = load_dataset(config.data, seed=config.seed, **config.data_options)
     started = datetime.datetime.now(datetime.timezone.utc)
     network = "loopback"
     if _under_torchrun():
+        config = dataclasses.replace(config, workers=int(os.environ["WORLD_SIZE"]))
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.collective_timeout))
-        results = [train_worker(config, dataset, progress)]
+        results = [train_worker(config, dataset, progress, step_progress)]
         network = f"torchrun cluster ({os.environ['WORLD_SIZE']} ranks)"
     else:
         net = config.net
@@ -402,7 +412,7 @@ def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None
                 net = None
             else:
                 network = f"emulated {net} switch (tc tbf)"
-        results = run_workers(config.workers, train_worker, config, dataset, progress, net=net,
+        results = run_workers(config.workers, train_worker, config, dataset, progress, step_progress, net=net,
                               timeout=config.timeout, stall_timeout=config.collective_timeout)
     first = results[0]
     record = {
@@ -439,13 +449,19 @@ def time_to_target(history: list[dict[str, Any]], target: float | None) -> float
     return None
 
 
+def shell_safe(name: str) -> str:
+    """``name`` with every run of characters other than letters, digits, ``.``, ``_`` and ``-``
+    replaced by one ``-``: ``powersgd(r=2)`` -> ``powersgd-r-2``, ``spardl@0.01`` -> ``spardl-0.01``."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+
+
 def save_record(record: dict[str, Any], directory: str = "runs", name: str | None = None) -> str:
     """Write ``record`` as JSON under ``directory``; returns the path."""
     os.makedirs(directory, exist_ok=True)
     if name is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg = record["config"]
-        name = f"{stamp}-{cfg['model']}-{cfg['data']}-{record['label'].replace('@', '-')}"
+        name = shell_safe(f"{stamp}-{cfg['model']}-{cfg['data']}-{record['label']}")
     path = os.path.join(directory, name if name.endswith(".json") else name + ".json")
     serializable = {key: value for key, value in record.items() if key != "params"}
     with open(path, "w") as handle:

@@ -1,4 +1,11 @@
-"""Shared pieces of the benchmarks: size parsing, networks, timing of a method inside workers."""
+"""Shared pieces of the benchmarks: size parsing, networks, option checks, progress, timing of a method
+inside workers.
+
+Every bench module defines ``check(args)``: the CLI calls it before ``run`` and before any worker
+starts, and a ``ValueError`` is one line ``sparsecomm bench NAME: error: ...`` with exit status 2. A
+bench's defaults hold at any worker count P (defaults that depend on P, such as SparDL's team
+counts, are derived from it).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...methods import Stats
+from ...methods import Stats, available_methods
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
 _UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}
@@ -25,12 +32,23 @@ def parse_count(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def parse_networks(text: str) -> list[str | None]:
-    """'loopback,1gbit' -> [None, '1gbit']."""
+def parse_networks(text: str, workers: int | None = None) -> list[str | None]:
+    """'loopback,1gbit' -> [None, '1gbit']; every other item is checked as a ``net=`` spelling
+    (:func:`sparsecomm.app.netemu.parse_net` at ``workers`` ranks, or as a rate when P is not known):
+    ValueError naming the item."""
+    from ..netemu import parse_net, parse_rate
+
     nets: list[str | None] = []
     for item in text.split(","):
         item = item.strip()
-        nets.append(None if item in ("", "none", "loopback", "lo") else item)
+        if item in ("", "none", "loopback", "lo"):
+            nets.append(None)
+            continue
+        if workers is not None:
+            parse_net(item, workers)
+        elif ":" not in item:
+            parse_rate(item)
+        nets.append(item)
     return nets
 
 
@@ -46,6 +64,39 @@ def add_common_arguments(parser, *, workers: int, size: str, repeat: int = 5) ->
     parser.add_argument("--repeat", type=int, default=repeat, help=f"timed calls per method (default {repeat})")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls first (default 1)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per worker group")
+
+
+def check_common(args) -> tuple[int, int, list[str | None]]:
+    """(P, n, networks) of :func:`add_common_arguments`'s options; ValueError naming a bad one."""
+    P, n = args.workers, parse_count(args.size)
+    if P < 1:
+        raise ValueError(f"--workers={P} must be >= 1")
+    if n < 1:
+        raise ValueError(f"--size={args.size} must be at least 1 element")
+    if args.repeat < 1 or args.warmup < 0:
+        raise ValueError(f"--repeat={args.repeat} must be >= 1 and --warmup={args.warmup} >= 0")
+    return P, n, parse_networks(args.net, P)
+
+
+def check_methods_option(text: str) -> list[str]:
+    """Method names of a ``--methods`` option ('all' or comma-separated); ValueError ("unknown method
+    ...; valid names: ...") otherwise."""
+    from ..simulator import check_methods
+
+    return available_methods() if text.strip() == "all" else check_methods(x for x in text.split(",") if x.strip())
+
+
+def check_density(density: float) -> None:
+    if not 0 < density <= 1:
+        raise ValueError(f"--density={density} must lie in (0, 1]")
+
+
+def configurations(items, bench: str, label=str):
+    """``items`` with progress output: each configuration is announced before it runs
+    (:func:`sparsecomm.app.progress.progress_iter`, on stderr)."""
+    from ..progress import progress_iter
+
+    return progress_iter(items, f"bench {bench}", label)
 
 
 def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: int, warmup: int,

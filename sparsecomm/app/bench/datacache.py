@@ -92,7 +92,17 @@ def _rows(mode: str, per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any
     return rows
 
 
+def check(args) -> None:
+    from ..netemu import parse_rate
+
+    for name in ("workers", "samples", "epochs", "batch_size", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    parse_rate(args.rate)
+
+
 def run(args) -> int:
+    check(args)
     data = load_fashion_mnist(seed=0, train_size=args.samples)
     pixels = (data.x_train.squeeze(1) * 255).round().to(torch.uint8)
     workdir = tempfile.mkdtemp(prefix="sparsecomm-datacache-")

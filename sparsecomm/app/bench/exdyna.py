@@ -18,7 +18,6 @@ the actual density of every method at every step (warm-up included) into a PNG.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import statistics
 import time
@@ -26,14 +25,12 @@ from typing import Any
 
 import torch
 
-from ...methods import available_methods, method_class
+from ...methods import method_class
 from ..launcher import run_workers
 from ..report_table import markdown_table
-from .common import network_label, parse_count, parse_networks
+from .common import check_density, check_methods_option, configurations, network_label, parse_count, parse_networks
 
 HELP = "ExDyna vs Top-k, CLT-k, hard threshold, SIDCo, dense: time per step and actual density over steps"
-
-log = logging.getLogger(__name__)
 
 DEFAULT_METHODS = "exdyna,topk,cltk,threshold,sidco,dense"
 
@@ -123,26 +120,38 @@ def _plot(path: str, curves: dict[str, list[float]], density: float, title: str)
     plt.close(fig)
 
 
-def run(args) -> int:
-    n = parse_count(args.size)
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in names if m not in available_methods()]
-    if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}; available: {', '.join(available_methods())}")
+def check(args) -> None:
+    if args.workers < 1:
+        raise ValueError(f"--workers={args.workers} must be >= 1")
+    if parse_count(args.size) < 1:
+        raise ValueError(f"--size={args.size} must be at least 1 element")
+    check_density(args.density)
+    check_methods_option(args.methods)
     if args.steps < 1 or args.warmup < 0:
-        raise SystemExit(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
-    nets = parse_networks(args.net)
+        raise ValueError(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
+    if args.scale != "auto":
+        try:
+            float(args.scale)
+        except ValueError:
+            raise ValueError(f"--scale={args.scale!r} must be a number or 'auto'") from None
+    parse_networks(args.net, args.workers)
+
+
+def run(args) -> int:
+    check(args)
+    n = parse_count(args.size)
+    names = check_methods_option(args.methods)
+    nets = parse_networks(args.net, args.workers)
     scale = auto_scale(n, args.density) if args.scale == "auto" else float(args.scale)
     rows, curves = [], {}
-    for net in nets:
-        for name in names:
-            options = {"density": args.density} if method_class(name).sparse else {}
-            log.info("bench exdyna: %s on %s", name, network_label(net))
-            per_rank = run_workers(args.workers, _stream_worker, name, options, n, args.warmup + args.steps,
-                                   scale, net=net, timeout=args.timeout)
-            rows.append(_row(net, name, per_rank, args.warmup))
-            if net == nets[0]:
-                curves[name] = [r["density"] for r in per_rank[0]]
+    for net, name in configurations([(net, name) for net in nets for name in names], "exdyna",
+                                    lambda c: f"{c[1]} on {network_label(c[0])}"):
+        options = {"density": args.density} if method_class(name).sparse else {}
+        per_rank = run_workers(args.workers, _stream_worker, name, options, n, args.warmup + args.steps,
+                               scale, net=net, timeout=args.timeout)
+        rows.append(_row(net, name, per_rank, args.warmup))
+        if net == nets[0]:
+            curves[name] = [r["density"] for r in per_rank[0]]
     print(markdown_table(rows))
     print(f"\nP={args.workers}, n={n}, user density {args.density:g}, gradients N(0, {scale:.3g}^2) fresh "
           f"every step; {args.steps} timed steps after {args.warmup} warm-up; time: median of the slowest "

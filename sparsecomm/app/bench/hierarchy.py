@@ -85,19 +85,20 @@ def _row(layout: str, density: float | None, name: str, per_rank: list[dict[str,
     return row
 
 
-def _check(args: argparse.Namespace) -> tuple[int, list[tuple[str, int, int]]]:
+def check(args: argparse.Namespace) -> tuple[int, list[tuple[str, int, int]]]:
+    """(n, [(layout, nodes, local)]) of the options; ValueError naming a bad one."""
     n = parse_count(args.size)
     if n < 1 or args.repeat < 1 or args.warmup < 0:
-        raise SystemExit("--size and --repeat must be positive, --warmup not negative")
+        raise ValueError("--size and --repeat must be positive, --warmup not negative")
     if not args.densities or not all(0 < d <= 1 for d in args.densities):
-        raise SystemExit(f"--densities={args.densities} must be numbers in (0, 1]")
+        raise ValueError(f"--densities={args.densities} must be numbers in (0, 1]")
     for name in args.methods:
         method_class(name)   # raises naming the known methods
     layouts = []
     for layout in args.layouts:
         parts = layout.lower().split("x")
         if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
-            raise SystemExit(f"--layouts: {layout!r} must be NODESxLOCAL, e.g. 2x4")
+            raise ValueError(f"--layouts: {layout!r} must be NODESxLOCAL, e.g. 2x4")
         nodes, local = int(parts[0]), int(parts[1])
         parse_net(f"{layout}:{args.rate}" + (f"/{args.intra_rate}" if args.intra_rate else ""), nodes * local)
         layouts.append((layout, nodes, local))
@@ -105,10 +106,7 @@ def _check(args: argparse.Namespace) -> tuple[int, list[tuple[str, int, int]]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        n, layouts = _check(args)
-    except (ValueError, KeyError) as exc:
-        raise SystemExit(f"bench hierarchy: {exc}") from None
+    n, layouts = check(args)
     reason = unavailable_reason()
     if reason is not None:
         raise SystemExit(f"bench hierarchy needs emulated nodes, unavailable here: {reason}")

@@ -182,7 +182,7 @@ def _check_nodes(nodes: str | None) -> None:
         return
     parts = nodes.lower().split("x")
     if len(parts) != 2 or not all(part.isdigit() and int(part) >= 1 for part in parts) or int(parts[0]) < 2:
-        raise SystemExit(f"--nodes={nodes!r} must be NODESxLOCAL with at least 2 nodes (e.g. 2x4)")
+        raise ValueError(f"--nodes={nodes!r} must be NODESxLOCAL with at least 2 nodes (e.g. 2x4)")
 
 
 def _setup_rows(world_sizes: list[int], repeats: int) -> list[dict]:
@@ -202,21 +202,22 @@ def _setup_rows(world_sizes: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
     for name, value in (("--size-mb", args.size_mb), ("--repeats", args.repeats),
                         ("--setup-repeats", args.setup_repeats)):
         if value <= 0:
-            raise SystemExit(f"{name}={value} must be positive")
+            raise ValueError(f"{name}={value} must be positive")
     if args.ring_size == 1 or args.ring_size < 0:
-        raise SystemExit(f"--ring-size={args.ring_size} must be 0 (skip) or at least 2")
+        raise ValueError(f"--ring-size={args.ring_size} must be 0 (skip) or at least 2")
     _check_nodes(args.nodes)
+    rates = [parse_rate(net) for net in args.net if net != "none"]
+    if not rates and "none" not in args.net:
+        raise ValueError("--net is empty: give rates such as 100mbit,1gbit or none")
+
+
+def run(args: argparse.Namespace) -> int:
+    check(args)
     nets = args.net
-    try:
-        rates = [parse_rate(net) for net in nets if net != "none"]  # fail before anything runs
-    except ValueError as exc:
-        raise SystemExit(f"--net: {exc}") from None
-    if not rates and "none" not in nets:
-        raise SystemExit("--net is empty: give rates such as 100mbit,1gbit or none")
     reason = unavailable_reason()
     if reason is not None:
         print(f"Network emulation is unavailable here ({reason}); measuring loopback only.\n")

@@ -81,7 +81,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per worker group")
 
 
+def check(args) -> None:
+    from ..commands.simulate import parse_workers
+
+    if any(P < 2 for P in parse_workers(args.workers)):
+        raise ValueError(f"--workers={args.workers}: PTO distributes over at least 2 workers")
+    if args.repeat < 1 or args.warmup < 0:
+        raise ValueError(f"--repeat={args.repeat} must be >= 1 and --warmup={args.warmup} >= 0")
+
+
 def run(args) -> int:
+    check(args)
     shapes = resnet50_shapes()
     costs = [int(torch.Size(s).numel()) for s in shapes]
     rows = []

@@ -9,7 +9,15 @@ import statistics
 from ...methods import cost
 from ..launcher import run_workers
 from ..report_table import markdown_table
-from .common import add_common_arguments, network_label, parse_count, parse_networks, summarize, time_method_in_worker
+from .common import (
+    add_common_arguments,
+    check_common,
+    check_density,
+    configurations,
+    network_label,
+    summarize,
+    time_method_in_worker,
+)
 
 HELP = "RedSync / RedSync+ASQ / TopkA vs dense on VGG-16's layer sizes: time split and bytes vs equation (1)"
 
@@ -60,36 +68,45 @@ def _median_over_calls(per_rank: list[dict], key: str) -> float:
                              for i in range(len(per_rank[0]["stats"])))
 
 
+def check(args) -> None:
+    _, n, _ = check_common(args)
+    check_density(args.density)
+    scaled_layout(n)
+    for label in args.methods.split(","):
+        _method(label.strip(), args.density)
+
+
 def run(args) -> int:
-    n, P = parse_count(args.size), args.workers
+    check(args)
+    P, n, nets = check_common(args)
     layout = scaled_layout(n)
     rows = []
-    for net in parse_networks(args.net):
-        for label in args.methods.split(","):
-            name, options = _method(label.strip(), args.density)
-            per_rank = run_workers(P, time_method_in_worker, name, options, n, args.repeat, args.warmup,
-                                   0, layout, net=net, timeout=args.timeout)
-            s = summarize(per_rank)
-            row = {"network": network_label(net), "method": label, "time (ms)": 1e3 * s["time_s"]}
-            for phase in ("select", "comm", "decompress"):
-                row[f"{phase} (ms)"] = 1e3 * _median_over_calls(per_rank, f"time_{phase}")
-            if "message_bytes" not in per_rank[0]["stats"][0]:  # a dense method
-                model = cost("rabenseifner", P=P, n=n, rank=0)
-                row.update({"MB sent/rank (meter)": "n/a (inside gloo)", "MB sent/rank (model)": model.bytes_sent / 1e6,
-                            "model": "eq. (2)", "rounds": model.rounds})
-            else:
-                last = [r["stats"][-1]["message_bytes"] for r in per_rank]
-                for rank, r in enumerate(per_rank):
-                    replay = cost(name, P=P, n=n, rank=rank, message_bytes=last)
-                    got = (r["stats"][-1]["rounds"], r["stats"][-1]["bytes_sent"])
-                    if got != (replay.rounds, replay.bytes_sent):
-                        raise RuntimeError(f"{label}: rank {rank} metered (rounds, bytes) {got}, replay of "
-                                             f"the all-gather schedule {(replay.rounds, replay.bytes_sent)}")
-                row.update({"MB sent/rank (meter)": _median_over_calls(per_rank, "bytes_sent") / 1e6,
-                            "MB sent/rank (model)": (P - 1) * _median_over_calls(per_rank, "message_bytes") / 1e6,
-                            "model": "eq. (1)", "rounds": per_rank[0]["stats"][-1]["rounds"]})
-                row["selected/rank"] = round(_median_over_calls(per_rank, "selected"))
-            rows.append(row)
+    for net, label in configurations([(net, label) for net in nets for label in args.methods.split(",")],
+                                     "redsync", lambda c: f"{c[1]} on {network_label(c[0])}"):
+        name, options = _method(label.strip(), args.density)
+        per_rank = run_workers(P, time_method_in_worker, name, options, n, args.repeat, args.warmup,
+                               0, layout, net=net, timeout=args.timeout)
+        s = summarize(per_rank)
+        row = {"network": network_label(net), "method": label, "time (ms)": 1e3 * s["time_s"]}
+        for phase in ("select", "comm", "decompress"):
+            row[f"{phase} (ms)"] = 1e3 * _median_over_calls(per_rank, f"time_{phase}")
+        if "message_bytes" not in per_rank[0]["stats"][0]:  # a dense method
+            model = cost("rabenseifner", P=P, n=n, rank=0)
+            row.update({"MB sent/rank (meter)": "n/a (inside gloo)", "MB sent/rank (model)": model.bytes_sent / 1e6,
+                        "model": "eq. (2)", "rounds": model.rounds})
+        else:
+            last = [r["stats"][-1]["message_bytes"] for r in per_rank]
+            for rank, r in enumerate(per_rank):
+                replay = cost(name, P=P, n=n, rank=rank, message_bytes=last)
+                got = (r["stats"][-1]["rounds"], r["stats"][-1]["bytes_sent"])
+                if got != (replay.rounds, replay.bytes_sent):
+                    raise RuntimeError(f"{label}: rank {rank} metered (rounds, bytes) {got}, replay of "
+                                         f"the all-gather schedule {(replay.rounds, replay.bytes_sent)}")
+            row.update({"MB sent/rank (meter)": _median_over_calls(per_rank, "bytes_sent") / 1e6,
+                        "MB sent/rank (model)": (P - 1) * _median_over_calls(per_rank, "message_bytes") / 1e6,
+                        "model": "eq. (1)", "rounds": per_rank[0]["stats"][-1]["rounds"]})
+            row["selected/rank"] = round(_median_over_calls(per_rank, "selected"))
+        rows.append(row)
     columns = list(dict.fromkeys(key for row in rows for key in row))
     print(markdown_table(rows, columns))
     print(f"\nP={P}, n={n} float32 in {len(layout)} layers (VGG-16 scaled), density {args.density}; median of "

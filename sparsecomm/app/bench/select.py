@@ -179,12 +179,20 @@ def _quality_rows(args: argparse.Namespace, names: list[str]) -> list[dict[str, 
     return rows
 
 
+def check(args: argparse.Namespace) -> None:
+    unknown = sorted(set(args.selectors or []) - set(selectors.available()))
+    if unknown:
+        raise ValueError(f"unknown selector(s) {unknown}; available: {', '.join(selectors.available())}")
+    if args.n < 1 or args.repeat < 1 or args.threads < 1:
+        raise ValueError(f"--n={args.n}, --repeat={args.repeat} and --threads={args.threads} must be >= 1")
+    if not all(0 < d <= 1 for d in args.densities):
+        raise ValueError(f"--densities={args.densities} must lie in (0, 1]")
+
+
 def run(args: argparse.Namespace) -> int:
+    check(args)
     torch.set_num_threads(args.threads)
     names = args.selectors or selectors.available()
-    unknown = sorted(set(names) - set(selectors.available()))
-    if unknown:
-        raise SystemExit(f"unknown selector(s) {unknown}; available: {selectors.available()}")
     if args.quality:
         print(f"quality (captured top-k L2 mass), n = {args.n} (MLP gradient: its own length), "
               f"threads = {torch.get_num_threads()}")

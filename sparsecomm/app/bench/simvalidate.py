@@ -85,21 +85,30 @@ def _measure_group(net, P, n, methods, args, profile, profile_path) -> list[dict
     return rows
 
 
-def run(args) -> int:
-    from ..commands.simulate import fail, method_names, parse_workers
-    from ..simulator import UnknownMethodError
-    from .common import network_label, parse_count, parse_networks
+def check(args) -> tuple[list[str], list[int], list[int], list[str | None]]:
+    """(methods, worker counts, sizes, networks) of the options; ValueError naming a bad one."""
+    from ..commands.simulate import method_names, parse_workers
+    from .common import check_density, parse_count, parse_networks
 
-    try:
-        methods = method_names(args.methods)
-        workers = parse_workers(args.workers)
-        sizes = [parse_count(s) for s in args.size.split(",")]
-        nets = parse_networks(args.net)
-    except (UnknownMethodError, ValueError) as err:
-        return fail("bench simvalidate", str(err))
+    methods = method_names(args.methods)
+    workers = parse_workers(args.workers)
+    sizes = [parse_count(s) for s in args.size.split(",")]
+    check_density(args.density)
+    if args.repeat < 1 or args.calibrate_workers < 1:
+        raise ValueError(f"--repeat={args.repeat} and --calibrate-workers={args.calibrate_workers} must be >= 1")
+    nets = parse_networks(args.net)
+    for P in workers + [args.calibrate_workers]:
+        parse_networks(args.net, P)
+    return methods, workers, sizes, nets
+
+
+def run(args) -> int:
+    from .common import configurations, network_label
+
+    methods, workers, sizes, nets = check(args)
     results = Path(args.results)
     done = {(r["net"], r["n"], r["P"], r["method"]) for r in _load(results)}
-    for net in nets:
+    for net in configurations(nets, "simvalidate", network_label):
         profile, profile_path = _profile_for(net, args, methods, sizes)
         for n in sizes:
             for P in workers:

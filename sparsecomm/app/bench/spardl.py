@@ -19,7 +19,15 @@ from ...methods.spardl import table1_cost, team_candidates
 from ..launcher import run_workers
 from ..netemu import unavailable_reason
 from ..report_table import markdown_table
-from .common import add_common_arguments, network_label, parse_count, parse_networks, summarize, time_method_in_worker
+from .common import (
+    add_common_arguments,
+    check_common,
+    check_density,
+    configurations,
+    network_label,
+    summarize,
+    time_method_in_worker,
+)
 
 HELP = "SparDL (d = 1, 2, 4, auto teams) against dense all-reduce: time and bytes per step"
 
@@ -27,9 +35,9 @@ HELP = "SparDL (d = 1, 2, 4, auto teams) against dense all-reduce: time and byte
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, workers=8, size="25M", repeat=2)
     parser.add_argument("--density", type=float, default=0.01, help="SparDL density (default 0.01)")
-    parser.add_argument("--teams", default="1,2,4,auto",
+    parser.add_argument("--teams", default=None,
                         help="comma-separated team counts d (divisors of P) and/or 'auto' "
-                             "(default 1,2,4,auto)")
+                             "(default: those of 1, 2, 4 that divide P, and auto)")
     parser.add_argument("--sag", default="auto", choices=["auto", "recursive", "bruck"],
                         help="Spar-All-Gather variant for d > 1 (default auto: R-SAG for powers of 2)")
     parser.add_argument("--auto-trials", type=int, default=1,
@@ -40,7 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-dense", action="store_true", help="skip the dense all-reduce row")
 
 
-def _teams_list(text: str, P: int) -> list[Any]:
+def _teams_list(text: str | None, P: int) -> list[Any]:
+    """The team counts to run: ``text``'s, or by default 1, 2, 4 where they divide P, and auto."""
+    if text is None:
+        return [d for d in (1, 2, 4) if P % d == 0] + ["auto"]
     out: list[Any] = []
     for item in text.split(","):
         item = item.strip()
@@ -49,8 +60,18 @@ def _teams_list(text: str, P: int) -> list[Any]:
         elif item.isdigit() and int(item) >= 1 and P % int(item) == 0:
             out.append(int(item))
         else:
-            raise SystemExit(f"--teams: {item!r} must be 'auto' or a positive divisor of P={P}")
+            raise ValueError(f"--teams: {item!r} must be 'auto' or a positive divisor of P={P}")
     return out
+
+
+def check(args: argparse.Namespace) -> None:
+    P, _, _ = check_common(args)
+    if args.auto_trials < 1:
+        raise ValueError(f"--auto-trials={args.auto_trials} must be >= 1")
+    check_density(args.density)
+    teams_list = _teams_list(args.teams, P)
+    if args.sag == "recursive" and any(t != "auto" and t & (t - 1) for t in teams_list):
+        raise ValueError(f"--sag=recursive needs power-of-2 team counts, got --teams={args.teams}")
 
 
 def _row(net: str | None, label: str, summary: dict[str, Any], per_rank: list[dict[str, Any]],
@@ -79,21 +100,15 @@ def _row(net: str | None, label: str, summary: dict[str, Any], per_rank: list[di
 
 
 def run(args: argparse.Namespace) -> int:
-    P, n = args.workers, parse_count(args.size)
-    if P < 1 or n < 1 or args.repeat < 1 or args.auto_trials < 1:
-        raise SystemExit("--workers, --size, --repeat and --auto-trials must be positive")
-    if not 0 < args.density <= 1:
-        raise SystemExit(f"--density={args.density} must be in (0, 1]")
+    check(args)
+    P, n, nets = check_common(args)
     teams_list = _teams_list(args.teams, P)
-    if args.sag == "recursive" and any(t != "auto" and t & (t - 1) for t in teams_list):
-        raise SystemExit(f"--sag=recursive needs power-of-2 team counts, got --teams={args.teams}")
-    nets = parse_networks(args.net)
     if any(net is not None for net in nets) and unavailable_reason() is not None:
         print(f"Network emulation is unavailable here ({unavailable_reason()}); loopback only.\n")
         nets = [None]
     k = math.ceil(args.density * n)
     rows = []
-    for net in nets:
+    for net in configurations(nets, "spardl", network_label):
         dense_seconds = None
         if not args.no_dense:
             per_rank = run_workers(P, time_method_in_worker, "dense", {}, n, args.repeat, args.warmup,

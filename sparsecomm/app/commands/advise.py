@@ -6,10 +6,19 @@ given (or a profile's), plus the per-step work measured by ``sparsecomm calibrat
 is given. The recommendation is the fastest predicted method; its density is the largest candidate
 whose predicted step is within ``--density-slack`` of that method's fastest (a lower density saves
 time but costs accuracy: see docs/training.md). Each line says what the prediction rests on.
+
+``--measure`` checks the advice on this machine: every ranked method runs at its chosen density in one
+group of ``-P`` forked workers (on ``--net``, an emulated link, or loopback), interleaved: each round
+calls every method once, in a rotated order, so that the load of a shared machine falls on all of them
+alike. A method's measured time is its best round (the least of the slowest rank's call times: the call
+least disturbed by other processes, the statistic ``calibrate`` fits the profile on); the median is
+shown beside it. The advised method's time is compared with the measured fastest (docs/advise.md).
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +47,11 @@ def add_arguments(parser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--top", type=int, default=5, help="alternatives listed (default: %(default)s)")
     add_model_arguments(parser, methods="all")
+    parser.add_argument("--measure", action="store_true", help="also run every ranked method here, interleaved, "
+                        "and compare the advice with the measured fastest")
+    parser.add_argument("--net", default=None, help="with --measure: the emulated link the workers measure on, a tc "
+                        "rate such as 1gbit (default: loopback)")
+    parser.add_argument("--rounds", type=int, default=5, help="with --measure: timed rounds (default: %(default)s)")
 
 
 @dataclass(frozen=True)
@@ -115,10 +129,66 @@ def advise(methods: list[str], P: int, n: int, densities: list[float], slack: fl
     return Advice(ranked[0], dense, ranked, n)
 
 
+def _measure_worker(plan: list[tuple[str, float]], n: int, rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Every rank: each (method, density) of ``plan`` once per round, the order rotated by one each round,
+    a barrier before each call; this rank's call times after ``warmup`` untimed rounds."""
+    import torch
+    import torch.distributed as dist
+
+    from ...methods import make_method, method_class
+
+    gen = torch.Generator().manual_seed(7919 * dist.get_rank() + 1)
+    base = torch.randn(n, generator=gen)
+    work = torch.empty_like(base)
+    options: dict[str, dict[str, Any]] = {name: {"density": d} if method_class(name).sparse else {} for name, d in plan}
+    built = {name: make_method(name, **options[name]) for name in options}
+    times: dict[str, list[float]] = {name: [] for name, _ in plan}
+    names = [name for name, _ in plan]
+    for r in range(warmup + rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            work.copy_(base)
+            dist.barrier()
+            start = time.perf_counter()
+            built[name](work)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def measure(ranked: list[Prediction], P: int, n: int, net: str | None, rounds: int, warmup: int = 1,
+            timeout: float = 3600.0) -> dict[str, dict[str, float]]:
+    """Method -> {"best", "median"} over rounds of the slowest rank's call time, all methods interleaved
+    in one worker group."""
+    from ..launcher import run_workers
+
+    per_rank = run_workers(P, _measure_worker, [(p.method, p.density) for p in ranked], n, rounds, warmup,
+                           net=net, timeout=timeout)
+    out = {}
+    for p in ranked:
+        slowest = [max(r[p.method][i] for r in per_rank) for i in range(rounds)]
+        out[p.method] = {"best": min(slowest), "median": statistics.median(slowest)}
+    return out
+
+
+def check_against(result: Advice, measured: dict[str, float], tolerance: float = 0.10) -> dict[str, Any]:
+    """The advised method's measured time against the measured fastest: within ``tolerance`` or not."""
+    fastest = min(measured, key=measured.__getitem__)
+    ratio = measured[result.best.method] / measured[fastest]
+    return {"advised": result.best.method, "advised_s": measured[result.best.method], "fastest": fastest,
+            "fastest_s": measured[fastest], "ratio": ratio, "ok": ratio <= 1 + tolerance}
+
+
 def run(args) -> int:
     from .simulate import fail, method_names, model_kwargs
 
     try:
+        if args.rounds < 1:
+            raise ValueError(f"--rounds={args.rounds} must be >= 1")
+        if args.net is not None:
+            from ..netemu import parse_net
+
+            parse_net(args.net, args.workers)
         if args.latency and args.alpha:
             raise ValueError("give --latency or --alpha, not both")
         args.alpha = args.alpha or args.latency
@@ -144,4 +214,18 @@ def run(args) -> int:
     print(markdown_table(rows, list(rows[0])))
     print("Predicted communication and sparsification time per step only: forward/backward compute is "
           "not included; lower densities save time but cost accuracy (docs/training.md).")
+    if args.measure:
+        measured = measure(result.ranked, args.workers, n, args.net, args.rounds)
+        fastest = {name: m["best"] for name, m in measured.items()}
+        rows = [{"method": p.method, "density": p.density, "predicted (ms)": 1e3 * p.total_s,
+                 "measured best (ms)": 1e3 * fastest[p.method],
+                 "measured median (ms)": 1e3 * measured[p.method]["median"]}
+                for p in sorted(result.ranked, key=lambda p: fastest[p.method])]
+        print(f"\nmeasured here: P={args.workers} forked workers on {args.net or 'loopback'}, {args.rounds} "
+              f"interleaved rounds; time of a round: the slowest rank's call")
+        print(markdown_table(rows, list(rows[0])))
+        c = check_against(result, fastest)
+        print(f"advised {c['advised']}: {1e3 * c['advised_s']:.1f} ms; measured fastest {c['fastest']}: "
+              f"{1e3 * c['fastest_s']:.1f} ms; ratio {c['ratio']:.2f} "
+              f"({'within' if c['ok'] else 'NOT within'} 10% of the fastest)")
     return 0

@@ -1,11 +1,17 @@
-"""``sparsecomm report RUN...``: a markdown (and optionally HTML) report with PNG plots comparing runs."""
+"""``sparsecomm report RUN...``: a markdown (and optionally HTML) report with PNG plots comparing runs.
+
+Runs are grouped by model, data, worker count P and network (:func:`sparsecomm.app.reporting.group_key`):
+one group gives one report in ``--out``; several give one report per group in ``--out/GROUP/``, each
+titled after its own setting."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from ..report_table import markdown_table
-from ..reporting import load_records, summary_rows, write_report
+from ..reporting import group_records, group_slug, load_records, summary_rows, write_report
 
 HELP = "render a markdown/HTML report with plots comparing training run records"
 
@@ -21,9 +27,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         records = load_records(args.runs)
     except (ValueError, OSError) as exc:
-        print(f"error: {exc}")
+        print(f"sparsecomm report: error: {exc}", file=sys.stderr)
         return 2
-    paths = write_report(records, args.out, html_too=args.html, title=args.title)
-    print(markdown_table(summary_rows(records)))
-    print(f"\nreport: {paths['markdown']}" + (f" and {paths['html']}" if "html" in paths else ""))
+    groups = group_records(records)
+    for key, group in groups.items():
+        model, data, P, network = key
+        outdir = args.out if len(groups) == 1 else os.path.join(args.out, group_slug(key))
+        title = args.title if len(groups) == 1 else f"{args.title}: {model} on {data}, P={P}, {network}"
+        paths = write_report(group, outdir, html_too=args.html, title=title)
+        if len(groups) > 1:
+            print(f"## {model} on {data}, P={P}, {network}\n")
+        print(markdown_table(summary_rows(group)))
+        print(f"\nreport: {paths['markdown']}" + (f" and {paths['html']}" if "html" in paths else "") + "\n")
     return 0

@@ -1,0 +1,81 @@
+"""`sparsecomm advise`: the recommendation from a profile, and its check against measurement.
+
+The fast tests use a synthetic profile (work and link figures chosen here) and a tiny measured run;
+the slow test repeats one of the three checks of docs/advise.md on this machine.
+"""
+
+import re
+
+import pytest
+
+from sparsecomm.app.cli import main
+from sparsecomm.app.commands.advise import Advice, advise, check_against
+from sparsecomm.app.simulator import Prediction, Profile
+
+METHODS = ["dense", "ring", "topka", "spardl", "cltk"]
+
+
+def synthetic_profile(beta: float, sparse_work_ns: float) -> Profile:
+    """P = 8 devices (not colocated), a link of ``beta`` s/byte, 50 us per round, the native
+    all-reduce on the same link; dense methods do 0.5 ns of work per element, sparse ones
+    ``sparse_work_ns``."""
+    link = {"alpha": 50e-6, "beta": beta}
+    methods = {name: {"P": 8, "density": 0.01, "w1": (0.5 if name in ("dense", "ring") else sparse_work_ns) * 1e-9,
+                      "w0": 0.0, "traffic_factor": 1.0, "comm_factor": 1.0} for name in METHODS}
+    return Profile(net="synthetic", cores=8, colocated=False, links={"inter": link},
+                   dense_allreduce={**link, "rate_gbit": 8e-9 / beta, "at_n": 25_000_000}, methods=methods)
+
+
+def test_slow_link_recommends_a_sparse_method_with_its_speedup():
+    """100 Mbit/s, n = 25M, P = 8: a dense all-reduce moves 2 (P-1)/P x 100 MB (about 14 s); a 1%
+    sparse method moves about 2% of that, and its selection (20 ns/element, 0.5 s) is far cheaper."""
+    result = advise(METHODS, 8, 25_000_000, [0.01], profile=synthetic_profile(8e-8, 20.0))
+    assert result.best.method in ("topka", "spardl", "cltk") and result.best.density == 0.01
+    assert result.dense.total_s / result.best.total_s > 5
+    assert "work measured at P=8" in result.best.rests_on
+
+
+def test_fast_link_and_slow_selection_recommend_a_dense_method():
+    """100 Gbit/s and 200 ns per element of selection: the all-reduce (0.03 s) wins."""
+    result = advise(METHODS, 8, 25_000_000, [0.01], profile=synthetic_profile(8e-11, 200.0))
+    assert result.best.method in ("dense", "ring")
+
+
+def test_density_is_the_largest_within_the_slack():
+    """10 Gbit/s, selection 0.5 s: topka's all-gather of (P-1) k pairs takes 0.11 s at density 0.1,
+    0.011 s at 0.01, 0.001 s at 0.001; steps 0.61, 0.51, 0.50 s. The largest density within 10% of
+    the fastest (0.55 s) is 0.01."""
+    result = advise(["topka"], 8, 25_000_000, [0.1, 0.01, 0.001], slack=0.10,
+                    profile=synthetic_profile(8e-10, 20.0))
+    assert result.best.density == 0.01
+    assert advise(["topka"], 8, 25_000_000, [0.1, 0.01, 0.001], slack=0.5,
+                  profile=synthetic_profile(8e-10, 20.0)).best.density == 0.1
+
+
+def _prediction(name: str, seconds: float) -> Prediction:
+    return Prediction(name, 4, 1000, 0.01, seconds, 0.0, 0.0, 1, 0.0, True, "")
+
+
+def test_check_against_measurement():
+    advice = Advice(_prediction("topka", 1.0), _prediction("dense", 2.0),
+                    [_prediction("topka", 1.0), _prediction("dense", 2.0)], 1000)
+    assert check_against(advice, {"topka": 0.105, "dense": 0.1})["ok"]          # 5% slower: within 10%
+    c = check_against(advice, {"topka": 0.12, "dense": 0.1})
+    assert not c["ok"] and c["fastest"] == "dense" and c["ratio"] == pytest.approx(1.2)
+
+
+def test_advise_measure_runs_the_ranked_methods_interleaved(capsys):
+    """--measure on a tiny gradient at P = 2 (loopback): every ranked method measured, the check line."""
+    assert main(["advise", "--params", "20k", "-P", "2", "--methods", "dense,topka,ring", "--densities", "0.01",
+                 "--alpha", "50us", "--bandwidth", "1gbit", "--measure", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("measured here:")[1]
+    assert all(f"| {m} |" in table for m in ("dense", "topka", "ring"))
+    assert re.search(r"advised \w+: [\d.]+ ms; measured fastest \w+: [\d.]+ ms; ratio [\d.]+", out)
+
+
+def test_advise_bad_options_are_one_line_errors(capsys):
+    assert main(["advise", "--params", "1M", "--methods", "topka,nope"]) == 2
+    assert "unknown method 'nope'" in capsys.readouterr().err
+    assert main(["advise", "--params", "1M", "--measure", "--net", "1gbps"]) == 2
+    assert "ambiguous" in capsys.readouterr().err
