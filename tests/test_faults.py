@@ -174,3 +174,28 @@ def test_fuzz_clear_error_on_every_rank_or_the_correct_result(P, data):
         assert cause == expected, f"{where}: {message}"
         if cause == "nonfinite":
             assert ranks == nonfinite, f"{where}: {message}"
+
+
+def _mismatch(kind):
+    rank = dist.get_rank()
+    if kind == "layout":
+        method, layout = make_method("topk", density=0.1), [(0, 5), (5, 5)] if rank == 0 else [(0, 10)]
+    elif kind == "options":
+        method, layout = make_method("topk", density=0.1, global_error=rank == 1), None
+    else:
+        method, layout = make_method("topk" if rank == 0 else "topka", density=0.1), None
+    try:
+        method(torch.ones(10), layout)
+    except AgreementError as exc:
+        return str(exc), exc.ranks, exc.cause
+
+
+@pytest.mark.parametrize("kind, ranks, text", [
+    ("layout", [1], "layout differs across ranks"),
+    ("options", [1], "method options differ across ranks"),
+    ("method", [1], "method differs across ranks (rank 1 has method=topka, rank 0 has method=topk)"),
+])
+def test_layout_options_and_method_mismatches_are_named(kind, ranks, text):
+    results = run_workers(2, _mismatch, kind, timeout=60)
+    assert results[0][0].split(":", 1)[1] == results[1][0].split(":", 1)[1]  # after each rank's method name
+    assert results[0][1] == ranks and results[0][2] == kind and text in results[0][0]
