@@ -3,6 +3,7 @@ within 5 s, naming the rank and the cause, with the state unchanged, or the docu
 next call on finite input must succeed with bit-identical replicas. Every method, P = 2, 3, 4
 (sparsecomm.app.faults; `make test-faults` runs only these), plus a hypothesis fuzz."""
 
+import dataclasses
 import os
 
 import pytest
@@ -199,3 +200,22 @@ def test_layout_options_and_method_mismatches_are_named(kind, ranks, text):
     results = run_workers(2, _mismatch, kind, timeout=60)
     assert results[0][0].split(":", 1)[1] == results[1][0].split(":", 1)[1]  # after each rank's method name
     assert results[0][1] == ranks and results[0][2] == kind and text in results[0][0]
+
+
+def test_cli_collective_timeout_reaches_the_launcher(monkeypatch):
+    from sparsecomm.app import training
+    from sparsecomm.app.cli import build_parser
+    from sparsecomm.app.commands.train import config_from_args
+
+    args = build_parser().parse_args(["train", "--model", "mlp", "--data", "digits", "--collective-timeout", "7"])
+    config = config_from_args(args)
+    assert config.collective_timeout == 7.0
+
+    def fake_run_workers(world_size, fn, *args, **kwargs):
+        raise RuntimeError(f"stall_timeout={kwargs['stall_timeout']}")
+
+    monkeypatch.setattr(training, "run_workers", fake_run_workers)
+    with pytest.raises(RuntimeError, match="stall_timeout=7.0"):
+        training.train(config)
+    with pytest.raises(ValueError, match="collective_timeout=0 must be a number of seconds > 0"):
+        training.train(dataclasses.replace(config, collective_timeout=0))
