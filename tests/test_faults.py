@@ -3,6 +3,7 @@ within 5 s, naming the rank and the cause, with the state unchanged, or the docu
 next call on finite input must succeed with bit-identical replicas. Every method, P = 2, 3, 4
 (sparsecomm.app.faults; `make test-faults` runs only these), plus a hypothesis fuzz."""
 
+import dataclasses
 import os
 
 import pytest
@@ -174,3 +175,47 @@ def test_fuzz_clear_error_on_every_rank_or_the_correct_result(P, data):
         assert cause == expected, f"{where}: {message}"
         if cause == "nonfinite":
             assert ranks == nonfinite, f"{where}: {message}"
+
+
+def _mismatch(kind):
+    rank = dist.get_rank()
+    if kind == "layout":
+        method, layout = make_method("topk", density=0.1), [(0, 5), (5, 5)] if rank == 0 else [(0, 10)]
+    elif kind == "options":
+        method, layout = make_method("topk", density=0.1, global_error=rank == 1), None
+    else:
+        method, layout = make_method("topk" if rank == 0 else "topka", density=0.1), None
+    try:
+        method(torch.ones(10), layout)
+    except AgreementError as exc:
+        return str(exc), exc.ranks, exc.cause
+
+
+@pytest.mark.parametrize("kind, ranks, text", [
+    ("layout", [1], "layout differs across ranks"),
+    ("options", [1], "method options differ across ranks"),
+    ("method", [1], "method differs across ranks (rank 1 has method=topka, rank 0 has method=topk)"),
+])
+def test_layout_options_and_method_mismatches_are_named(kind, ranks, text):
+    results = run_workers(2, _mismatch, kind, timeout=60)
+    assert results[0][0].split(":", 1)[1] == results[1][0].split(":", 1)[1]  # after each rank's method name
+    assert results[0][1] == ranks and results[0][2] == kind and text in results[0][0]
+
+
+def test_cli_collective_timeout_reaches_the_launcher(monkeypatch):
+    from sparsecomm.app import training
+    from sparsecomm.app.cli import build_parser
+    from sparsecomm.app.commands.train import config_from_args
+
+    args = build_parser().parse_args(["train", "--model", "mlp", "--data", "digits", "--collective-timeout", "7"])
+    config = config_from_args(args)
+    assert config.collective_timeout == 7.0
+
+    def fake_run_workers(world_size, fn, *args, **kwargs):
+        raise RuntimeError(f"stall_timeout={kwargs['stall_timeout']}")
+
+    monkeypatch.setattr(training, "run_workers", fake_run_workers)
+    with pytest.raises(RuntimeError, match="stall_timeout=7.0"):
+        training.train(config)
+    with pytest.raises(ValueError, match="collective_timeout=0 must be a number of seconds > 0"):
+        training.train(dataclasses.replace(config, collective_timeout=0))

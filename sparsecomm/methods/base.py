@@ -344,7 +344,12 @@ def _range(verdict: Agreement, name: str) -> str:
     return f"min {min(column)}, max {max(column)}; "
 
 
-_SHOW: dict[str, Callable[[int], str]] = {"dtype": _show_dtype, "density": _show_density}
+def _show_method(code: int) -> str:
+    names = {zlib.crc32(name.encode()): name for name in METHODS.names()}
+    return names.get(code, f"<method crc {code}>")
+
+
+_SHOW: dict[str, Callable[[int], str]] = {"dtype": _show_dtype, "density": _show_density, "method": _show_method}
 _HINTS = {"step": " A differing step means a rank went on after an error the others did not see, or resumed "
                   "from another checkpoint.",
           "method": " Every rank must use the same method.",

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
                 row[case] = text
                 failed += not ok
             rows.append(row)
+    rows.sort(key=lambda row: (row["method"], row["P"]))
     print(markdown_table(rows, ["method", "P", *CASES]))
     print(f"\n{failed} failing cell(s) of {len(rows) * len(CASES)}")
     return 1 if failed else 0
