@@ -146,8 +146,8 @@ def _run_one(workload: str, name: str, args: argparse.Namespace, net: str | None
                                args.warmup, 0, None, grad_fn, net=net, timeout=args.timeout)
     calls = len(per_rank[0]["times"])
     return {"times": [max(r["times"][i] for r in per_rank) for i in range(calls)],
-            "sent": [max(s.bytes_sent for s in r["stats"]) for r in per_rank],
-            "rounds": [max(s.rounds for s in r["stats"]) for r in per_rank],
+            "sent": [max(r["stats"][i].bytes_sent for r in per_rank) for i in range(calls)],
+            "rounds": [max(r["stats"][i].rounds for r in per_rank) for i in range(calls)],
             "modelled": per_rank[0]["stats"][-1].modelled_bytes,
             "touched": [t for r in per_rank for t in r.get("touched", [])]}
 
