@@ -118,13 +118,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", "-P", type=int, default=4, help="worker count P (default 4)")
     parser.add_argument("--workloads", default="embedding,blocks", help="embedding and/or blocks (default both)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated (default {','.join(METHODS)})")
-    parser.add_argument("--vocab", default="200k", help="embedding rows (default 200k)")
+    parser.add_argument("--vocab", default="100k", help="embedding rows (default 100k)")
     parser.add_argument("--dim", type=int, default=128, help="embedding dimension (default 128)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank per batch (default 4096 = 128 x 32)")
-    parser.add_argument("--size", "-n", default="25.6M", help="blocks workload: gradient elements (default 25.6M)")
+    parser.add_argument("--size", "-n", default="25M",
+                        help="blocks workload: gradient elements (default 25M, about ResNet-50's)")
     parser.add_argument("--block", type=int, default=32, help="blocks workload: elements per block (default 32)")
-    parser.add_argument("--block-density", type=float, default=0.01,
-                        help="blocks workload: fraction of non-zero blocks per rank (default 0.01)")
+    parser.add_argument("--block-density", type=float, default=1 / 32,
+                        help="blocks workload: fraction of non-zero blocks per rank (default 1/32, S2's rate)")
     parser.add_argument("--net", default="1gbit", help="loopback or a tc rate (default 1gbit)")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per worker group (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls first (default 1)")
