@@ -1,11 +1,13 @@
 """Sparse embedding gradients: every route of RowSparseReducer equals the dense average (S2's sketch
 where it is collision-free), the same bits on every rank, sparse in gives sparse out, the synchronizer
-path, and a 10M-row embedding with < 1% of rows touched averaged without a dense n-vector."""
+path, a DDP comm hook path, and a 10M-row embedding with < 1% of rows touched averaged without a dense
+n-vector (slow)."""
 
 import re
 
 import pytest
 import torch
+from torch import nn
 
 from sparsecomm import run_workers
 from sparsecomm.app.bench.s2 import ZipfModel, zipf_tokens
@@ -84,6 +86,40 @@ def test_synchronizer_path_matches_the_dense_baseline():
             assert is_sparse and calls == 2                       # the head's bucket + the embedding
             assert torch.allclose(emb, ref_emb, atol=1e-6)
             assert all(torch.equal(a, b) for a, b in zip(head, ref_head, strict=True))
+
+
+def _ddp_sparse_bucket(route):
+    """DDP hands a sparse embedding gradient to a comm hook as its own bucket, a sparse COO buffer:
+    the entry point a hook calls for it is reduce_embedding_grad."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(ROWS, DIM, sparse=True))
+    ddp = DistributedDataParallel(model)
+    reducer = RowSparseReducer(None, route, num_rows=ROWS, dim=DIM, **(EXACT_SKETCH if route == "s2reducer" else {}))
+    buffers = []
+
+    def hook(state, bucket):
+        buffers.append(bucket.buffer().is_sparse)
+        future = torch.futures.Future()
+        future.set_result(reduce_embedding_grad(bucket.buffer(), reducer))
+        return future
+
+    ddp.register_comm_hook(None, hook)
+    tokens = zipf_tokens(ROWS, 64, torch.Generator().manual_seed(torch.distributed.get_rank())).reshape(8, 8)
+    ddp(tokens).pow(2).sum().backward()
+    local = torch.zeros(ROWS, DIM)                    # the local gradient of sum(e^2): 2 e per occurrence
+    local.index_add_(0, tokens.reshape(-1), 2 * model[0].weight.detach()[tokens.reshape(-1)])
+    return buffers, model[0].weight.grad.is_sparse, model[0].weight.grad.to_dense(), local
+
+
+@pytest.mark.parametrize("route", ["omnireduce"])
+def test_ddp_hook_path_keeps_sparse_gradients_sparse(route):
+    results = run_workers(2, _ddp_sparse_bucket, route, timeout=60)
+    expected = sum(r[3] for r in results) / 2
+    for buffers, is_sparse, grad, _ in results:
+        assert buffers == [True] and is_sparse
+        assert torch.allclose(grad, expected, atol=1e-6)
 
 
 # ---------------------------------------------------------------------- memory
