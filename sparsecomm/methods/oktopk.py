@@ -35,7 +35,9 @@ reproduce Ok-Topk through them, keep this method's ``warmup_steps`` (512) and le
 
 Cost (:func:`_oktopk_cost`): exact from the counts a call records (stats ``send_counts`` of every rank,
 ``gather_counts``) and its step: P - 1 + ceil(log2 P) rounds, plus the boundary all-reduce on
-repartition calls; warm-up calls cost a Rabenseifner all-reduce of n elements.
+repartition calls; warm-up calls cost a Rabenseifner all-reduce of n elements. Without the counts, an
+estimate of the balanced case (k/P pairs per region and rank), not a bound: threshold selection may
+pick more.
 """
 
 from __future__ import annotations
@@ -239,7 +241,9 @@ def _oktopk_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, step: int
                  **_: Any) -> Cost:
     """Exact with ``step`` (calls before this one), ``send_counts[s][q]`` (pairs rank s sent to
     region q) and ``gather_counts[q]`` (pairs region q's owner all-gathered), for a method run from
-    its first call. Without counts: an upper bound (every rank sends all n pairs to every region)."""
+    its first call. Without counts an estimate (``Cost.estimate``) of the balanced steady state that
+    Ok-Topk aims at: each rank sends k/P pairs to every other region and each region gathers k/P
+    pairs, the lower end of SparDL's Table I (2 (P-1)/P k)."""
     step = warmup_steps if step is None else step
     if step < warmup_steps:
         return allreduce_cost("rabenseifner", P=P, n=n, rank=rank, itemsize=itemsize)
@@ -247,12 +251,12 @@ def _oktopk_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, step: int
         return Cost(0, 0, 0)
     pair = pair_bytes(n, itemsize)
     repartition = step % partition_interval == 0 or step == warmup_steps
-    exact = send_counts is not None and gather_counts is not None
-    sends = [list(row) for row in send_counts] if send_counts is not None else [[n] * P for _ in range(P)]
-    gathers = list(gather_counts) if gather_counts is not None else [n] * P
+    share = -(-k // P)
+    sends = [list(row) for row in send_counts] if send_counts is not None else [[share] * P for _ in range(P)]
+    gathers = list(gather_counts) if gather_counts is not None else [share] * P
     r1, s1, v1 = alltoallv_traffic([[c * pair for c in row] for row in sends], rank)
     r2, s2, v2 = allgatherv_traffic([c * pair for c in gathers], rank)
-    total = Cost(r1 + r2, s1 + s2, v1 + v2, exact=exact)
+    total = Cost(r1 + r2, s1 + s2, v1 + v2)
     if repartition:
         total = total + allreduce_cost("rabenseifner", P=P, n=P - 1, rank=rank, itemsize=8)
-    return total
+    return total if send_counts is not None and gather_counts is not None else total.estimate()
