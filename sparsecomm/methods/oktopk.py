@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_int, check_number
 from ..transport.alltoallv import alltoallv, alltoallv_traffic
@@ -107,6 +108,7 @@ class OkTopk(Method):
         self.local_threshold: float | None = None
         self.global_threshold: float | None = None
         self.boundaries: list[int] | None = None
+        self.selector = make_selector("topk")     # exact top-k for the periodic threshold estimation
 
     # ------------------------------------------------------------------ schedule
     def estimates_threshold(self, step: int) -> bool:
@@ -131,7 +133,7 @@ class OkTopk(Method):
             if exact:
                 self.local_threshold = 0.0
             elif estimate or self.local_threshold is None:
-                self.local_threshold = float(torch.topk(acc.abs(), k, sorted=False).values.min())
+                self.local_threshold = float(acc[self.selector(acc, k)].abs().min())
             else:
                 self.local_threshold = self._pre_adjust(acc, self.local_threshold, k)
             threshold = self.local_threshold
