@@ -6,9 +6,11 @@ Per call t (t counts every call, warm-up included, as the public code's ``_allre
 0. Dense warm-up: the first ``warmup_steps`` calls (512 by default, as the issue records for the
    public code) are a plain all-reduce (the metered Rabenseifner algorithm).
 1. ``acc = grad + residual``. Local threshold: when t is a multiple of ``threshold_interval`` (32),
-   the exact k-th largest |acc|; in between the previous one, reused. Select ``|acc| >= threshold``;
-   afterwards the threshold is divided by ``local_scale`` (1.012) when fewer than 3k/4 were selected
-   and multiplied by it when more than 5k/4 were (the public code's ``_scale`` rule).
+   the exact k-th largest |acc|; in between the previous one, reused, first raised by ``reuse_scale``
+   (1.03) up to ``reuse_loops`` (5) times while it would select more than 3k/2 (``add2residual`` in
+   the public code). Select ``|acc| > threshold``; afterwards the threshold is divided by
+   ``local_scale`` (1.012) when fewer than 3k/4 were selected and multiplied by it when more than
+   5k/4 were (the public code's ``_scale`` rule).
 2. Balanced partition: when t is a multiple of ``partition_interval`` (64), and on the first sparse
    call, every rank takes the P - 1 evenly spaced quantiles of its selected (sorted) indices; their
    sum over the ranks (an all-reduce of P - 1 int64), divided by P, gives the region boundaries, so
@@ -17,7 +19,7 @@ Per call t (t counts every call, warm-up included, as the public code's ``_allre
    :func:`~sparsecomm.transport.alltoallv.alltoallv`, P - 1 rounds); rank q adds them in rank order.
 4. Global selection: when t is a multiple of ``threshold_interval``, every region owner all-gathers
    all its non-zero sums, every rank takes the exact top-k of them and the k-th magnitude becomes the
-   global threshold; in between, owners all-gather only the sums with ``|v| >= threshold`` and the
+   global threshold; in between, owners all-gather only the sums with ``|v| > threshold`` and the
    threshold is adjusted by ``global_scale`` (1.008) with the same 3k/4 and 5k/4 rule.
    (:func:`~sparsecomm.transport.sparse_collectives.allgatherv`, ceil(log2 P) rounds.)
 5. The result is the gathered pairs / P. Error feedback with nothing lost: each rank zeroes in its
@@ -33,7 +35,9 @@ reproduce Ok-Topk through them, keep this method's ``warmup_steps`` (512) and le
 
 Cost (:func:`_oktopk_cost`): exact from the counts a call records (stats ``send_counts`` of every rank,
 ``gather_counts``) and its step: P - 1 + ceil(log2 P) rounds, plus the boundary all-reduce on
-repartition calls; warm-up calls cost a Rabenseifner all-reduce of n elements.
+repartition calls; warm-up calls cost a Rabenseifner all-reduce of n elements. Without the counts, an
+estimate of the balanced case (k/P pairs per region and rank), not a bound: threshold selection may
+pick more.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_int, check_number
 from ..transport.alltoallv import alltoallv, alltoallv_traffic
@@ -61,9 +66,11 @@ log = logging.getLogger(__name__)
 #: the defaults of the public code (Shigangli/Ok-Topk), as recorded in issue 14
 WARMUP_STEPS, THRESHOLD_INTERVAL, PARTITION_INTERVAL = 512, 32, 64
 LOCAL_SCALE, GLOBAL_SCALE = 1.012, 1.008
+REUSE_SCALE, REUSE_LOOPS = 1.03, 5          # add2residual in the public code's compression.py
 PAPER_DEFAULTS: dict[str, float] = {"warmup_steps": WARMUP_STEPS, "threshold_interval": THRESHOLD_INTERVAL,
                                     "partition_interval": PARTITION_INTERVAL, "local_scale": LOCAL_SCALE,
-                                    "global_scale": GLOBAL_SCALE}
+                                    "global_scale": GLOBAL_SCALE, "reuse_scale": REUSE_SCALE,
+                                    "reuse_loops": REUSE_LOOPS}
 
 
 @register_method("oktopk")
@@ -76,6 +83,7 @@ class OkTopk(Method):
         threshold_interval: calls between exact threshold estimations (default 32).
         partition_interval: calls between region repartitions (default 64).
         local_scale, global_scale: threshold adjustment factors (> 1; defaults 1.012, 1.008).
+        reuse_scale, reuse_loops: the pre-selection raise of a reused local threshold (1.03, 5 times).
     """
 
     sparse = True
@@ -87,16 +95,20 @@ class OkTopk(Method):
                  threshold_interval: int = THRESHOLD_INTERVAL,
                  partition_interval: int = PARTITION_INTERVAL,
                  local_scale: float = LOCAL_SCALE,
-                 global_scale: float = GLOBAL_SCALE) -> None:
+                 global_scale: float = GLOBAL_SCALE, reuse_scale: float = REUSE_SCALE,
+                 reuse_loops: int = REUSE_LOOPS) -> None:
         super().__init__(comm, density=density)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
         self.threshold_interval = check_int("threshold_interval", threshold_interval, minimum=1)
         self.partition_interval = check_int("partition_interval", partition_interval, minimum=1)
         self.local_scale = float(check_number("local_scale", local_scale, 1.0, strict=True))
         self.global_scale = float(check_number("global_scale", global_scale, 1.0, strict=True))
+        self.reuse_scale = float(check_number("reuse_scale", reuse_scale, 1.0, strict=True))
+        self.reuse_loops = check_int("reuse_loops", reuse_loops, minimum=0)
         self.local_threshold: float | None = None
         self.global_threshold: float | None = None
         self.boundaries: list[int] | None = None
+        self.selector = make_selector("topk")     # exact top-k for the periodic threshold estimation
 
     # ------------------------------------------------------------------ schedule
     def estimates_threshold(self, step: int) -> bool:
@@ -121,9 +133,11 @@ class OkTopk(Method):
             if exact:
                 self.local_threshold = 0.0
             elif estimate or self.local_threshold is None:
-                self.local_threshold = float(torch.topk(acc.abs(), k, sorted=False).values.min())
+                self.local_threshold = float(acc[self.selector(acc, k)].abs().min())
+            else:
+                self.local_threshold = self._pre_adjust(acc, self.local_threshold, k)
             threshold = self.local_threshold
-            idx = torch.nonzero(acc.abs() >= threshold).reshape(-1)     # sorted
+            idx = torch.nonzero(acc.abs() > threshold).reshape(-1)      # sorted; strict, as the public code
             count = idx.numel()
             if not exact:
                 if count < 3 * k / 4:
@@ -140,7 +154,7 @@ class OkTopk(Method):
                 candidates = reduced.select(reduced.values != 0)
             else:
                 assert self.global_threshold is not None
-                candidates = reduced.select(reduced.values.abs() >= self.global_threshold)
+                candidates = reduced.select(reduced.values.abs() > self.global_threshold)
         with self.timer("comm"):
             gathered = allgatherv(self.comm, candidates.parts())
         with self.timer("decompress"):
@@ -166,6 +180,16 @@ class OkTopk(Method):
             repartitioned=repartition, boundaries=list(self.boundaries or []), send_counts=send_counts,
             gather_counts=[g[0].numel() for g in gathered], global_count=chosen.nnz)
         return out
+
+    def _pre_adjust(self, acc: Tensor, threshold: float, k: int) -> float:
+        """A reused local threshold, raised by ``reuse_scale`` (1.03) up to ``reuse_loops`` (5) times
+        while it would select more than 3k/2 (the public code's ``add2residual``)."""
+        magnitude = acc.abs()
+        for _ in range(self.reuse_loops):
+            if int(torch.count_nonzero(magnitude > threshold)) <= 3 * k // 2:
+                break
+            threshold *= self.reuse_scale
+        return threshold
 
     def _repartition(self, idx: Tensor, n: int) -> list[int]:
         """Region starts [0, b_1, ..., b_{P-1}, n] from the averaged local quantiles of ``idx``."""
@@ -219,7 +243,9 @@ def _oktopk_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, step: int
                  **_: Any) -> Cost:
     """Exact with ``step`` (calls before this one), ``send_counts[s][q]`` (pairs rank s sent to
     region q) and ``gather_counts[q]`` (pairs region q's owner all-gathered), for a method run from
-    its first call. Without counts: an upper bound (every rank sends all n pairs to every region)."""
+    its first call. Without counts an estimate (``Cost.estimate``) of the balanced steady state that
+    Ok-Topk aims at: each rank sends k/P pairs to every other region and each region gathers k/P
+    pairs, the lower end of SparDL's Table I (2 (P-1)/P k)."""
     step = warmup_steps if step is None else step
     if step < warmup_steps:
         return allreduce_cost("rabenseifner", P=P, n=n, rank=rank, itemsize=itemsize)
@@ -227,12 +253,12 @@ def _oktopk_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, step: int
         return Cost(0, 0, 0)
     pair = pair_bytes(n, itemsize)
     repartition = step % partition_interval == 0 or step == warmup_steps
-    exact = send_counts is not None and gather_counts is not None
-    sends = [list(row) for row in send_counts] if send_counts is not None else [[n] * P for _ in range(P)]
-    gathers = list(gather_counts) if gather_counts is not None else [n] * P
+    share = -(-k // P)
+    sends = [list(row) for row in send_counts] if send_counts is not None else [[share] * P for _ in range(P)]
+    gathers = list(gather_counts) if gather_counts is not None else [share] * P
     r1, s1, v1 = alltoallv_traffic([[c * pair for c in row] for row in sends], rank)
     r2, s2, v2 = allgatherv_traffic([c * pair for c in gathers], rank)
-    total = Cost(r1 + r2, s1 + s2, v1 + v2, exact=exact)
+    total = Cost(r1 + r2, s1 + s2, v1 + v2)
     if repartition:
         total = total + allreduce_cost("rabenseifner", P=P, n=P - 1, rank=rank, itemsize=8)
-    return total
+    return total if send_counts is not None and gather_counts is not None else total.estimate()

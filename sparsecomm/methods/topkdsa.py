@@ -5,7 +5,8 @@
 
 Per call, on every rank:
 
-1. ``acc = grad + residual``; keep the exact local top-k of ``acc``; the rest stays in the residual.
+1. ``acc = grad + residual``; keep the exact local top-k of ``acc`` (the library's exact selector,
+   the same as TopkA's); the rest stays in the residual.
 2. The k (index, value) pairs form a sparse stream (:class:`~sparsecomm.transport.sparse_stream.Stream`);
    the streams are summed over the ranks with
    * ``algorithm="recursive_doubling"``: SSAR_Recursive_double, log2 p' rounds (+2 for the fold when P
@@ -28,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_choice
 from ..transport.comm import Communicator
@@ -57,22 +58,28 @@ class TopkDSA(Method):
     Args:
         density: k = ceil(density * n) pairs selected per rank.
         algorithm: ``"auto"`` (default), ``"recursive_doubling"`` or ``"split_allgather"``.
+        selector: an exact-count selector of :mod:`sparsecomm.blocks.selectors` (default ``"topk"``,
+            exact top-k, the same as TopkA's).
     """
 
     sparse = True
     has_residual = True
     tracks_sent = True
 
-    def __init__(self, comm: Communicator | None = None, *, density: float, algorithm: str = "auto") -> None:
+    def __init__(self, comm: Communicator | None = None, *, density: float, algorithm: str = "auto",
+                 selector: str = "topk") -> None:
         super().__init__(comm, density=density)
         self.algorithm = check_choice("algorithm", algorithm, ALGORITHMS)
+        self.selector = make_selector(selector)
+        if not self.selector.exact_count:
+            raise ValueError(f"topkdsa: selector={selector!r} must select exactly k (an exact-count selector)")
 
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n, P = grad.numel(), self.comm.size
         k = self.k(n)
         with self.timer("select"):
             acc = self.residual_for(grad).add_(grad)
-            idx = torch.topk(acc.abs(), k, sorted=False).indices
+            idx = self.selector(acc, k)
             stream = Stream.sparse(n, idx, acc[idx])
             acc[idx] = 0                                  # acc is the residual: what stays
         self.last_sent = idx
