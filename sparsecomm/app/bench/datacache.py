@@ -33,6 +33,7 @@ from ..fileserver import FileServer
 from ..launcher import run_workers
 from ..models import SmallVGG
 from ..report_table import markdown_table
+from .common import configurations
 
 HELP = "I/O time and throughput per epoch, naive reading vs DataCache, from a rate-limited file server (Fig. 9)"
 
@@ -115,7 +116,8 @@ def run(args) -> int:
         cache_root = os.path.join(workdir, "node-caches")
         rows: list[dict[str, Any]] = []
         with FileServer(os.path.join(workdir, "served"), rate=args.rate) as server:
-            for mode, epochs in (("naive", args.epochs), ("DataCache", args.epochs), ("DataCache, new run", 1)):
+            modes = (("naive", args.epochs), ("DataCache", args.epochs), ("DataCache, new run", 1))
+            for mode, epochs in configurations(modes, "datacache", lambda m: f"{m[0]} ({m[1]} epochs)"):
                 per_rank = run_workers(args.workers, _train_worker, mode, server.client, names, labels, cache_root,
                                        epochs, args.batch_size, args.threads, timeout=args.timeout)
                 rows += _rows(mode, per_rank)

@@ -95,7 +95,10 @@ def run(args) -> int:
     shapes = resnet50_shapes()
     costs = [int(torch.Size(s).numel()) for s in shapes]
     rows = []
-    for P in (int(p) for p in args.workers.split(",")):
+    from ..commands.simulate import parse_workers
+    from .common import configurations
+
+    for P in configurations(parse_workers(args.workers), "pto", lambda P: f"P={P}"):
         per_rank = run_workers(P, _bench_worker, args.repeat, args.warmup, timeout=args.timeout)
 
         def median_ms(key: str, per_rank=per_rank) -> float:

@@ -31,6 +31,7 @@ from torch import Tensor
 from ...blocks import selectors
 from ...blocks.selectors import scan
 from ..report_table import markdown_table
+from .common import configurations
 
 HELP = "time and quality of the top-k / threshold selectors (vs torch.topk and one memory pass)"
 
@@ -94,7 +95,7 @@ def _speed_rows(args: argparse.Namespace, names: list[str], others: list[str]) -
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.n, generator=gen)
     rows = []
-    for density in args.densities:
+    for density in configurations(args.densities, "select", lambda d: f"density {d:g}"):
         k = math.ceil(density * args.n)
         t_topk = _median_seconds(functools.partial(torch.topk, x.abs(), k, sorted=False), args.repeat)
         buf, mask = torch.empty_like(x), torch.empty(args.n, dtype=torch.bool)

@@ -108,6 +108,9 @@ def run(args) -> int:
         return _torchrun(args, methods, sizes)
     from ..calibration import calibrate
 
+    print(f"calibrating {len(methods)} methods at P={args.workers} on {args.net or 'loopback'}, sizes "
+          f"{', '.join(map(str, sizes))}, {args.repeat} timed calls each (minutes on a small machine)",
+          file=sys.stderr, flush=True)
     try:
         profile = calibrate(args.workers, methods, sizes, args.density, net=args.net, repeat=args.repeat)
     except ValueError as err:
