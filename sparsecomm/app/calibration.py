@@ -28,7 +28,7 @@ import torch
 from ..core.cost import fit_alpha_beta
 from ..methods import cost, method_class
 from ..methods.base import selection_count
-from .simulator import Profile, fit_work
+from .simulator import Profile, comm_contention, fit_work
 
 __all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_recv_element",
            "profile_from_records", "method_runs", "slowest_best", "LINK_SIZES"]
@@ -157,19 +157,47 @@ def slowest_best(records: Sequence[dict[str, Any]], i: int) -> float:
     return min(max(r["runs"][i]["times"][c] for r in records) for c in range(calls))
 
 
+def _fit_nonneg(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Non-negative least-squares (alpha, beta) of ``(rounds, bytes, seconds)``; None if they do not
+    separate rounds from bytes. Where the unconstrained fit has a negative coefficient, that one is 0
+    and the other is refitted alone (the constrained optimum for two unknowns)."""
+    import numpy as np
+
+    design = np.array([[r, b] for r, b, _ in samples], dtype=float)
+    seconds = np.array([t for *_, t in samples], dtype=float)
+    if len(samples) < 2 or np.linalg.matrix_rank(design) < 2:
+        return None
+    (alpha, beta), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+    if alpha < 0:
+        alpha, beta = 0.0, float(design[:, 1] @ seconds / (design[:, 1] @ design[:, 1]))
+    elif beta < 0:
+        alpha, beta = float(design[:, 0] @ seconds / (design[:, 0] @ design[:, 0])), 0.0
+    return max(float(alpha), 0.0), max(float(beta), 0.0)
+
+
 def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[str, dict[str, float]],
-                 dense: dict[str, float]) -> dict[str, dict[str, Any]]:
-    """Per method: work per element, traffic factor (metered / formula bytes) and comm factor (measured
-    comm time / the formula's time under the fitted alpha and beta), all from the best call."""
+                 dense: dict[str, float], contention: float = 1.0) -> dict[str, dict[str, Any]]:
+    """Per method, from its best call at each size (the call whose slowest rank was fastest):
+
+    * work: the largest over ranks of the rank's wall time less its own ``time_comm`` (a rank's
+      ``time_comm`` includes waiting for its peers' work; its own non-communication time does not);
+      comm: the slowest rank's wall time less that work;
+    * traffic factor: metered bytes over the formula's (data-dependent counts: the measured density);
+    * comm factor: comm over the formula's time under the fitted link (or native all-reduce) alpha
+      and beta; and, with two or more sizes, the method's own alpha and beta: a least-squares fit of
+      its comm time on the formula's (rounds, traffic factor x bytes) of the slowest rank (what its
+      messages really cost per round and per formula byte: size headers, separate index and value
+      messages, packing). ``contention`` (:func:`comm_contention` at this P) is divided out first."""
     P = records[0]["P"]
     link = links.get("inter", links.get("intra", {"alpha": 0.0, "beta": 0.0}))
-    per: dict[str, list[tuple[int, float, float, float]]] = {}
+    per: dict[str, list[tuple[int, float, float, float, tuple[int, float, float]]]] = {}
     for i, run in enumerate(records[0]["runs"]):
-        wall = slowest_best(records, i)
-        # work of the best call: its wall time less the comm time of the same call on rank 0
-        best = min(range(len(run["times"])), key=lambda c: max(r["runs"][i]["times"][c] for r in records))
-        comm = run["time_comm"][best]
-        work = max(0.0, wall - comm)
+        calls = range(len(run["times"]))
+        best = min(calls, key=lambda c: max(r["runs"][i]["times"][c] for r in records))
+        wall = max(r["runs"][i]["times"][best] for r in records)
+        own = max(r["runs"][i]["times"][best] - r["runs"][i]["time_comm"][best] for r in records)
+        work = min(max(0.0, own), wall)
+        comm = (wall - work) / contention
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
         name, n = run["method"], run["n"]
         k = selection_count(density, n) if method_class(name).sparse else 0
@@ -178,16 +206,22 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
         traffic = sent / formula if formula else 1.0
         a, b = (dense["alpha"], dense["beta"]) if name == "dense" and "alpha" in dense else (link["alpha"],
                                                                                               link["beta"])
-        modelled = max(c.rounds * a + traffic * c.bytes_sent * b for c in costs)
+        slowest = max(costs, key=lambda c: c.rounds * a + traffic * c.bytes_sent * b)
+        modelled = slowest.rounds * a + traffic * slowest.bytes_sent * b
         comm_factor = comm / modelled if modelled > 0 else 1.0
-        per.setdefault(name, []).append((n, work, traffic, comm_factor))
+        per.setdefault(name, []).append((n, work, traffic, comm_factor,
+                                         (slowest.rounds, traffic * slowest.bytes_sent, comm)))
     out = {}
     for name, samples in per.items():
         w1, w0 = fit_work([(n, w) for n, w, *_ in samples])
         out[name] = {"w1": w1, "w0": w0, "traffic_factor": statistics.mean(s[2] for s in samples),
                      "comm_factor": statistics.mean(s[3] for s in samples),
                      "P": P, "density": density, "sizes": sorted({s[0] for s in samples}),
-                     "work_s": {str(s[0]): s[1] for s in samples}}
+                     "work_s": {str(s[0]): s[1] for s in samples},
+                     "comm_s": {str(s[0]): s[4][2] for s in samples}}
+        own_link = _fit_nonneg([s[4] for s in samples])
+        if own_link is not None:
+            out[name]["alpha"], out[name]["beta"] = own_link
     return out
 
 
@@ -233,9 +267,10 @@ def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, n
                          meta: dict[str, Any]) -> Profile:
     """The profile from every rank's :func:`calibration_worker` result and the one-process figures."""
     links, dense = fit_links(records), _fit_dense(records)
+    contention = comm_contention(records[0]["P"], cores, colocated, net)
     return Profile(net=net, device=device, cores=cores, colocated=colocated, links=links,
                    dense_allreduce=dense, selectors=selectors, recv_element_s=recv_element_s,
-                   methods=_fit_methods(records, density, links, dense), meta=meta)
+                   methods=_fit_methods(records, density, links, dense, contention), meta=meta)
 
 
 def available_cores() -> int:

@@ -43,7 +43,7 @@ from ..methods import available_methods, cost, method_class
 from ..methods.base import selection_count
 
 __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", "UnknownMethodError",
-           "fit_work", "PROFILE_VERSION", "speedup_table", "crossover", "plot_projection"]
+           "fit_work", "comm_contention", "PROFILE_VERSION", "speedup_table", "crossover", "plot_projection"]
 
 PROFILE_VERSION = 1
 
@@ -134,6 +134,16 @@ class Prediction:
         return self.comm_s + self.work_s - self.hidden_s
 
 
+def comm_contention(P: int, cores: int, colocated: bool, net: str) -> float:
+    """How many times slower the links get when P colocated workers share ``cores`` cores on loopback.
+
+    On loopback a "link" is a copy through the kernel by the sending and the receiving process: CPU
+    work, so P processes on ``cores`` cores each get ``cores / P`` of a core (factor ``P / cores``).
+    Under an emulated rate (``net`` a tc rate) or on a cluster the link's rate bounds it instead (1).
+    """
+    return max(1.0, P / cores) if colocated and net == "loopback" else 1.0
+
+
 def _sample_ranks(P: int) -> list[int]:
     return sorted({0, 1 % P, P // 2, P - 1})
 
@@ -179,6 +189,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
     if compute_scale <= 0:
         raise ValueError(f"compute_scale={compute_scale} must be positive")
     rests: list[str] = []
+    contention_comm = 1.0
     if profile is None:
         if alpha is None or beta is None:
             raise ValueError("predict needs a profile or both alpha and beta")
@@ -186,18 +197,26 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         rests.append("cost formula only (no profile: no selection/decompression time)")
     else:
         calib = profile.methods.get(name)
-        if name == "dense" and "alpha" in profile.dense_allreduce and alpha is None and beta is None:
+        share = profile.colocated if colocated is None else colocated
+        given = alpha is not None or beta is not None
+        factor = float(calib.get("traffic_factor", 1.0)) if calib and use_comm_factor else 1.0
+        comm_factor = float(calib.get("comm_factor", 1.0)) if calib and use_comm_factor else 1.0
+        if calib and use_comm_factor and not given and "alpha" in calib and "beta" in calib:
+            a, b, comm_factor = calib["alpha"], calib["beta"], 1.0
+            rests.append(f"the method's own alpha/beta (fitted on its calls at P={calib['P']}, {profile.net})")
+        elif name == "dense" and "alpha" in profile.dense_allreduce and not given:
             a, b = profile.dense_allreduce["alpha"], profile.dense_allreduce["beta"]
             rests.append("fitted native all-reduce alpha/beta")
         else:
             a = profile.alpha if alpha is None else alpha
             b = profile.beta if beta is None else beta
-            rests.append("given alpha/beta" if alpha is not None else f"fitted alpha/beta ({profile.net})")
-        factor = float(calib.get("traffic_factor", 1.0)) if calib and use_comm_factor else 1.0
-        comm_factor = float(calib.get("comm_factor", 1.0)) if calib and use_comm_factor else 1.0
+            rests.append("given alpha/beta" if given else f"fitted alpha/beta ({profile.net})")
+        if not given:
+            contention_comm = comm_contention(P, profile.cores, share, profile.net)
+            if contention_comm > 1:
+                rests.append(f"loopback links slowed {contention_comm:g}x (P workers on {profile.cores} cores)")
         work = 0.0
         if calib:
-            share = profile.colocated if colocated is None else colocated
             contention = max(1.0, P / profile.cores) if share else 1.0
             calib_contention = max(1.0, calib["P"] / profile.cores) if profile.colocated else 1.0
             base = (calib["w1"] * n + calib["w0"]) / calib_contention
@@ -216,7 +235,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         if compute_scale != 1.0:
             rests.append(f"ASSUMED compute {compute_scale:g}x this device")
     comm, rounds, sent, exact = predict_comm(name, P, n, density, a, b, options, factor)
-    comm *= comm_factor
+    comm *= comm_factor * contention_comm
     hidden = min(overlap * comm, backward_s)
     if overlap:
         rests.append(f"overlap {overlap:g} of comm behind {backward_s * 1e3:.0f} ms backward")

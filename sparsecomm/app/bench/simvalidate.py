@@ -33,6 +33,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per method (default: %(default)s)")
     parser.add_argument("--calibrate-workers", type=int, default=2,
                         help="P of the calibration run on each network (default: %(default)s)")
+    parser.add_argument("--calibrate-sizes", default=None,
+                        help="comma-separated sizes of the calibration run (default: each validated size and a "
+                        "quarter of the smallest: two sizes separate each method's per-round from its per-byte "
+                        "time)")
     parser.add_argument("--results", default="simvalidate.jsonl",
                         help="JSON-lines file the measurements are appended to (resumed from) (default: %(default)s)")
     parser.add_argument("--profile-dir", default=".", help="where the per-network profiles are written/read "
@@ -54,12 +58,23 @@ def _load(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def calibration_sizes(text: str | None, sizes: list[int]) -> list[int]:
+    """The calibration run's sizes: ``text`` (comma-separated counts), else ``sizes`` and a quarter of
+    the smallest."""
+    from .common import parse_count
+
+    if text:
+        return sorted({parse_count(s) for s in text.split(",")})
+    return sorted(set(sizes) | {max(1, min(sizes) // 4)})
+
+
 def _profile_for(net: str | None, args, methods, sizes):
     from ..calibration import calibrate
     from ..simulator import Profile
 
     label = net or "loopback"
-    path = Path(args.profile_dir) / f"profile-{label}-{'-'.join(str(n) for n in sizes)}.json"
+    path = Path(args.profile_dir) / (f"profile-{label}-{'-'.join(str(n) for n in sizes)}"
+                                     f"-P{args.calibrate_workers}-r{args.repeat}.json")
     if path.exists():
         return Profile.load(path), path
     profile = calibrate(args.calibrate_workers, methods, sizes, args.density, net=net, repeat=args.repeat,
@@ -99,8 +114,9 @@ def run(args) -> int:
         return fail("bench simvalidate", str(err))
     results = Path(args.results)
     done = {(r["net"], r["n"], r["P"], r["method"]) for r in _load(results)}
+    calibrate_sizes = calibration_sizes(args.calibrate_sizes, sizes)
     for net in nets:
-        profile, profile_path = _profile_for(net, args, methods, sizes)
+        profile, profile_path = _profile_for(net, args, methods, calibrate_sizes)
         for n in sizes:
             for P in workers:
                 todo = [m for m in methods if (net or "loopback", n, P, m) not in done]
