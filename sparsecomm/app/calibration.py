@@ -31,7 +31,7 @@ from ..methods.base import selection_count
 from .simulator import Profile, comm_contention, fit_work
 
 __all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_recv_element",
-           "profile_from_records", "method_runs", "slowest_best", "LINK_SIZES"]
+           "profile_from_records", "refit", "method_runs", "slowest_best", "LINK_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -157,47 +157,29 @@ def slowest_best(records: Sequence[dict[str, Any]], i: int) -> float:
     return min(max(r["runs"][i]["times"][c] for r in records) for c in range(calls))
 
 
-def _fit_nonneg(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float] | None:
-    """Non-negative least-squares (alpha, beta) of ``(rounds, bytes, seconds)``; None if they do not
-    separate rounds from bytes. Where the unconstrained fit has a negative coefficient, that one is 0
-    and the other is refitted alone (the constrained optimum for two unknowns)."""
-    import numpy as np
-
-    design = np.array([[r, b] for r, b, _ in samples], dtype=float)
-    seconds = np.array([t for *_, t in samples], dtype=float)
-    if len(samples) < 2 or np.linalg.matrix_rank(design) < 2:
-        return None
-    (alpha, beta), *_ = np.linalg.lstsq(design, seconds, rcond=None)
-    if alpha < 0:
-        alpha, beta = 0.0, float(design[:, 1] @ seconds / (design[:, 1] @ design[:, 1]))
-    elif beta < 0:
-        alpha, beta = float(design[:, 0] @ seconds / (design[:, 0] @ design[:, 0])), 0.0
-    return max(float(alpha), 0.0), max(float(beta), 0.0)
-
-
 def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[str, dict[str, float]],
                  dense: dict[str, float], contention: float = 1.0) -> dict[str, dict[str, Any]]:
-    """Per method, from its best call at each size (the call whose slowest rank was fastest):
+    """Per method and size, estimators of the undisturbed call (this machine is shared; a disturbed
+    call is only ever slower, so the least over calls is the estimate):
 
-    * work: the largest over ranks of the rank's wall time less its own ``time_comm`` (a rank's
-      ``time_comm`` includes waiting for its peers' work; its own non-communication time does not);
-      comm: the slowest rank's wall time less that work;
+    * total: :func:`slowest_best`, the statistic the validation measures;
+    * work: for each rank the least over calls of its wall time less its own ``time_comm`` (a rank's
+      ``time_comm`` includes waiting for its peers' work, its own selection and decompression do not),
+      then the largest over ranks (the critical rank); comm: total less work;
     * traffic factor: metered bytes over the formula's (data-dependent counts: the measured density);
-    * comm factor: comm over the formula's time under the fitted link (or native all-reduce) alpha
-      and beta; and, with two or more sizes, the method's own alpha and beta: a least-squares fit of
-      its comm time on the formula's (rounds, traffic factor x bytes) of the slowest rank (what its
-      messages really cost per round and per formula byte: size headers, separate index and value
-      messages, packing). ``contention`` (:func:`comm_contention` at this P) is divided out first."""
+    * comm factor: comm, with ``contention`` (:func:`~.simulator.comm_contention` at this P) divided
+      out, over the formula's time of the slowest rank under the fitted link (the native all-reduce's
+      for dense) alpha and beta at the measured traffic: what the formula's rounds leave out (size
+      headers, index and value messages sent apart, per-call setup)."""
     P = records[0]["P"]
     link = links.get("inter", links.get("intra", {"alpha": 0.0, "beta": 0.0}))
-    per: dict[str, list[tuple[int, float, float, float, tuple[int, float, float]]]] = {}
+    per: dict[str, list[tuple[int, float, float, float, float]]] = {}
     for i, run in enumerate(records[0]["runs"]):
-        calls = range(len(run["times"]))
-        best = min(calls, key=lambda c: max(r["runs"][i]["times"][c] for r in records))
-        wall = max(r["runs"][i]["times"][best] for r in records)
-        own = max(r["runs"][i]["times"][best] - r["runs"][i]["time_comm"][best] for r in records)
-        work = min(max(0.0, own), wall)
-        comm = (wall - work) / contention
+        total = slowest_best(records, i)
+        own = max(min(t - c for t, c in zip(r["runs"][i]["times"], r["runs"][i]["time_comm"], strict=True))
+                  for r in records)
+        work = min(max(0.0, own), total)
+        comm = (total - work) / contention
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
         name, n = run["method"], run["n"]
         k = selection_count(density, n) if method_class(name).sparse else 0
@@ -206,22 +188,16 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
         traffic = sent / formula if formula else 1.0
         a, b = (dense["alpha"], dense["beta"]) if name == "dense" and "alpha" in dense else (link["alpha"],
                                                                                               link["beta"])
-        slowest = max(costs, key=lambda c: c.rounds * a + traffic * c.bytes_sent * b)
-        modelled = slowest.rounds * a + traffic * slowest.bytes_sent * b
+        modelled = max(c.rounds * a + traffic * c.bytes_sent * b for c in costs)
         comm_factor = comm / modelled if modelled > 0 else 1.0
-        per.setdefault(name, []).append((n, work, traffic, comm_factor,
-                                         (slowest.rounds, traffic * slowest.bytes_sent, comm)))
+        per.setdefault(name, []).append((n, work, traffic, comm_factor, comm))
     out = {}
     for name, samples in per.items():
         w1, w0 = fit_work([(n, w) for n, w, *_ in samples])
         out[name] = {"w1": w1, "w0": w0, "traffic_factor": statistics.mean(s[2] for s in samples),
                      "comm_factor": statistics.mean(s[3] for s in samples),
                      "P": P, "density": density, "sizes": sorted({s[0] for s in samples}),
-                     "work_s": {str(s[0]): s[1] for s in samples},
-                     "comm_s": {str(s[0]): s[4][2] for s in samples}}
-        own_link = _fit_nonneg([s[4] for s in samples])
-        if own_link is not None:
-            out[name]["alpha"], out[name]["beta"] = own_link
+                     "work_s": {str(s[0]): s[1] for s in samples}, "comm_s": {str(s[0]): s[4] for s in samples}}
     return out
 
 
@@ -270,7 +246,19 @@ def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, n
     contention = comm_contention(records[0]["P"], cores, colocated, net)
     return Profile(net=net, device=device, cores=cores, colocated=colocated, links=links,
                    dense_allreduce=dense, selectors=selectors, recv_element_s=recv_element_s,
-                   methods=_fit_methods(records, density, links, dense, contention), meta=meta)
+                   methods=_fit_methods(records, density, links, dense, contention), meta=meta,
+                   records=[dict(r) for r in records])
+
+
+def refit(profile: Profile) -> Profile:
+    """The profile fitted again from the raw timings it keeps (``records``): a change of the
+    estimators applies to an old calibration without measuring again."""
+    if not profile.records:
+        raise ValueError("this profile keeps no raw timings (made before they were stored); calibrate again")
+    return profile_from_records(profile.records, density=profile.meta["density"], net=profile.net,
+                                device=profile.device, cores=profile.cores, colocated=profile.colocated,
+                                selectors=profile.selectors, recv_element_s=profile.recv_element_s,
+                                meta=profile.meta)
 
 
 def available_cores() -> int:

@@ -3,8 +3,8 @@
 A method's predicted time for one call on a flat gradient of ``n`` elements at ``P`` workers is
 
     T = comm + work
-    comm = comm_factor * max over ranks of (rounds * alpha + traffic_factor * bytes_sent * beta)
-    work = (w1 * n + w0) * contention(P) + g * (received(P) - received(P_cal))
+    comm = link_contention(P) * comm_factor * max over ranks of (rounds * alpha + traffic_factor * bytes_sent * beta)
+    work = (w1 * n + w0) * contention(P) / contention(P_cal) + g * (received(P) - received(P_cal))
 
 * ``rounds`` and ``bytes_sent`` come from the formula registered with the method
   (:func:`sparsecomm.methods.cost`). The dense method (the backend's own all-reduce) uses the
@@ -21,7 +21,10 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   machine's) divides the work term.
 * ``comm_factor`` is the method's measured communication time over the formula's time at the
   calibration P: what the formula's rounds leave out (size headers, index and value messages sent
-  apart, per-call setup). Applied as a constant ratio at every P.
+  apart, per-call setup). Applied as a constant ratio at every P, and only on the profile's own
+  network: with a given alpha and beta it is 1 (the traffic factor still applies).
+* ``link_contention(P)`` (:func:`comm_contention`) is ``P / cores`` on loopback with colocated
+  workers (a loopback link is a kernel copy: CPU work the P processes share), 1 under a rate limit.
 * ``overlap`` in [0, 1] with a backward time ``backward_s``: the fraction of communication that can
   run behind backward, hidden up to the backward time (the overlapped DDP hook).
   ``T = work + comm - min(overlap * comm, backward_s)``.
@@ -82,6 +85,8 @@ class Profile:
     #: method -> {"w1": s per element, "w0": s, "traffic_factor": f, "P": P_cal, "density": d, ...}
     methods: dict[str, dict[str, Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    #: every rank's raw calibration timings (links, native all-reduce, method calls): a refit source
+    records: list[dict[str, Any]] = field(default_factory=list)
     version: int = PROFILE_VERSION
 
     @property
@@ -200,11 +205,10 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         share = profile.colocated if colocated is None else colocated
         given = alpha is not None or beta is not None
         factor = float(calib.get("traffic_factor", 1.0)) if calib and use_comm_factor else 1.0
-        comm_factor = float(calib.get("comm_factor", 1.0)) if calib and use_comm_factor else 1.0
-        if calib and use_comm_factor and not given and "alpha" in calib and "beta" in calib:
-            a, b, comm_factor = calib["alpha"], calib["beta"], 1.0
-            rests.append(f"the method's own alpha/beta (fitted on its calls at P={calib['P']}, {profile.net})")
-        elif name == "dense" and "alpha" in profile.dense_allreduce and not given:
+        # the comm factor is this machine's and network's (relative to its fitted links): it does not
+        # carry to a network given by alpha/beta; the traffic factor (the data's density) does
+        comm_factor = float(calib.get("comm_factor", 1.0)) if calib and use_comm_factor and not given else 1.0
+        if name == "dense" and "alpha" in profile.dense_allreduce and not given:
             a, b = profile.dense_allreduce["alpha"], profile.dense_allreduce["beta"]
             rests.append("fitted native all-reduce alpha/beta")
         else:
