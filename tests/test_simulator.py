@@ -270,3 +270,21 @@ def test_best_of_runs_keeps_the_least_and_reports_the_spread():
             for i, s in enumerate((0.03, 0.02, 0.05))]
     (best,) = best_of_runs(rows)
     assert best["measured_s"] == 0.02 and best["runs"] == 3 and best["spread"] == pytest.approx(1.5)
+
+
+def test_merged_calibrations_take_the_least_over_all_calls():
+    from sparsecomm.app.calibration import merge_records
+
+    P, n = 2, 100_000
+    quiet = [{"P": P, "links": _link_record(r, P), "dense": [{"n": n, "rounds": 2, "bytes": 4 * n, "seconds": 0.01}],
+              "runs": [{"method": "dense", "n": n, "times": [0.02, 0.03], "time_comm": [0.015, 0.02],
+                        "bytes_sent": 4 * n}]} for r in range(P)]
+    busy = [{**r, "links": _link_record(i, P, noise=1.0),
+             "dense": [{"n": n, "rounds": 2, "bytes": 4 * n, "seconds": 0.05}],
+             "runs": [{**r["runs"][0], "times": [0.09, 0.08], "time_comm": [0.05, 0.05]}]} for i, r in enumerate(quiet)]
+    merged = merge_records(busy, quiet)
+    assert merged[0]["runs"][0]["times"] == [0.09, 0.08, 0.02, 0.03]
+    assert merged[0]["dense"][0]["seconds"] == 0.01
+    assert fit_links(merged)["intra"]["alpha"] == pytest.approx(ALPHA, rel=1e-6)
+    with pytest.raises(ValueError, match="cannot merge calibrations at P=2 and P=4"):
+        merge_records(quiet, [{**quiet[0], "P": 4}] * 2)

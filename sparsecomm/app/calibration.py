@@ -31,7 +31,7 @@ from ..methods.base import selection_count
 from .simulator import Profile, comm_contention, fit_work
 
 __all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_recv_element",
-           "profile_from_records", "refit", "method_runs", "slowest_best", "LINK_SIZES"]
+           "profile_from_records", "refit", "merge_records", "method_runs", "slowest_best", "LINK_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +248,38 @@ def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, n
                    dense_allreduce=dense, selectors=selectors, recv_element_s=recv_element_s,
                    methods=_fit_methods(records, density, links, dense, contention), meta=meta,
                    records=[dict(r) for r in records])
+
+
+def merge_records(first: Sequence[dict[str, Any]], second: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Two calibrations' raw timings (same P, methods and sizes) as one: every method's calls of both
+    (so the least over calls is taken over both), and each link and all-reduce sample's least time.
+
+    A shared machine's load changes by the minute; calibrating at several times and merging keeps
+    the calibration from resting on one busy minute."""
+    if len(first) != len(second) or first[0]["P"] != second[0]["P"]:
+        raise ValueError(f"cannot merge calibrations at P={first[0]['P']} and P={second[0]['P']}")
+    merged = []
+    for a, b in zip(first, second, strict=True):
+        runs_b = {(run["method"], run["n"]): run for run in b["runs"]}
+        if set(runs_b) != {(run["method"], run["n"]) for run in a["runs"]}:
+            raise ValueError("cannot merge calibrations of different methods or sizes")
+        runs = []
+        for run in a["runs"]:
+            other = runs_b[(run["method"], run["n"])]
+            runs.append({**run, "times": run["times"] + other["times"],
+                         "time_comm": run["time_comm"] + other["time_comm"],
+                         "bytes_sent": max(run["bytes_sent"], other["bytes_sent"])})
+        links = {(s["kind"], s["algorithm"], s["n"]): s for s in a["links"]}
+        for s in b["links"]:
+            key = (s["kind"], s["algorithm"], s["n"])
+            if key not in links or s["seconds"] < links[key]["seconds"]:
+                links[key] = s
+        dense = {s["n"]: s for s in a["dense"]}
+        for s in b["dense"]:
+            if s["n"] not in dense or s["seconds"] < dense[s["n"]]["seconds"]:
+                dense[s["n"]] = s
+        merged.append({**a, "links": list(links.values()), "dense": list(dense.values()), "runs": runs})
+    return merged
 
 
 def refit(profile: Profile) -> Profile:

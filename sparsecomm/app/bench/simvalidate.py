@@ -9,8 +9,10 @@ error summary are printed from everything in that file that matches the options.
 This machine is shared, and a disturbed call is only ever slower: the measured figure of a point is
 the least over its calls (each call: the slowest rank), and with ``--runs R`` the point is measured in
 R separate worker groups (interleaved: every point of run r before run r+1) and the least over all of
-them is kept. The spread between runs (run-to-run noise) is printed with the error: it is the floor
-under which no model's error can be shown.
+them is kept. The profile is calibrated again before each run and the calibrations merged
+(:func:`~sparsecomm.app.calibration.merge_records`: the least over all their calls), so calibration
+and validation sample the machine's load over the same period. The spread between runs (run-to-run
+noise) is printed with the error: it is the floor under which no model's error can be shown.
 """
 
 from __future__ import annotations
@@ -75,19 +77,33 @@ def calibration_sizes(text: str | None, sizes: list[int]) -> list[int]:
     return sorted(set(sizes))
 
 
-def _profile_for(net: str | None, args, methods, sizes):
-    from ..calibration import calibrate
+def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
+    """The network's profile, calibrated ``rounds`` times (at different times) and merged: the file
+    keeps the merged raw timings and how many calibrations they hold; a missing one is added."""
+    from ..calibration import calibrate, merge_records, profile_from_records
     from ..simulator import Profile
 
     label = net or "loopback"
     repeat = args.calibrate_repeat or 2 * args.repeat
     path = Path(args.profile_dir) / (f"profile-{label}-{'-'.join(str(n) for n in sizes)}"
                                      f"-P{args.calibrate_workers}-r{repeat}.json")
-    if path.exists():
-        return Profile.load(path), path
-    profile = calibrate(args.calibrate_workers, methods, sizes, args.density, net=net, repeat=repeat,
+    profile = Profile.load(path) if path.exists() else None
+    done = 0 if profile is None else int(profile.meta.get("calibrations", 1))
+    while profile is None or done < rounds:
+        new = calibrate(args.calibrate_workers, methods, sizes, args.density, net=net, repeat=repeat,
                         timeout=args.timeout)
-    profile.save(path)
+        if profile is not None:
+            if not profile.records:
+                raise ValueError(f"{path} keeps no raw timings to merge with; remove it to calibrate afresh")
+            new = profile_from_records(
+                merge_records(profile.records, new.records), density=args.density, net=new.net,
+                device=new.device, cores=new.cores, colocated=new.colocated, selectors=new.selectors,
+                recv_element_s=new.recv_element_s,
+                meta={**new.meta, "when": f"{profile.meta['when'].split(' .. ')[0]} .. {new.meta['when']}"})
+        done += 1
+        new.meta["calibrations"] = done
+        new.save(path)
+        profile = new
     return profile, path
 
 
@@ -128,24 +144,25 @@ def run(args) -> int:
         key = (r["net"], r["n"], r["P"], r["method"])
         measured[key] = measured.get(key, 0) + 1
     calibrate_sizes = calibration_sizes(args.calibrate_sizes, sizes)
-    profiles = {net: _profile_for(net, args, methods, calibrate_sizes) for net in nets}
     for run in range(args.runs):
         for net in nets:
-            profile, profile_path = profiles[net]
-            for n in sizes:
-                for P in workers:
-                    todo = [m for m in methods if measured.get((net or "loopback", n, P, m), 0) <= run]
-                    if not todo:
-                        continue
-                    log.warning("run %d: measuring %s, n=%d, P=%d: %d methods", run + 1, network_label(net), n, P,
-                                len(todo))
-                    rows = _measure_group(net, P, n, todo, args, profile, profile_path, run)
-                    with results.open("a") as f:
-                        for row in rows:
-                            f.write(json.dumps(row) + "\n")
-                    for m in todo:
-                        key = (net or "loopback", n, P, m)
-                        measured[key] = measured.get(key, 0) + 1
+            todo_net = [(n, P) for n in sizes for P in workers
+                        if any(measured.get((net or "loopback", n, P, m), 0) <= run for m in methods)]
+            if not todo_net:
+                continue
+            # calibrate again before every run: the calibration samples the machine's load as the runs do
+            profile, profile_path = _profile_for(net, args, methods, calibrate_sizes, rounds=run + 1)
+            for n, P in todo_net:
+                todo = [m for m in methods if measured.get((net or "loopback", n, P, m), 0) <= run]
+                log.warning("run %d: measuring %s, n=%d, P=%d: %d methods", run + 1, network_label(net), n, P,
+                            len(todo))
+                rows = _measure_group(net, P, n, todo, args, profile, profile_path, run)
+                with results.open("a") as f:
+                    for row in rows:
+                        f.write(json.dumps(row) + "\n")
+                for m in todo:
+                    key = (net or "loopback", n, P, m)
+                    measured[key] = measured.get(key, 0) + 1
     wanted = {(net or "loopback") for net in nets}
     rows = [r for r in _load(results) if r["net"] in wanted and r["n"] in sizes and r["P"] in workers
             and r["method"] in methods]
