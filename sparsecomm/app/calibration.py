@@ -28,7 +28,7 @@ import torch
 from ..core.cost import fit_alpha_beta
 from ..methods import cost, method_class
 from ..methods.base import selection_count
-from .simulator import Profile, comm_contention, fit_work
+from .simulator import Profile, comm_contention, fit_work, layout_options
 
 __all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_recv_element",
            "profile_from_records", "refit", "merge_records", "method_runs", "slowest_best", "LINK_SIZES"]
@@ -158,7 +158,8 @@ def slowest_best(records: Sequence[dict[str, Any]], i: int) -> float:
 
 
 def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[str, dict[str, float]],
-                 dense: dict[str, float], contention: float = 1.0) -> dict[str, dict[str, Any]]:
+                 dense: dict[str, float], contention: float = 1.0, net: str = "loopback",
+                 colocated: bool = True) -> dict[str, dict[str, Any]]:
     """Per method and size, estimators of the undisturbed call (this machine is shared; a disturbed
     call is only ever slower, so the least over calls is the estimate):
 
@@ -183,7 +184,8 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
         name, n = run["method"], run["n"]
         k = selection_count(density, n) if method_class(name).sparse else 0
-        costs = [cost(name, P=P, n=n, k=k, rank=r, density=density) for r in range(P)]
+        layout = layout_options(name, P, net, colocated)  # the workers' node layout
+        costs = [cost(name, P=P, n=n, k=k, rank=r, density=density, **layout) for r in range(P)]
         formula = max(c.bytes_sent for c in costs)
         traffic = sent / formula if formula else 1.0
         a, b = (dense["alpha"], dense["beta"]) if name == "dense" and "alpha" in dense else (link["alpha"],
@@ -246,7 +248,7 @@ def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, n
     contention = comm_contention(records[0]["P"], cores, colocated, net)
     return Profile(net=net, device=device, cores=cores, colocated=colocated, links=links,
                    dense_allreduce=dense, selectors=selectors, recv_element_s=recv_element_s,
-                   methods=_fit_methods(records, density, links, dense, contention), meta=meta,
+                   methods=_fit_methods(records, density, links, dense, contention, net, colocated), meta=meta,
                    records=[dict(r) for r in records])
 
 

@@ -34,6 +34,7 @@ The :class:`Profile` is the JSON that ``sparsecomm calibrate`` writes; :mod:`.ca
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -41,12 +42,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.cost import fit_alpha_beta
+from ..core.cost import COSTS, fit_alpha_beta
 from ..methods import available_methods, cost, method_class
 from ..methods.base import selection_count
 
 __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", "UnknownMethodError",
-           "fit_work", "comm_contention", "PROFILE_VERSION", "speedup_table", "crossover", "plot_projection"]
+           "fit_work", "comm_contention", "layout_options", "PROFILE_VERSION", "speedup_table", "crossover",
+           "plot_projection"]
 
 PROFILE_VERSION = 1
 
@@ -149,6 +151,18 @@ def comm_contention(P: int, cores: int, colocated: bool, net: str) -> float:
     return max(1.0, P / cores) if colocated and net == "loopback" else 1.0
 
 
+def layout_options(name: str, P: int, net: str, colocated: bool) -> dict[str, Any]:
+    """The node layout the workers run in, for the formulas that depend on it (``local_size``).
+
+    :func:`~sparsecomm.app.launcher.run_workers` on loopback puts all P workers on one node (L = P:
+    hitopk's first stage is a dense reduce-scatter, twolevel a tree over all ranks); under a plain tc
+    rate, and in a projection to a cluster, every rank is its own node (L = 1)."""
+    method_class(name)  # loads the formulas
+    if "local_size" not in inspect.signature(COSTS.get(name)).parameters:
+        return {}
+    return {"local_size": P if net == "loopback" and colocated else 1}
+
+
 def _sample_ranks(P: int) -> list[int]:
     return sorted({0, 1 % P, P // 2, P - 1})
 
@@ -204,6 +218,10 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         calib = profile.methods.get(name)
         share = profile.colocated if colocated is None else colocated
         given = alpha is not None or beta is not None
+        user_options = options
+        options = {**layout_options(name, P, profile.net, share), **user_options}
+        calib_options = {**layout_options(name, calib["P"], profile.net, profile.colocated),
+                         **user_options} if calib else options
         factor = float(calib.get("traffic_factor", 1.0)) if calib and use_comm_factor else 1.0
         # the comm factor is this machine's and network's (relative to its fitted links): it does not
         # carry to a network given by alpha/beta; the traffic factor (the data's density) does
@@ -227,7 +245,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
             k = selection_count(density, n) if method_class(name).sparse else 0
             extra = profile.recv_element_s * (
                 _received_elements(name, P, n, k, density, options)
-                - _received_elements(name, calib["P"], n, selection_count(density, n), density, options))
+                - _received_elements(name, calib["P"], n, selection_count(density, n), density, calib_options))
             work = max(0.0, base * contention / compute_scale + max(0.0, extra) / compute_scale)
             rests.append(f"work measured at P={calib['P']}, density={calib['density']:g}")
             if factor != 1.0:
