@@ -288,3 +288,17 @@ def test_merged_calibrations_take_the_least_over_all_calls():
     assert fit_links(merged)["intra"]["alpha"] == pytest.approx(ALPHA, rel=1e-6)
     with pytest.raises(ValueError, match="cannot merge calibrations at P=2 and P=4"):
         merge_records(quiet, [{**quiet[0], "P": 4}] * 2)
+
+
+def test_faster_range_names_where_a_method_beats_dense():
+    from sparsecomm.app.simulator import faster_range
+
+    def rows(speedups):
+        return [{"method": "x", "P": P, "speedup": s} for P, s in zip((8, 16, 32, 64), speedups, strict=True)]
+
+    assert faster_range(rows([2, 2, 2, 2]), "x") == "all P"
+    assert faster_range(rows([1, 0.5, 1, 0.9]), "x") == "never"
+    assert faster_range(rows([2, 1.5, 1.0, 0.5]), "x") == "P <= 16"
+    assert faster_range(rows([0.5, 1.0, 1.2, 3]), "x") == "P >= 32"
+    assert faster_range(rows([0.5, 1.2, 1.3, 0.9]), "x") == "16 <= P <= 32"
+    assert faster_range(rows([1.5, 0.9, 1.2, 0.9]), "x") == "P <= 8, P = 32"

@@ -48,7 +48,7 @@ from ..methods.base import selection_count
 
 __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", "UnknownMethodError",
            "fit_work", "comm_contention", "layout_options", "PROFILE_VERSION", "speedup_table", "crossover",
-           "plot_projection"]
+           "faster_range", "plot_projection"]
 
 PROFILE_VERSION = 1
 
@@ -298,6 +298,28 @@ def crossover(rows: Sequence[dict[str, Any]], method: str) -> int | None:
         if row["speedup"] <= 1.0 + 1e-9:
             return int(row["P"])
     return None
+
+
+def faster_range(rows: Sequence[dict[str, Any]], method: str) -> str:
+    """Where in ``rows`` ``method`` beats dense: "all P", "never", or the P ranges ("P <= 64",
+    "P >= 128", "16 <= P <= 256", joined by ", " when there are several)."""
+    mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["P"])
+    Ps = [int(r["P"]) for r in mine]
+    wins = [r["speedup"] > 1.0 + 1e-9 for r in mine]
+    if all(wins):
+        return "all P"
+    if not any(wins):
+        return "never"
+    spans, start = [], None
+    for i, win in enumerate(wins + [False]):
+        if win and start is None:
+            start = i
+        elif not win and start is not None:
+            lo, hi = Ps[start], Ps[i - 1]
+            spans.append(f"P <= {hi}" if start == 0 else f"P >= {lo}" if i == len(Ps) else
+                         f"P = {lo}" if lo == hi else f"{lo} <= P <= {hi}")
+            start = None
+    return ", ".join(spans)
 
 
 def plot_projection(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
