@@ -221,3 +221,84 @@ def test_advice_is_the_measured_fastest_or_within_10_percent_at_P4_loopback():
     measured = {run["method"]: slowest_best(records, i) for i, run in enumerate(records[0]["runs"])}
     best = advise(methods, 4, n, [density], profile=profile, colocated=True).best
     assert measured[best.method] <= 1.10 * min(measured.values()), (best.method, measured)
+
+
+def test_refit_from_kept_records_reproduces_the_profile():
+    from sparsecomm.app.calibration import refit
+
+    profile = _synthetic_profile()
+    profile.meta = {"density": 0.01}
+    assert profile.records, "the raw timings are kept in the profile"
+    assert refit(profile).methods == profile.methods
+    with pytest.raises(ValueError, match="keeps no raw timings"):
+        refit(Profile())
+
+
+def test_work_is_the_critical_ranks_own_time_and_the_least_over_calls():
+    """Rank 1 waits 50 ms for rank 0 inside its comm; rank 0's second call is disturbed by 1 s."""
+    P, n = 2, 100_000
+    sent = cost("topka", P=P, n=n, k=1_000, rank=0).bytes_sent
+    rank0 = {"method": "topka", "n": n, "times": [0.080, 1.080, 0.080], "time_comm": [0.020] * 3, "bytes_sent": sent}
+    rank1 = {"method": "topka", "n": n, "times": [0.080, 1.080, 0.080], "time_comm": [0.070] * 3, "bytes_sent": sent}
+    dense = [{"n": m, "rounds": 2, "bytes": 4 * m, "seconds": 2 * ALPHA + 4 * m * BETA} for m in (1_000, 1_000_000)]
+    records = [{"P": P, "links": _link_record(r, P), "dense": dense, "runs": [run]}
+               for r, run in enumerate((rank0, rank1))]
+    profile = profile_from_records(records, density=0.01, net="1gbit", device="cpu", cores=2, colocated=True,
+                                   selectors={}, recv_element_s=0.0, meta={})
+    fit = profile.methods["topka"]
+    assert fit["work_s"][str(n)] == pytest.approx(0.060)      # rank 0's own 80 - 20 ms, not rank 1's 10 ms
+    assert fit["comm_s"][str(n)] == pytest.approx(0.020)      # the best call's 80 ms less that work
+
+
+def test_loopback_links_slow_with_colocated_workers_but_not_under_a_rate_limit():
+    profile = _synthetic_profile()
+    n = 1_000_000
+    loop = {P: predict("ring", P, n, 0.01, profile=profile) for P in (2, 8)}
+    profile.net = "1gbit"
+    tc = {P: predict("ring", P, n, 0.01, profile=profile) for P in (2, 8)}
+    assert loop[2].comm_s == pytest.approx(tc[2].comm_s)      # 2 workers on 2 cores: no contention
+    assert loop[8].comm_s == pytest.approx(4 * tc[8].comm_s)  # 8 workers on 2 cores: 4x
+    assert "loopback links slowed 4x" in loop[8].rests_on
+    cluster = predict("ring", 8, n, 0.01, profile=profile, colocated=False, alpha=ALPHA, beta=BETA)
+    assert cluster.comm_s == pytest.approx(predict("ring", 8, n, 0.01, alpha=ALPHA, beta=BETA).comm_s)
+
+
+def test_best_of_runs_keeps_the_least_and_reports_the_spread():
+    from sparsecomm.app.bench.simvalidate import best_of_runs
+
+    rows = [{"net": "loopback", "n": 1, "P": 2, "method": "dense", "measured_s": s, "run": i}
+            for i, s in enumerate((0.03, 0.02, 0.05))]
+    (best,) = best_of_runs(rows)
+    assert best["measured_s"] == 0.02 and best["runs"] == 3 and best["spread"] == pytest.approx(1.5)
+
+
+def test_merged_calibrations_take_the_least_over_all_calls():
+    from sparsecomm.app.calibration import merge_records
+
+    P, n = 2, 100_000
+    quiet = [{"P": P, "links": _link_record(r, P), "dense": [{"n": n, "rounds": 2, "bytes": 4 * n, "seconds": 0.01}],
+              "runs": [{"method": "dense", "n": n, "times": [0.02, 0.03], "time_comm": [0.015, 0.02],
+                        "bytes_sent": 4 * n}]} for r in range(P)]
+    busy = [{**r, "links": _link_record(i, P, noise=1.0),
+             "dense": [{"n": n, "rounds": 2, "bytes": 4 * n, "seconds": 0.05}],
+             "runs": [{**r["runs"][0], "times": [0.09, 0.08], "time_comm": [0.05, 0.05]}]} for i, r in enumerate(quiet)]
+    merged = merge_records(busy, quiet)
+    assert merged[0]["runs"][0]["times"] == [0.09, 0.08, 0.02, 0.03]
+    assert merged[0]["dense"][0]["seconds"] == 0.01
+    assert fit_links(merged)["intra"]["alpha"] == pytest.approx(ALPHA, rel=1e-6)
+    with pytest.raises(ValueError, match="cannot merge calibrations at P=2 and P=4"):
+        merge_records(quiet, [{**quiet[0], "P": 4}] * 2)
+
+
+def test_faster_range_names_where_a_method_beats_dense():
+    from sparsecomm.app.simulator import faster_range
+
+    def rows(speedups):
+        return [{"method": "x", "P": P, "speedup": s} for P, s in zip((8, 16, 32, 64), speedups, strict=True)]
+
+    assert faster_range(rows([2, 2, 2, 2]), "x") == "all P"
+    assert faster_range(rows([1, 0.5, 1, 0.9]), "x") == "never"
+    assert faster_range(rows([2, 1.5, 1.0, 0.5]), "x") == "P <= 16"
+    assert faster_range(rows([0.5, 1.0, 1.2, 3]), "x") == "P >= 32"
+    assert faster_range(rows([0.5, 1.2, 1.3, 0.9]), "x") == "16 <= P <= 32"
+    assert faster_range(rows([1.5, 0.9, 1.2, 0.9]), "x") == "P <= 8, P = 32"

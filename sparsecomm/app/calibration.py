@@ -28,10 +28,10 @@ import torch
 from ..core.cost import fit_alpha_beta
 from ..methods import cost, method_class
 from ..methods.base import selection_count
-from .simulator import Profile, fit_work
+from .simulator import Profile, comm_contention, fit_work, layout_options
 
 __all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_recv_element",
-           "profile_from_records", "method_runs", "slowest_best", "LINK_SIZES"]
+           "profile_from_records", "refit", "merge_records", "method_runs", "slowest_best", "LINK_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -158,36 +158,48 @@ def slowest_best(records: Sequence[dict[str, Any]], i: int) -> float:
 
 
 def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[str, dict[str, float]],
-                 dense: dict[str, float]) -> dict[str, dict[str, Any]]:
-    """Per method: work per element, traffic factor (metered / formula bytes) and comm factor (measured
-    comm time / the formula's time under the fitted alpha and beta), all from the best call."""
+                 dense: dict[str, float], contention: float = 1.0, net: str = "loopback",
+                 colocated: bool = True) -> dict[str, dict[str, Any]]:
+    """Per method and size, estimators of the undisturbed call (this machine is shared; a disturbed
+    call is only ever slower, so the least over calls is the estimate):
+
+    * total: :func:`slowest_best`, the statistic the validation measures;
+    * work: for each rank the least over calls of its wall time less its own ``time_comm`` (a rank's
+      ``time_comm`` includes waiting for its peers' work, its own selection and decompression do not),
+      then the largest over ranks (the critical rank); comm: total less work;
+    * traffic factor: metered bytes over the formula's (data-dependent counts: the measured density);
+    * comm factor: comm, with ``contention`` (:func:`~.simulator.comm_contention` at this P) divided
+      out, over the formula's time of the slowest rank under the fitted link (the native all-reduce's
+      for dense) alpha and beta at the measured traffic: what the formula's rounds leave out (size
+      headers, index and value messages sent apart, per-call setup)."""
     P = records[0]["P"]
     link = links.get("inter", links.get("intra", {"alpha": 0.0, "beta": 0.0}))
-    per: dict[str, list[tuple[int, float, float, float]]] = {}
+    per: dict[str, list[tuple[int, float, float, float, float]]] = {}
     for i, run in enumerate(records[0]["runs"]):
-        wall = slowest_best(records, i)
-        # work of the best call: its wall time less the comm time of the same call on rank 0
-        best = min(range(len(run["times"])), key=lambda c: max(r["runs"][i]["times"][c] for r in records))
-        comm = run["time_comm"][best]
-        work = max(0.0, wall - comm)
+        total = slowest_best(records, i)
+        own = max(min(t - c for t, c in zip(r["runs"][i]["times"], r["runs"][i]["time_comm"], strict=True))
+                  for r in records)
+        work = min(max(0.0, own), total)
+        comm = (total - work) / contention
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
         name, n = run["method"], run["n"]
         k = selection_count(density, n) if method_class(name).sparse else 0
-        costs = [cost(name, P=P, n=n, k=k, rank=r, density=density) for r in range(P)]
+        layout = layout_options(name, P, net, colocated)  # the workers' node layout
+        costs = [cost(name, P=P, n=n, k=k, rank=r, density=density, **layout) for r in range(P)]
         formula = max(c.bytes_sent for c in costs)
         traffic = sent / formula if formula else 1.0
         a, b = (dense["alpha"], dense["beta"]) if name == "dense" and "alpha" in dense else (link["alpha"],
                                                                                               link["beta"])
         modelled = max(c.rounds * a + traffic * c.bytes_sent * b for c in costs)
         comm_factor = comm / modelled if modelled > 0 else 1.0
-        per.setdefault(name, []).append((n, work, traffic, comm_factor))
+        per.setdefault(name, []).append((n, work, traffic, comm_factor, comm))
     out = {}
     for name, samples in per.items():
         w1, w0 = fit_work([(n, w) for n, w, *_ in samples])
         out[name] = {"w1": w1, "w0": w0, "traffic_factor": statistics.mean(s[2] for s in samples),
                      "comm_factor": statistics.mean(s[3] for s in samples),
                      "P": P, "density": density, "sizes": sorted({s[0] for s in samples}),
-                     "work_s": {str(s[0]): s[1] for s in samples}}
+                     "work_s": {str(s[0]): s[1] for s in samples}, "comm_s": {str(s[0]): s[4] for s in samples}}
     return out
 
 
@@ -233,9 +245,54 @@ def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, n
                          meta: dict[str, Any]) -> Profile:
     """The profile from every rank's :func:`calibration_worker` result and the one-process figures."""
     links, dense = fit_links(records), _fit_dense(records)
+    contention = comm_contention(records[0]["P"], cores, colocated, net)
     return Profile(net=net, device=device, cores=cores, colocated=colocated, links=links,
                    dense_allreduce=dense, selectors=selectors, recv_element_s=recv_element_s,
-                   methods=_fit_methods(records, density, links, dense), meta=meta)
+                   methods=_fit_methods(records, density, links, dense, contention, net, colocated), meta=meta,
+                   records=[dict(r) for r in records])
+
+
+def merge_records(first: Sequence[dict[str, Any]], second: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Two calibrations' raw timings (same P, methods and sizes) as one: every method's calls of both
+    (so the least over calls is taken over both), and each link and all-reduce sample's least time.
+
+    A shared machine's load changes by the minute; calibrating at several times and merging keeps
+    the calibration from resting on one busy minute."""
+    if len(first) != len(second) or first[0]["P"] != second[0]["P"]:
+        raise ValueError(f"cannot merge calibrations at P={first[0]['P']} and P={second[0]['P']}")
+    merged = []
+    for a, b in zip(first, second, strict=True):
+        runs_b = {(run["method"], run["n"]): run for run in b["runs"]}
+        if set(runs_b) != {(run["method"], run["n"]) for run in a["runs"]}:
+            raise ValueError("cannot merge calibrations of different methods or sizes")
+        runs = []
+        for run in a["runs"]:
+            other = runs_b[(run["method"], run["n"])]
+            runs.append({**run, "times": run["times"] + other["times"],
+                         "time_comm": run["time_comm"] + other["time_comm"],
+                         "bytes_sent": max(run["bytes_sent"], other["bytes_sent"])})
+        links = {(s["kind"], s["algorithm"], s["n"]): s for s in a["links"]}
+        for s in b["links"]:
+            key = (s["kind"], s["algorithm"], s["n"])
+            if key not in links or s["seconds"] < links[key]["seconds"]:
+                links[key] = s
+        dense = {s["n"]: s for s in a["dense"]}
+        for s in b["dense"]:
+            if s["n"] not in dense or s["seconds"] < dense[s["n"]]["seconds"]:
+                dense[s["n"]] = s
+        merged.append({**a, "links": list(links.values()), "dense": list(dense.values()), "runs": runs})
+    return merged
+
+
+def refit(profile: Profile) -> Profile:
+    """The profile fitted again from the raw timings it keeps (``records``): a change of the
+    estimators applies to an old calibration without measuring again."""
+    if not profile.records:
+        raise ValueError("this profile keeps no raw timings (made before they were stored); calibrate again")
+    return profile_from_records(profile.records, density=profile.meta["density"], net=profile.net,
+                                device=profile.device, cores=profile.cores, colocated=profile.colocated,
+                                selectors=profile.selectors, recv_element_s=profile.recv_element_s,
+                                meta=profile.meta)
 
 
 def available_cores() -> int:

@@ -3,8 +3,8 @@
 A method's predicted time for one call on a flat gradient of ``n`` elements at ``P`` workers is
 
     T = comm + work
-    comm = comm_factor * max over ranks of (rounds * alpha + traffic_factor * bytes_sent * beta)
-    work = (w1 * n + w0) * contention(P) + g * (received(P) - received(P_cal))
+    comm = link_contention(P) * comm_factor * max over ranks of (rounds * alpha + traffic_factor * bytes_sent * beta)
+    work = (w1 * n + w0) * contention(P) / contention(P_cal) + g * (received(P) - received(P_cal))
 
 * ``rounds`` and ``bytes_sent`` come from the formula registered with the method
   (:func:`sparsecomm.methods.cost`). The dense method (the backend's own all-reduce) uses the
@@ -21,7 +21,10 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   machine's) divides the work term.
 * ``comm_factor`` is the method's measured communication time over the formula's time at the
   calibration P: what the formula's rounds leave out (size headers, index and value messages sent
-  apart, per-call setup). Applied as a constant ratio at every P.
+  apart, per-call setup). Applied as a constant ratio at every P, and only on the profile's own
+  network: with a given alpha and beta it is 1 (the traffic factor still applies).
+* ``link_contention(P)`` (:func:`comm_contention`) is ``P / cores`` on loopback with colocated
+  workers (a loopback link is a kernel copy: CPU work the P processes share), 1 under a rate limit.
 * ``overlap`` in [0, 1] with a backward time ``backward_s``: the fraction of communication that can
   run behind backward, hidden up to the backward time (the overlapped DDP hook).
   ``T = work + comm - min(overlap * comm, backward_s)``.
@@ -31,6 +34,7 @@ The :class:`Profile` is the JSON that ``sparsecomm calibrate`` writes; :mod:`.ca
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -38,12 +42,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.cost import fit_alpha_beta
+from ..core.cost import COSTS, fit_alpha_beta
 from ..methods import available_methods, cost, method_class
 from ..methods.base import selection_count
 
 __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", "UnknownMethodError",
-           "fit_work", "PROFILE_VERSION", "speedup_table", "crossover", "plot_projection"]
+           "fit_work", "comm_contention", "layout_options", "PROFILE_VERSION", "speedup_table", "crossover",
+           "faster_range", "plot_projection"]
 
 PROFILE_VERSION = 1
 
@@ -82,6 +87,8 @@ class Profile:
     #: method -> {"w1": s per element, "w0": s, "traffic_factor": f, "P": P_cal, "density": d, ...}
     methods: dict[str, dict[str, Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    #: every rank's raw calibration timings (links, native all-reduce, method calls): a refit source
+    records: list[dict[str, Any]] = field(default_factory=list)
     version: int = PROFILE_VERSION
 
     @property
@@ -134,6 +141,28 @@ class Prediction:
         return self.comm_s + self.work_s - self.hidden_s
 
 
+def comm_contention(P: int, cores: int, colocated: bool, net: str) -> float:
+    """How many times slower the links get when P colocated workers share ``cores`` cores on loopback.
+
+    On loopback a "link" is a copy through the kernel by the sending and the receiving process: CPU
+    work, so P processes on ``cores`` cores each get ``cores / P`` of a core (factor ``P / cores``).
+    Under an emulated rate (``net`` a tc rate) or on a cluster the link's rate bounds it instead (1).
+    """
+    return max(1.0, P / cores) if colocated and net == "loopback" else 1.0
+
+
+def layout_options(name: str, P: int, net: str, colocated: bool) -> dict[str, Any]:
+    """The node layout the workers run in, for the formulas that depend on it (``local_size``).
+
+    :func:`~sparsecomm.app.launcher.run_workers` on loopback puts all P workers on one node (L = P:
+    hitopk's first stage is a dense reduce-scatter, twolevel a tree over all ranks); under a plain tc
+    rate, and in a projection to a cluster, every rank is its own node (L = 1)."""
+    method_class(name)  # loads the formulas
+    if "local_size" not in inspect.signature(COSTS.get(name)).parameters:
+        return {}
+    return {"local_size": P if net == "loopback" and colocated else 1}
+
+
 def _sample_ranks(P: int) -> list[int]:
     return sorted({0, 1 % P, P // 2, P - 1})
 
@@ -179,6 +208,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
     if compute_scale <= 0:
         raise ValueError(f"compute_scale={compute_scale} must be positive")
     rests: list[str] = []
+    contention_comm = 1.0
     if profile is None:
         if alpha is None or beta is None:
             raise ValueError("predict needs a profile or both alpha and beta")
@@ -186,25 +216,36 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         rests.append("cost formula only (no profile: no selection/decompression time)")
     else:
         calib = profile.methods.get(name)
-        if name == "dense" and "alpha" in profile.dense_allreduce and alpha is None and beta is None:
+        share = profile.colocated if colocated is None else colocated
+        given = alpha is not None or beta is not None
+        user_options = options
+        options = {**layout_options(name, P, profile.net, share), **user_options}
+        calib_options = {**layout_options(name, calib["P"], profile.net, profile.colocated),
+                         **user_options} if calib else options
+        factor = float(calib.get("traffic_factor", 1.0)) if calib and use_comm_factor else 1.0
+        # the comm factor is this machine's and network's (relative to its fitted links): it does not
+        # carry to a network given by alpha/beta; the traffic factor (the data's density) does
+        comm_factor = float(calib.get("comm_factor", 1.0)) if calib and use_comm_factor and not given else 1.0
+        if name == "dense" and "alpha" in profile.dense_allreduce and not given:
             a, b = profile.dense_allreduce["alpha"], profile.dense_allreduce["beta"]
             rests.append("fitted native all-reduce alpha/beta")
         else:
             a = profile.alpha if alpha is None else alpha
             b = profile.beta if beta is None else beta
-            rests.append("given alpha/beta" if alpha is not None else f"fitted alpha/beta ({profile.net})")
-        factor = float(calib.get("traffic_factor", 1.0)) if calib and use_comm_factor else 1.0
-        comm_factor = float(calib.get("comm_factor", 1.0)) if calib and use_comm_factor else 1.0
+            rests.append("given alpha/beta" if given else f"fitted alpha/beta ({profile.net})")
+        if not given:
+            contention_comm = comm_contention(P, profile.cores, share, profile.net)
+            if contention_comm > 1:
+                rests.append(f"loopback links slowed {contention_comm:g}x (P workers on {profile.cores} cores)")
         work = 0.0
         if calib:
-            share = profile.colocated if colocated is None else colocated
             contention = max(1.0, P / profile.cores) if share else 1.0
             calib_contention = max(1.0, calib["P"] / profile.cores) if profile.colocated else 1.0
             base = (calib["w1"] * n + calib["w0"]) / calib_contention
             k = selection_count(density, n) if method_class(name).sparse else 0
             extra = profile.recv_element_s * (
                 _received_elements(name, P, n, k, density, options)
-                - _received_elements(name, calib["P"], n, selection_count(density, n), density, options))
+                - _received_elements(name, calib["P"], n, selection_count(density, n), density, calib_options))
             work = max(0.0, base * contention / compute_scale + max(0.0, extra) / compute_scale)
             rests.append(f"work measured at P={calib['P']}, density={calib['density']:g}")
             if factor != 1.0:
@@ -216,7 +257,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         if compute_scale != 1.0:
             rests.append(f"ASSUMED compute {compute_scale:g}x this device")
     comm, rounds, sent, exact = predict_comm(name, P, n, density, a, b, options, factor)
-    comm *= comm_factor
+    comm *= comm_factor * contention_comm
     hidden = min(overlap * comm, backward_s)
     if overlap:
         rests.append(f"overlap {overlap:g} of comm behind {backward_s * 1e3:.0f} ms backward")
@@ -257,6 +298,28 @@ def crossover(rows: Sequence[dict[str, Any]], method: str) -> int | None:
         if row["speedup"] <= 1.0 + 1e-9:
             return int(row["P"])
     return None
+
+
+def faster_range(rows: Sequence[dict[str, Any]], method: str) -> str:
+    """Where in ``rows`` ``method`` beats dense: "all P", "never", or the P ranges ("P <= 64",
+    "P >= 128", "16 <= P <= 256", joined by ", " when there are several)."""
+    mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["P"])
+    Ps = [int(r["P"]) for r in mine]
+    wins = [r["speedup"] > 1.0 + 1e-9 for r in mine]
+    if all(wins):
+        return "all P"
+    if not any(wins):
+        return "never"
+    spans, start = [], None
+    for i, win in enumerate(wins + [False]):
+        if win and start is None:
+            start = i
+        elif not win and start is not None:
+            lo, hi = Ps[start], Ps[i - 1]
+            spans.append(f"P <= {hi}" if start == 0 else f"P >= {lo}" if i == len(Ps) else
+                         f"P = {lo}" if lo == hi else f"{lo} <= P <= {hi}")
+            start = None
+    return ", ".join(spans)
 
 
 def plot_projection(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:

@@ -5,6 +5,14 @@ time every method at each P and n and compare with :func:`sparsecomm.app.simulat
 profile (workers colocated on this machine's cores). Results are appended to ``--results`` (JSON lines)
 one (network, P, n) group at a time, so an interrupted run resumes where it stopped; the table and the
 error summary are printed from everything in that file that matches the options.
+
+This machine is shared, and a disturbed call is only ever slower: the measured figure of a point is
+the least over its calls (each call: the slowest rank), and with ``--runs R`` the point is measured in
+R separate worker groups (interleaved: every point of run r before run r+1) and the least over all of
+them is kept. The profile is calibrated again before each run and the calibrations merged
+(:func:`~sparsecomm.app.calibration.merge_records`: the least over all their calls), so calibration
+and validation sample the machine's load over the same period. The spread between runs (run-to-run
+noise) is printed with the error: it is the floor under which no model's error can be shown.
 """
 
 from __future__ import annotations
@@ -33,6 +41,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per method (default: %(default)s)")
     parser.add_argument("--calibrate-workers", type=int, default=2,
                         help="P of the calibration run on each network (default: %(default)s)")
+    parser.add_argument("--calibrate-sizes", default=None,
+                        help="comma-separated sizes of the calibration run (default: the validated sizes)")
+    parser.add_argument("--calibrate-repeat", type=int, default=None,
+                        help="timed calls per method in the calibration run (default: twice --repeat)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="separate measurements of every point; the least is kept (default: %(default)s)")
     parser.add_argument("--results", default="simvalidate.jsonl",
                         help="JSON-lines file the measurements are appended to (resumed from) (default: %(default)s)")
     parser.add_argument("--profile-dir", default=".", help="where the per-network profiles are written/read "
@@ -54,21 +68,46 @@ def _load(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _profile_for(net: str | None, args, methods, sizes):
-    from ..calibration import calibrate
+def calibration_sizes(text: str | None, sizes: list[int]) -> list[int]:
+    """The calibration run's sizes: ``text`` (comma-separated counts), else ``sizes``."""
+    from .common import parse_count
+
+    if text:
+        return sorted({parse_count(s) for s in text.split(",")})
+    return sorted(set(sizes))
+
+
+def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
+    """The network's profile, calibrated ``rounds`` times (at different times) and merged: the file
+    keeps the merged raw timings and how many calibrations they hold; a missing one is added."""
+    from ..calibration import calibrate, merge_records, profile_from_records
     from ..simulator import Profile
 
     label = net or "loopback"
-    path = Path(args.profile_dir) / f"profile-{label}-{'-'.join(str(n) for n in sizes)}.json"
-    if path.exists():
-        return Profile.load(path), path
-    profile = calibrate(args.calibrate_workers, methods, sizes, args.density, net=net, repeat=args.repeat,
+    repeat = args.calibrate_repeat or 2 * args.repeat
+    path = Path(args.profile_dir) / (f"profile-{label}-{'-'.join(str(n) for n in sizes)}"
+                                     f"-P{args.calibrate_workers}-r{repeat}.json")
+    profile = Profile.load(path) if path.exists() else None
+    done = 0 if profile is None else int(profile.meta.get("calibrations", 1))
+    while profile is None or done < rounds:
+        new = calibrate(args.calibrate_workers, methods, sizes, args.density, net=net, repeat=repeat,
                         timeout=args.timeout)
-    profile.save(path)
+        if profile is not None:
+            if not profile.records:
+                raise ValueError(f"{path} keeps no raw timings to merge with; remove it to calibrate afresh")
+            new = profile_from_records(
+                merge_records(profile.records, new.records), density=args.density, net=new.net,
+                device=new.device, cores=new.cores, colocated=new.colocated, selectors=new.selectors,
+                recv_element_s=new.recv_element_s,
+                meta={**new.meta, "when": f"{profile.meta['when'].split(' .. ')[0]} .. {new.meta['when']}"})
+        done += 1
+        new.meta["calibrations"] = done
+        new.save(path)
+        profile = new
     return profile, path
 
 
-def _measure_group(net, P, n, methods, args, profile, profile_path) -> list[dict[str, Any]]:
+def _measure_group(net, P, n, methods, args, profile, profile_path, run_index: int) -> list[dict[str, Any]]:
     from ..calibration import slowest_best
     from ..launcher import run_workers
     from ..simulator import predict
@@ -81,7 +120,7 @@ def _measure_group(net, P, n, methods, args, profile, profile_path) -> list[dict
         p = predict(run["method"], P, n, args.density, profile=profile)
         rows.append({"net": net or "loopback", "n": n, "P": P, "method": run["method"], "density": args.density,
                      "measured_s": measured, "predicted_s": p.total_s, "comm_s": p.comm_s, "work_s": p.work_s,
-                     "profile": str(profile_path)})
+                     "profile": str(profile_path), "run": run_index})
     return rows
 
 
@@ -94,8 +133,9 @@ def check(args) -> tuple[list[str], list[int], list[int], list[str | None]]:
     workers = parse_workers(args.workers)
     sizes = [parse_count(s) for s in args.size.split(",")]
     check_density(args.density)
-    if args.repeat < 1 or args.calibrate_workers < 1:
-        raise ValueError(f"--repeat={args.repeat} and --calibrate-workers={args.calibrate_workers} must be >= 1")
+    if args.repeat < 1 or args.calibrate_workers < 1 or args.runs < 1:
+        raise ValueError(f"--repeat={args.repeat}, --calibrate-workers={args.calibrate_workers} and "
+                         f"--runs={args.runs} must be >= 1")
     nets = parse_networks(args.net)
     for P in workers + [args.calibrate_workers]:
         parse_networks(args.net, P)
@@ -107,27 +147,52 @@ def run(args) -> int:
 
     methods, workers, sizes, nets = check(args)
     results = Path(args.results)
-    done = {(r["net"], r["n"], r["P"], r["method"]) for r in _load(results)}
-    for net in configurations(nets, "simvalidate", network_label):
-        profile, profile_path = _profile_for(net, args, methods, sizes)
-        for n in sizes:
-            for P in workers:
-                todo = [m for m in methods if (net or "loopback", n, P, m) not in done]
-                if not todo:
-                    continue
-                log.warning("measuring %s, n=%d, P=%d: %d methods", network_label(net), n, P, len(todo))
-                rows = _measure_group(net, P, n, todo, args, profile, profile_path)
+    measured: dict[tuple, int] = {}
+    for r in _load(results):
+        key = (r["net"], r["n"], r["P"], r["method"])
+        measured[key] = measured.get(key, 0) + 1
+    calibrate_sizes = calibration_sizes(args.calibrate_sizes, sizes)
+    for run in range(args.runs):
+        for net in configurations(nets, f"simvalidate run {run + 1}", network_label):
+            todo_net = [(n, P) for n in sizes for P in workers
+                        if any(measured.get((net or "loopback", n, P, m), 0) <= run for m in methods)]
+            if not todo_net:
+                continue
+            # calibrate again before every run: the calibration samples the machine's load as the runs do
+            profile, profile_path = _profile_for(net, args, methods, calibrate_sizes, rounds=run + 1)
+            for n, P in todo_net:
+                todo = [m for m in methods if measured.get((net or "loopback", n, P, m), 0) <= run]
+                log.warning("run %d: measuring %s, n=%d, P=%d: %d methods", run + 1, network_label(net), n, P,
+                            len(todo))
+                rows = _measure_group(net, P, n, todo, args, profile, profile_path, run)
                 with results.open("a") as f:
                     for row in rows:
                         f.write(json.dumps(row) + "\n")
+                for m in todo:
+                    key = (net or "loopback", n, P, m)
+                    measured[key] = measured.get(key, 0) + 1
     wanted = {(net or "loopback") for net in nets}
     rows = [r for r in _load(results) if r["net"] in wanted and r["n"] in sizes and r["P"] in workers
             and r["method"] in methods]
-    rows = repredict(rows)
+    rows = best_of_runs(repredict(rows))
     print(validation_table(rows))
     print()
     print(advice_check(rows))
     return 0
+
+
+def best_of_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (network, n, P, method): the least measured time over its runs, with ``runs`` (how
+    many) and ``spread`` (the largest over the least measured time, minus 1: run-to-run noise)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["net"], r["n"], r["P"], r["method"]), []).append(r)
+    out = []
+    for group in groups.values():
+        best = min(group, key=lambda r: r["measured_s"])
+        slowest = max(r["measured_s"] for r in group)
+        out.append({**best, "runs": len(group), "spread": slowest / best["measured_s"] - 1})
+    return out
 
 
 def advice_check(rows: list[dict[str, Any]]) -> str:
@@ -195,4 +260,9 @@ def validation_table(rows: list[dict[str, Any]]) -> str:
         mine = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows if r["net"] == net]
         lines.append(f"- {net}: median {100 * statistics.median(mine):.1f}%, worst {100 * max(mine):.0f}% "
                      f"over {len(mine)} points")
+    repeated = [r for r in rows if r.get("runs", 1) > 1]
+    if repeated:
+        lines.append(f"run-to-run noise (slowest run over the least, {len(repeated)} points measured "
+                     f"{min(r['runs'] for r in repeated)}+ times): median "
+                     f"{100 * statistics.median(r['spread'] for r in repeated):.0f}%")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import re
 import sys
 
 from ..report_table import markdown_table
-from ..simulator import Profile, UnknownMethodError, check_methods, crossover, plot_projection, speedup_table
+from ..simulator import Profile, UnknownMethodError, check_methods, faster_range, plot_projection, speedup_table
 
 HELP = "predict per-step time of each method at large P (cost formulas + a calibrated profile)"
 
@@ -123,8 +123,7 @@ def pivot(rows: list[dict], methods: list[str], workers: list[int]) -> list[dict
             row[f"P={P} ms"] = 1e3 * mine[P]["time_s"]
         for P in workers:
             row[f"P={P} x"] = f"{mine[P]['speedup']:.2f}"
-        stop = crossover(rows, name)
-        row["not faster than dense from"] = "-" if name == "dense" else ("never" if stop is None else f"P={stop}")
+        row["faster than dense at"] = "-" if name == "dense" else faster_range(rows, name)
         out.append(row)
     return out
 
