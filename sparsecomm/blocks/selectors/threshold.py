@@ -1,22 +1,37 @@
-"""Threshold selectors: a fixed hard threshold, and ExDyna's online threshold scaling.
+"""Threshold selectors: a fixed hard threshold, and ExDyna's online threshold scaling; and the
+pieces that make a threshold hold a density from any gradient scale.
 
-Both pick ``{i : |x_i| >= threshold}`` in one pass (ExDyna Algorithm 4, line 2, over the whole
-vector); their count follows the data, with no band: ``k`` only steers ``scaled_threshold``'s
+Both selectors pick ``{i : |x_i| >= threshold}`` in one pass (ExDyna Algorithm 4, line 2, over the
+whole vector); their count follows the data, with no band: ``k`` only steers ``scaled_threshold``'s
 adaptation (and, as for every selector, ``k = 0`` gives nothing and ``k >= n`` everything).
+
+Holding a density (used by the ``exdyna``, ``threshold`` and ``sidco`` methods):
+
+* :func:`estimate_kth_magnitude`: the k-th largest ``|x_i|`` estimated from a strided sample (one
+  ``torch.topk`` over at most 65536 elements), the first threshold taken from the gradient itself
+  rather than ExDyna's scale-free ``1 / (2 sqrt(k))``;
+* :class:`ThresholdController`: log-space feedback on a threshold from the count it selected:
+  ``log t += clip(log(count / target) / e, -log 2, log 2)``, where ``e = -d log count / d log t`` is
+  the tail's elasticity, started from the normal tail at the target density (``z^2 + 1``) and
+  re-estimated from consecutive steps (secant). Unlike Algorithm 5's fixed 0.5% steps it corrects a
+  factor-2 error in one step and follows a drifting scale;
+* :func:`cap_selection`: the hard cap, the ``limit`` largest of a selection.
 """
 
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .base import Selector
 from .registry import register_selector
 from .scan import Scratch
 
-__all__ = ["HardThreshold", "ScaledThreshold"]
+__all__ = ["HardThreshold", "ScaledThreshold", "ThresholdController", "estimate_kth_magnitude", "cap_selection"]
 
 
 class _ThresholdSelector(Selector):
@@ -112,3 +127,77 @@ class ScaledThreshold(_ThresholdSelector):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.threshold = None if state["threshold"] is None else float(state["threshold"])
         self.calls = int(state["calls"])
+
+
+# ---------------------------------------------------------------------- holding a density
+#: elements of the strided sample :func:`estimate_kth_magnitude` looks at (at most)
+_ESTIMATE_SAMPLE = 1 << 16
+
+
+def estimate_kth_magnitude(x: Tensor, k: int) -> float:
+    """An estimate of the ``k``-th largest ``|x_i|`` from a strided sample of at most 65536 elements.
+
+    Exact when ``x`` is no longer than the sample. Returns 0.0 for ``k >= n`` (everything is selected)
+    and ``max |x|`` over the sample for tiny ``k``. Non-finite elements are ignored (the caller checks
+    finiteness where its policy asks for it).
+    """
+    n = x.numel()
+    if k >= n or n == 0:
+        return 0.0
+    stride = max(1, n // _ESTIMATE_SAMPLE)
+    sample = x[::stride].abs()
+    sample = sample[torch.isfinite(sample)]
+    if sample.numel() == 0:
+        return 0.0
+    rank = min(sample.numel(), max(1, round(k * sample.numel() / n)))
+    return float(torch.topk(sample, rank, sorted=False).values.min())
+
+
+def cap_selection(x: Tensor, indices: Tensor, limit: int) -> Tensor:
+    """The (at most) ``limit`` entries of ``indices`` with the largest ``|x|``, in their given order."""
+    if indices.numel() <= limit:
+        return indices
+    keep = torch.topk(x[indices].abs(), limit, sorted=False).indices
+    return indices[torch.sort(keep).values]
+
+
+class ThresholdController:
+    """Log-space feedback that moves a threshold until it selects ``target`` elements per call.
+
+    ``update(threshold, count, target)`` returns the next threshold: ``log t`` moves by
+    ``log(count / target) / e`` (at most a factor 2 per call), ``e`` being the elasticity of the
+    count in the threshold. ``e`` starts at ``z^2 + 1`` for the normal tail with ``P(|X| > z) =
+    density`` (the slope of ``log P(|X| > t)`` in ``log t`` there) and is re-estimated as
+    ``-(log c_t - log c_{t-1}) / (log t_t - log t_{t-1})`` when the threshold moved by more than 1%,
+    averaged with the previous value and kept in [1, 50]. A pure function of its inputs and state:
+    every rank that feeds it the same counts holds the same threshold.
+
+    Args:
+        density: the target density, for the starting elasticity.
+    """
+
+    def __init__(self, density: float) -> None:
+        d = min(max(float(density), 1e-9), 0.999)
+        z = NormalDist().inv_cdf(1 - d / 2)
+        self.elasticity = max(1.0, z * z + 1)
+        self._last: tuple[float, float] | None = None  # (log threshold, log count) of the last call
+
+    def update(self, threshold: float, count: int, target: int) -> float:
+        if threshold <= 0 or target <= 0:
+            return threshold
+        log_t, log_c = math.log(threshold), math.log(max(count, 0.5))
+        if self._last is not None:
+            moved, changed = log_t - self._last[0], log_c - self._last[1]
+            if abs(moved) > 0.01 and changed * moved < 0:
+                estimate = min(50.0, max(1.0, -changed / moved))
+                self.elasticity = 0.5 * (self.elasticity + estimate)
+        self._last = (log_t, log_c)
+        step = (log_c - math.log(target)) / self.elasticity
+        return threshold * math.exp(min(math.log(2), max(-math.log(2), step)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"elasticity": self.elasticity, "last": self._last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.elasticity = float(state["elasticity"])
+        self._last = None if state["last"] is None else (float(state["last"][0]), float(state["last"][1]))
