@@ -31,13 +31,16 @@ One step on rank r (Algorithm 1):
    (:class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`), which corrects a factor-2
    error per step instead of 0.5% and follows a drifting gradient scale.
 
-The first threshold. The paper's 1 / (2 sqrt(k)) does not depend on the gradient's scale: on
-unit-scale gradients at density 0.001 it selects almost everything, for hundreds of steps. With
-``controller="adaptive"`` and no ``initial_threshold``, the first call estimates the k-th largest
-``|acc|`` from a strided sample on every rank
-(:func:`~sparsecomm.blocks.selectors.threshold.estimate_kth_magnitude`) and all ranks take the
-largest estimate (a control exchange booked as header bytes, no round). ``controller="paper"``
-restores every constant of the paper (first threshold, Algorithm 5).
+The threshold from the gradient. The paper's first threshold 1 / (2 sqrt(k)) does not depend on the
+gradient's scale (on unit-scale gradients at density 0.001 it selects almost everything, for
+hundreds of steps), and Algorithm 5's 0.5% steps cannot follow the growth of the residual over the
+first 1/d steps. With ``controller="adaptive"`` every rank estimates, at every step, the k-th largest
+``|acc|`` of its whole ``acc`` from a sample (about 1024/k of it;
+:func:`~sparsecomm.blocks.selectors.threshold.estimate_kth_magnitude`), k corrected by feedback on
+the global count k' (identical on every rank), and selects with that in its partition.
+The ranks' thresholds then differ by their samples' noise (a few percent), not in kind: each is an
+estimate of the same global threshold. ``controller="paper"`` restores every constant of the paper
+(one threshold shared by all ranks, first 1 / (2 sqrt(k)) or ``initial_threshold``, Algorithm 5).
 
 The hard cap (``cap``, default 2): a rank selects at most ``ceil(cap * k / P)`` entries (twice its
 share of k); a partition holding more keeps its largest and leaves the rest in the residual
@@ -65,7 +68,6 @@ from __future__ import annotations
 
 import logging
 import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -208,9 +210,10 @@ class ExDyna(SparsificationMetrics, Method):
         balance_ratio: alpha of Algorithm 3 (1.05).
         threshold_band: beta of Algorithm 5 (1.1; ``controller="paper"`` only).
         gamma: threshold step of Algorithm 5 (0.005; ``controller="paper"`` only).
-        initial_threshold: delta_0 (default: estimated from the first gradient, or 1 / (2 sqrt(k))
-            with ``controller="paper"``).
-        controller: ``"adaptive"`` (default; first threshold from the gradient, log-space feedback)
+        initial_threshold: delta_0 (default 1 / (2 sqrt(k)) with ``controller="paper"``; with
+            ``"adaptive"``, if given, the first step's threshold instead of the estimate).
+        controller: ``"adaptive"`` (default; threshold estimated from the gradient every step, with a
+            correction held by feedback on the global count)
             or ``"paper"`` (the paper's constants: 1 / (2 sqrt(k)) and Algorithm 5).
         cap: at most ``ceil(cap * k / P)`` entries per rank (default 2.0; ``None``: no cap).
         allgather: ``"uneven"`` (variable-size all-gather, exact sizes) or ``"padded"`` (the paper's,
@@ -271,17 +274,10 @@ class ExDyna(SparsificationMetrics, Method):
         self.partitions = block_partition(n, P, self.num_blocks, self.block_align)
         self.partition_counts = None
         initial = self.initial_threshold
-        if initial is None and self.controller == "paper":
+        if initial is None:
             initial = 1 / (2 * math.sqrt(self.k(n)))
         self.scaler = ScaledThreshold(initial_threshold=initial, beta=self.threshold_band, gamma=self.gamma)
-        self.feedback = ThresholdController(self.density or 1.0) if self.controller == "adaptive" else None
-
-    def _first_threshold(self, acc: torch.Tensor, k: int) -> float:
-        """The largest over ranks of each rank's estimate of the k-th largest ``|acc|``."""
-        estimate = max(0.0, estimate_kth_magnitude(acc, k))
-        bits = struct.unpack("<q", struct.pack("<d", estimate))[0]  # order-preserving for floats >= 0
-        agreed = self.comm.agree_max([bits], device=acc.device)[0]
-        return float(struct.unpack("<d", struct.pack("<q", agreed))[0])
+        self.feedback = ThresholdController() if self.controller == "adaptive" else None
 
     def _min_blocks(self) -> int:
         if self.min_blocks_option is not None:
@@ -305,7 +301,7 @@ class ExDyna(SparsificationMetrics, Method):
             self.scaler.load_state_dict(state["threshold"])
         self.feedback = None
         if self.controller == "adaptive":
-            self.feedback = ThresholdController(self.density or 1.0)
+            self.feedback = ThresholdController()
             if state.get("feedback") is not None:
                 self.feedback.load_state_dict(state["feedback"])
         self.partition_counts = None if state["partition_counts"] is None else list(state["partition_counts"])
@@ -318,12 +314,13 @@ class ExDyna(SparsificationMetrics, Method):
         n, P, r = grad.numel(), self.comm.size, self.comm.rank
         self._ensure_state(n)
         assert self.partitions is not None and self.scaler is not None  # built by _ensure_state
+        assert self.scaler.threshold is not None
         k = self.k(n)
         with self.timer("residual"):
             acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
         with self.timer("select"):
-            if self.scaler.threshold is None:
-                self.scaler.threshold = self._first_threshold(acc, k)
+            if self.feedback is not None and (self.initial_threshold is None or self.step > 0):
+                self.scaler.threshold = estimate_kth_magnitude(acc, self.feedback.target(k), self.step)
             if self.partition_counts is not None:
                 self.partitions = rebalance(self.partitions, self.partition_counts, self.balance_ratio,
                                             self.move_blocks, self._min_blocks())
@@ -355,8 +352,7 @@ class ExDyna(SparsificationMetrics, Method):
             acc.index_fill_(0, union, 0)
         self.partition_counts = [counts[owner[p]] for p in range(P)]
         if self.feedback is not None:
-            if k < n:
-                self.scaler.threshold = self.feedback.update(self.scaler.threshold, total, k)
+            self.feedback.update(total, k)
         else:
             self.scaler.threshold *= self.scaler.scale_factor(total, k)
         self.scaler.calls += 1

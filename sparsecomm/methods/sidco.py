@@ -13,9 +13,10 @@ number of stages is not reproduced (``stages`` is fixed).
 
 Holding the density. A fitted distribution that is not the data's (an exponential fitted to normal
 magnitudes, say) misses the density by a factor that persists. By default (``controller="adaptive"``)
-the fitted threshold is multiplied by a correction that log-space feedback on this rank's count
-moves (:class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`), so the count settles on
-k within a few calls; ``controller="paper"`` uses the fit alone. The fit scales with the gradient, so
+the fitted threshold is divided by a correction that log-space feedback on this rank's count
+moves (:class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`, steps scaled by the
+count's elasticity measured on the selected magnitudes), so the count settles on k within a few
+calls; ``controller="paper"`` uses the fit alone. The fit scales with the gradient, so
 SIDCo starts right at any scale. The hard cap (``cap``, default 2: at most 2k entries per rank)
 bounds any single call.
 
@@ -39,7 +40,7 @@ from torch import Tensor
 
 from ..blocks.metrics import SparsificationMetrics
 from ..blocks.selectors.scan import Scratch
-from ..blocks.selectors.threshold import HardThreshold, ThresholdController
+from ..blocks.selectors.threshold import HardThreshold, ThresholdController, local_elasticity
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_int
 from .base import register_method
@@ -160,8 +161,7 @@ class SIDCo(SparsificationMetrics, SelectAllGather):
         self._scratch = Scratch()
         assert isinstance(self.selector, HardThreshold)
         self.hard: HardThreshold = self.selector
-        self.correction = 1.0  # the adaptive factor on the fitted threshold
-        self._feedback = ThresholdController(self.density or 1.0)
+        self._feedback = ThresholdController()
 
     def select(self, acc: Tensor) -> Tensor:
         n = acc.numel()
@@ -169,20 +169,20 @@ class SIDCo(SparsificationMetrics, SelectAllGather):
         if k >= n:
             return self.selector(acc, k)
         fitted = sidco_threshold(acc, k / n, self.distribution, self.stages, self._scratch)
-        adaptive = self.controller == "adaptive" and fitted > 0
-        self.hard.threshold = fitted * self.correction if adaptive else fitted
+        adaptive = self.controller == "adaptive"
+        self.hard.threshold = self._feedback.correct(fitted) if adaptive else fitted
         self.stats.update(threshold=self.hard.threshold, fitted_threshold=fitted)
         indices = self.selector(acc, k)
         if adaptive:
-            self.correction = self._feedback.update(self.hard.threshold, indices.numel(), k) / fitted
+            elasticity = local_elasticity(acc[indices].abs(), self.hard.threshold)
+            self._feedback.update(indices.numel(), k, elasticity)
         return indices
 
     def extra_state(self) -> dict[str, Any]:
-        return {**super().extra_state(), "correction": self.correction, "feedback": self._feedback.state_dict()}
+        return {**super().extra_state(), "feedback": self._feedback.state_dict()}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         super().load_extra_state(state)
-        self.correction = float(state.get("correction", 1.0))
         if "feedback" in state:
             self._feedback.load_state_dict(state["feedback"])
 

@@ -8,13 +8,14 @@ result), and every rank's count differs (padding overhead f(t) > 1 in an all-gat
 the largest count; ours is sized per message, f(t) is reported as a metric).
 
 The threshold. The paper tunes a fixed threshold before training. ``threshold=<value>`` is that
-fixed threshold. By default (``controller="adaptive"``) the threshold holds the density instead: the
-first is estimated from the gradient (the k-th largest ``|acc|`` of a strided sample,
-:func:`~sparsecomm.blocks.selectors.threshold.estimate_kth_magnitude`), and each call moves it by
-log-space feedback on this rank's count
+fixed threshold. By default (``controller="adaptive"``) the threshold holds the density instead:
+every call estimates the k-th largest ``|acc|`` from a sample of ``acc``
+(:func:`~sparsecomm.blocks.selectors.threshold.estimate_kth_magnitude`, about 1024/k of the
+gradient read), k corrected by log-space feedback on this rank's count
 (:class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`), so any gradient scale gives
-the density within a few calls. ``controller="paper"`` is the previous default, ExDyna's fixed
-initial threshold 1 / (2 sqrt(k)), which does not depend on the gradient's scale. The hard cap
+the density from the first call and a drifting one keeps it. ``controller="paper"`` is the previous
+default, ExDyna's fixed initial threshold 1 / (2 sqrt(k)), which does not depend on the gradient's
+scale. The hard cap
 (``cap``, default 2: at most 2k entries per rank) bounds any single call.
 
 Cost: TopkA's with the per-rank message sizes: ``cost("threshold", P, n, k, rank, counts=[k_0, ...,
@@ -65,30 +66,26 @@ class HardThresholdAllGather(SparsificationMetrics, SelectAllGather):
         self.fixed_threshold = threshold
         self.controller = controller
         self.track_global_error = bool(global_error)
-        self.current: float | None = None  # the adaptive threshold for the next call
-        self._feedback = ThresholdController(self.density or 1.0)
+        self._feedback = ThresholdController()
 
     def select(self, acc: Tensor) -> Tensor:
         k = self.k(acc.numel())
         adaptive = self.fixed_threshold is None and self.controller == "adaptive" and k < acc.numel()
         if adaptive:
-            if self.current is None:
-                self.current = estimate_kth_magnitude(acc, k)
-            self.hard.threshold = self.current
+            self.hard.threshold = estimate_kth_magnitude(acc, self._feedback.target(k), self.step)
         elif self.fixed_threshold is None:
             self.hard.threshold = 1 / (2 * math.sqrt(k))
         indices = self.selector(acc, k)
         self.stats["threshold"] = self.hard.threshold
-        if adaptive and self.current is not None:
-            self.current = self._feedback.update(self.current, indices.numel(), k)
+        if adaptive:
+            self._feedback.update(indices.numel(), k)
         return indices
 
     def extra_state(self) -> dict[str, Any]:
-        return {**super().extra_state(), "current": self.current, "feedback": self._feedback.state_dict()}
+        return {**super().extra_state(), "feedback": self._feedback.state_dict()}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         super().load_extra_state(state)
-        self.current = state.get("current")
         if "feedback" in state:
             self._feedback.load_state_dict(state["feedback"])
 
