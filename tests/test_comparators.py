@@ -60,7 +60,7 @@ def test_cltk_sends_exactly_the_leaders_top_k(P):
 
 
 def test_hard_threshold_sends_every_entry_at_or_above_it():
-    traces = run_workers(3, trace_method, "threshold", {"density": DENSITY, "threshold": 2.0}, N, 3)
+    traces = run_workers(3, trace_method, "threshold", {"density": DENSITY, "threshold": 2.0, "cap": None}, N, 3)
     for trace in traces:
         for rec in trace:
             acc = rec["grad"] + (0 if rec["old_residual"] is None else rec["old_residual"])

@@ -140,16 +140,19 @@ def test_exdyna_invariants_partitions_and_traffic(P, allgather):
             # the output holds exactly the union of the selections, all residuals zero there
             assert s["nnz_out"] == sum(s["counts"]) == int(sent.sum())
             assert bool((rec["new_residual"][sent] == 0).all())
-            # this rank selected exactly |acc| >= threshold inside its partition (Algorithm 4)
+            # this rank selected exactly |acc| >= threshold inside its partition (Algorithm 4), less what
+            # the hard cap (2k/P per rank) cut
             mine = acc[start:end].abs() >= torch.tensor(s["threshold"], dtype=acc.dtype)
-            assert int(mine.sum()) == s["selected"] == s["counts"][rank]
+            assert int(mine.sum()) == s["selected"] + s["cut"] and s["selected"] == s["counts"][rank]
+            assert s["selected"] <= math.ceil(2 * math.ceil(0.05 * N) / P)
+            assert s["capped"] == int(s["cut"] > 0)
             assert s["padding_overhead"] == pytest.approx(P * max(s["counts"]) / max(1, sum(s["counts"])))
             assert s["density_error"] == pytest.approx(abs(s["nnz_out"] / N - 0.05))
 
 
 def test_padded_and_uneven_all_gathers_give_the_same_bits_and_rebalance():
     P = 5
-    base = {"density": 0.05, "initial_threshold": 2.5}
+    base = {"density": 0.05, "initial_threshold": 2.5, "cap": None}  # the cap would flatten the skew
     uneven = run_workers(P, _trace_skewed, {**base, "allgather": "uneven"}, N, 8, timeout=90)
     padded = run_workers(P, _trace_skewed, {**base, "allgather": "padded"}, N, 8, timeout=90)
     for a, b in zip(uneven[0], padded[0], strict=False):

@@ -120,6 +120,42 @@ class Method:
             self.residual = torch.zeros_like(grad)
         return self.residual
 
+    # ------------------------------------------------------------------ the reused output buffer
+    #: Return the method's reused output buffer (valid until the next call) instead of a fresh tensor.
+    #: Set it to False on an instance to get a fresh tensor from every call (one more length-n
+    #: allocation per call). The DDP hook and the synchronizer copy the result out before the next call.
+    reuse_output: bool = True
+    _out: torch.Tensor | None = None
+    _out_support: torch.Tensor | None = None
+
+    def output_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A zero tensor shaped like ``like`` to decompress into, kept between calls.
+
+        The buffer is allocated once per (n, dtype, device); on later calls only the entries written
+        by the previous call (see :meth:`output_written`) are zeroed again, so a sparse call costs
+        O(k) here instead of a length-n allocation (page faults) and a full write. The returned tensor
+        is the method's output, valid until the next call: callers that keep it must clone it, and
+        must not write into it (the next call zeroes only the entries the method wrote). With
+        ``reuse_output = False`` a fresh zero tensor is returned instead.
+        """
+        buf = self._out
+        if not self.reuse_output:
+            self._out = self._out_support = None
+            return torch.zeros_like(like)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
+            self._out = buf = torch.zeros_like(like)
+        elif self._out_support is None:
+            buf.zero_()
+        else:
+            buf.index_fill_(0, self._out_support, 0)
+        self._out_support = None  # until the method says where it wrote: a full zero next time
+        return buf
+
+    def output_written(self, indices: torch.Tensor | None) -> None:
+        """Record the entries written into :meth:`output_buffer`'s tensor (int64 indices; repeats are
+        fine); ``None`` means anywhere, and the next call zeroes the whole buffer."""
+        self._out_support = None if indices is None or not self.reuse_output else indices.to(torch.int64)
+
     # ------------------------------------------------------------------ the call
     def __call__(self, grad: torch.Tensor, layout: Layout = None) -> torch.Tensor:
         """Average ``grad`` (this rank's 1-D float gradient) over all ranks with this method.

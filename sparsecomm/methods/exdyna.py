@@ -24,17 +24,36 @@ One step on rank r (Algorithm 1):
    coordinates; the partitions are disjoint, so the union is the concatenation, ordered by partition,
    hence sorted), divided by P. ``allreduce="rabenseifner"`` (default) or ``"ring"``.
 6. ``acc`` is zeroed at the union on every rank and becomes the new residual.
-7. Online threshold scaling (Algorithm 5, :class:`~sparsecomm.blocks.selectors.threshold.ScaledThreshold`'s
-   factor) from the *global* count: k' / k; x (1 + gamma) above ``threshold_band``, x (1 + gamma/4)
-   inside (1/band, band], x (1 - gamma) below.
+7. Threshold update from the *global* count k' (identical on every rank). ``controller="paper"``:
+   online threshold scaling (Algorithm 5, :class:`~sparsecomm.blocks.selectors.threshold.ScaledThreshold`'s
+   factor) from k' / k; x (1 + gamma) above ``threshold_band``, x (1 + gamma/4) inside
+   (1/band, band], x (1 - gamma) below. ``controller="adaptive"`` (default): log-space feedback
+   (:class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`), which corrects a factor-2
+   error per step instead of 0.5% and follows a drifting gradient scale.
+
+The threshold from the gradient. The paper's first threshold 1 / (2 sqrt(k)) does not depend on the
+gradient's scale (on unit-scale gradients at density 0.001 it selects almost everything, for
+hundreds of steps), and Algorithm 5's 0.5% steps cannot follow the growth of the residual over the
+first 1/d steps. With ``controller="adaptive"`` every rank estimates, at every step, the k-th largest
+``|acc|`` of its whole ``acc`` from a sample (about 1024/k of it;
+:func:`~sparsecomm.blocks.selectors.threshold.estimate_kth_magnitude`), k corrected by feedback on
+the global count k' (identical on every rank), and selects with that in its partition.
+The ranks' thresholds then differ by their samples' noise (a few percent), not in kind: each is an
+estimate of the same global threshold. ``controller="paper"`` restores every constant of the paper
+(one threshold shared by all ranks, first 1 / (2 sqrt(k)) or ``initial_threshold``, Algorithm 5).
+
+The hard cap (``cap``, default 2): a rank selects at most ``ceil(cap * k / P)`` entries (twice its
+share of k); a partition holding more keeps its largest and leaves the rest in the residual
+(``stats.capped``, ``stats.cut``).
 
 Consistency: partition re-balancing and threshold scaling use only the all-gathered counts, and each
 sum is computed once by the collective and copied, so every rank holds the same state and result bit
 for bit. At density 1 every coordinate is selected (threshold 0): the dense average.
 
 Defaults are those of the authors' public code: 1024 blocks, alignment 32, ``min_blocks`` =
-num_blocks / (4P), ``balance_ratio`` 1.05, one block moved, ``threshold_band`` 1.1, ``gamma``
-0.005 (factors 1.005, 1.00125, 0.995), initial threshold 1 / (2 sqrt(k)).
+num_blocks / (4P), ``balance_ratio`` 1.05, one block moved; with ``controller="paper"`` also
+``threshold_band`` 1.1, ``gamma`` 0.005 (factors 1.005, 1.00125, 0.995), initial threshold
+1 / (2 sqrt(k)).
 
 Cost per rank (``allgather="uneven"``, counts k_0..k_{P-1}, K' = sum): variable-size all-gather of
 the index blocks (ceil(log2 P) rounds, bytes as replayed by
@@ -56,7 +75,12 @@ from typing import Any
 import torch
 
 from ..blocks.metrics import SparsificationMetrics
-from ..blocks.selectors.threshold import ScaledThreshold
+from ..blocks.selectors.threshold import (
+    ScaledThreshold,
+    ThresholdController,
+    cap_selection,
+    estimate_kth_magnitude,
+)
 from ..core.cost import Cost, chunk_sizes, register_cost
 from ..core.validate import check_int
 from ..transport.chunk import index_dtype
@@ -69,12 +93,14 @@ from ..transport.collectives import (
 )
 from ..transport.sparse_collectives import allgatherv, allgatherv_traffic
 from .base import Layout, Method, register_method
+from .select_allgather import cap_limit, check_cap
 
 __all__ = ["ExDyna", "BlockPartitions", "block_partition", "rebalance", "allocated_partition"]
 
 log = logging.getLogger(__name__)
 
 _ALLGATHERS = ("uneven", "padded")
+_CONTROLLERS = ("adaptive", "paper")
 
 
 # ---------------------------------------------------------------------- partitions (Algorithms 2, 3)
@@ -182,9 +208,14 @@ class ExDyna(SparsificationMetrics, Method):
         min_blocks: smallest partition, in blocks (default num_blocks // (4P), at least 1).
         move_blocks: blocks moved per re-balancing decision (1).
         balance_ratio: alpha of Algorithm 3 (1.05).
-        threshold_band: beta of Algorithm 5 (1.1).
-        gamma: threshold step of Algorithm 5 (0.005).
-        initial_threshold: delta_0 (default 1 / (2 sqrt(k))).
+        threshold_band: beta of Algorithm 5 (1.1; ``controller="paper"`` only).
+        gamma: threshold step of Algorithm 5 (0.005; ``controller="paper"`` only).
+        initial_threshold: delta_0 (default 1 / (2 sqrt(k)) with ``controller="paper"``; with
+            ``"adaptive"``, if given, the first step's threshold instead of the estimate).
+        controller: ``"adaptive"`` (default; threshold estimated from the gradient every step, with a
+            correction held by feedback on the global count)
+            or ``"paper"`` (the paper's constants: 1 / (2 sqrt(k)) and Algorithm 5).
+        cap: at most ``ceil(cap * k / P)`` entries per rank (default 2.0; ``None``: no cap).
         allgather: ``"uneven"`` (variable-size all-gather, exact sizes) or ``"padded"`` (the paper's,
             every rank's indices padded to the largest count).
         allreduce: ``"rabenseifner"`` or ``"ring"`` for the values at the union of indices.
@@ -198,8 +229,13 @@ class ExDyna(SparsificationMetrics, Method):
                  min_blocks: int | None = None, move_blocks: int = 1, balance_ratio: float = 1.05,
                  threshold_band: float = 1.1, gamma: float = 0.005,
                  initial_threshold: float | None = None, allgather: str = "uneven",
-                 allreduce: str = "rabenseifner", global_error: bool = False) -> None:
+                 allreduce: str = "rabenseifner", controller: str = "adaptive", cap: float | None = 2.0,
+                 global_error: bool = False) -> None:
         super().__init__(comm, density=density)
+        if controller not in _CONTROLLERS:
+            raise ValueError(f"exdyna: controller={controller!r} must be one of {_CONTROLLERS}")
+        self.controller = controller
+        self.cap = check_cap(cap, "exdyna")
         for label, value in (("num_blocks", num_blocks), ("block_align", block_align),
                              ("move_blocks", move_blocks)):
             check_int(f"exdyna: {label}", value, minimum=1)
@@ -228,6 +264,7 @@ class ExDyna(SparsificationMetrics, Method):
         self.partitions: BlockPartitions | None = None
         self.partition_counts: list[int] | None = None  # previous step's counts, by partition
         self.scaler: ScaledThreshold | None = None  # holds the threshold; Algorithm 5's factor
+        self.feedback: ThresholdController | None = None  # the adaptive controller
 
     # ------------------------------------------------------------------ state
     def _ensure_state(self, n: int) -> None:
@@ -236,9 +273,11 @@ class ExDyna(SparsificationMetrics, Method):
         P = self.comm.size
         self.partitions = block_partition(n, P, self.num_blocks, self.block_align)
         self.partition_counts = None
-        initial = self.initial_threshold if self.initial_threshold is not None \
-            else 1 / (2 * math.sqrt(self.k(n)))
+        initial = self.initial_threshold
+        if initial is None:
+            initial = 1 / (2 * math.sqrt(self.k(n)))
         self.scaler = ScaledThreshold(initial_threshold=initial, beta=self.threshold_band, gamma=self.gamma)
+        self.feedback = ThresholdController() if self.controller == "adaptive" else None
 
     def _min_blocks(self) -> int:
         if self.min_blocks_option is not None:
@@ -249,6 +288,7 @@ class ExDyna(SparsificationMetrics, Method):
     def extra_state(self) -> dict[str, Any]:
         parts = self.partitions
         return {"threshold": None if self.scaler is None else self.scaler.state_dict(),
+                "feedback": None if self.feedback is None else self.feedback.state_dict(),
                 "partition_counts": None if self.partition_counts is None else list(self.partition_counts),
                 "partitions": None if parts is None else
                 (parts.n, parts.block_size, list(parts.blocks), list(parts.starts))}
@@ -259,6 +299,11 @@ class ExDyna(SparsificationMetrics, Method):
         else:
             self.scaler = ScaledThreshold(beta=self.threshold_band, gamma=self.gamma)
             self.scaler.load_state_dict(state["threshold"])
+        self.feedback = None
+        if self.controller == "adaptive":
+            self.feedback = ThresholdController()
+            if state.get("feedback") is not None:
+                self.feedback.load_state_dict(state["feedback"])
         self.partition_counts = None if state["partition_counts"] is None else list(state["partition_counts"])
         saved = state["partitions"]
         self.partitions = None if saved is None else \
@@ -271,15 +316,23 @@ class ExDyna(SparsificationMetrics, Method):
         assert self.partitions is not None and self.scaler is not None  # built by _ensure_state
         assert self.scaler.threshold is not None
         k = self.k(n)
-        acc = self.residual_for(grad).add_(grad)
+        with self.timer("residual"):
+            acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
         with self.timer("select"):
+            if self.feedback is not None and (self.initial_threshold is None or self.step > 0):
+                self.scaler.threshold = estimate_kth_magnitude(acc, self.feedback.target(k), self.step)
             if self.partition_counts is not None:
                 self.partitions = rebalance(self.partitions, self.partition_counts, self.balance_ratio,
                                             self.move_blocks, self._min_blocks())
             mine = allocated_partition(self.step, r, P)
             start, end = self.partitions.bounds(mine)
             threshold = 0.0 if k >= n else self.scaler.threshold
-            local = torch.nonzero(acc[start:end].abs() >= threshold).reshape(-1)
+            part = acc[start:end]
+            local = torch.nonzero(part.abs() >= threshold).reshape(-1)
+            picked = local.numel()
+            limit = cap_limit(self.cap, k / P)
+            if limit is not None and k < n and picked > limit:
+                local = cap_selection(part, local, limit)  # the rest stays in the residual
             indices = (local + start).to(index_dtype(n))
         with self.timer("comm"):
             gathered = self._allgather_indices(indices)
@@ -292,15 +345,21 @@ class ExDyna(SparsificationMetrics, Method):
             total = len(union)
             summed = allreduce(self.comm, acc[union], self.allreduce) if total else acc[:0].clone()
         with self.timer("decompress"):
-            out = torch.zeros_like(grad)
+            out = self.output_buffer(grad)
             out[union] = summed.div_(P)
-            acc[union] = 0
+            self.output_written(union)
+        with self.timer("residual"):
+            acc.index_fill_(0, union, 0)
         self.partition_counts = [counts[owner[p]] for p in range(P)]
-        self.scaler.threshold *= self.scaler.scale_factor(total, k)
+        if self.feedback is not None:
+            self.feedback.update(total, k)
+        else:
+            self.scaler.threshold *= self.scaler.scale_factor(total, k)
         self.scaler.calls += 1
         self.stats.update(selected=counts[r], nnz_out=total, counts=counts, partition_id=mine,
                           partition=(start, end), threshold=threshold,
-                          threshold_next=self.scaler.threshold)
+                          threshold_next=self.scaler.threshold, capped=int(picked > counts[r]),
+                          cut=picked - counts[r])
         return out
 
     def _allgather_indices(self, indices: torch.Tensor) -> list[torch.Tensor]:

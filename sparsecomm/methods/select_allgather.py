@@ -9,8 +9,13 @@ Per call, on every rank r:
    the element counts travel first as the size header of :meth:`Communicator.exchange_many` (the
    "initial element which indicates the length" of RedSync section 2.3), by
    :func:`~sparsecomm.transport.sparse_collectives.allgather_chunks`.
-3. Every rank adds the P messages into a dense zero vector in rank order and divides by P, so the
-   result is the same bit for bit on every rank.
+3. Every rank adds the P messages into the method's reused output buffer (zeroed where the last
+   call wrote, :meth:`~.base.Method.output_buffer`) in rank order and divides the touched entries by
+   P, so the result is the same bit for bit on every rank; no length-n vector is allocated per call.
+
+The hard cap (``cap``, default 2): a selector whose count can exceed k (a threshold, SIDCo, a band
+selector) is cut to the ``ceil(cap * k)`` largest magnitudes it picked; what is cut stays in the
+residual. ``stats.capped`` tells whether the cap acted, ``stats.cut`` how many entries it removed.
 
 Cost per rank with message sizes ``m_q`` bytes (q = 0..P-1): ceil(log2 P) rounds and the bytes the
 all-gather forwards (:func:`select_allgather_cost`); with equal messages of ``m = k (s_idx + s_val)``
@@ -19,6 +24,7 @@ bytes that is ``(P-1) m`` sent and received (RedSync equation (1) without its co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,13 +32,44 @@ import torch
 from torch import Tensor
 
 from ..blocks.selectors import make as make_selector
+from ..blocks.selectors.threshold import cap_selection
 from ..core.cost import Cost
 from ..transport.chunk import SparseChunk, pair_bytes
 from ..transport.comm import Communicator
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_cost
 from .base import Layout, Method
 
-__all__ = ["SelectorStateMixin", "SelectAllGather", "select_allgather_cost"]
+__all__ = ["SelectorStateMixin", "SelectAllGather", "select_allgather_cost", "check_cap", "cap_limit",
+           "add_messages"]
+
+
+def check_cap(cap: float | None, method: str) -> float | None:
+    """Validate the hard-cap option: ``None`` (no cap) or a factor >= 1 of the per-rank target."""
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 1:
+        raise ValueError(f"{method}: cap={cap!r} must be None (no cap) or a number >= 1 (the most a rank may "
+                         "select, as a multiple of its target count)")
+    return float(cap)
+
+
+def cap_limit(cap: float | None, target: float) -> int | None:
+    """The most entries a rank may select under ``cap`` with per-rank ``target`` (None: no cap)."""
+    return None if cap is None else max(1, math.ceil(cap * target))
+
+
+def add_messages(out: Tensor, chunks: Sequence[SparseChunk], P: int) -> Tensor:
+    """Add ``chunks`` into ``out`` in order (``index_add_``) and divide the touched entries by P; returns
+    the int64 indices touched (repeats possible), for :meth:`~.base.Method.output_written`."""
+    touched = []
+    for chunk in chunks:
+        idx = chunk.indices.long()
+        out.index_add_(0, idx, chunk.values.to(out.dtype))
+        touched.append(idx)
+    union = torch.cat(touched) if touched else torch.empty(0, dtype=torch.int64, device=out.device)
+    if P > 1 and union.numel():
+        out[union] = out[union].div_(P)
+    return union
 
 
 class SelectorStateMixin:
@@ -53,6 +90,7 @@ class SelectAllGather(SelectorStateMixin, Method):
         comm: communicator (default: all ranks).
         density: fraction selected per rank, k = ceil(density * n).
         selector: a name of :mod:`sparsecomm.blocks.selectors` (default ``"topk"``, exact top-k).
+        cap: the hard cap, at most ``ceil(cap * k)`` entries per rank (default 2.0; ``None``: no cap).
         **selector_options: passed to ``make(selector, ...)``.
 
     Subclassing: override :meth:`select` (which entries of ``acc`` this rank sends) and nothing else;
@@ -68,8 +106,9 @@ class SelectAllGather(SelectorStateMixin, Method):
     has_residual = True
 
     def __init__(self, comm: Communicator | None = None, *, density: float, selector: str = "topk",
-                 **selector_options: Any) -> None:
+                 cap: float | None = 2.0, **selector_options: Any) -> None:
         super().__init__(comm, density=density)
+        self.cap = check_cap(cap, self.name)
         self.selector_name = selector
         self.selector = make_selector(selector, **selector_options)
 
@@ -83,20 +122,25 @@ class SelectAllGather(SelectorStateMixin, Method):
 
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n = grad.numel()
+        with self.timer("residual"):
+            acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
         with self.timer("select"):
-            acc = self.residual_for(grad).add_(grad)
-            idx = torch.sort(self.select(acc).to(torch.int64)).values
+            idx = self.select(acc).to(torch.int64)
+            picked = idx.numel()
+            limit = cap_limit(self.cap, self.k(n))
+            if limit is not None and picked > limit:
+                idx = cap_selection(acc, idx, limit)  # the rest stays in the residual
+            idx = torch.sort(idx).values
             chunk = SparseChunk.gather(acc, idx, n=n)
-            acc[idx] = 0  # acc is self.residual: what was not sent stays
+        with self.timer("residual"):
+            acc.index_fill_(0, idx, 0)  # what was not sent stays
         self.last_sent = idx
-        self.stats.selected = idx.numel()
+        self.stats.update(selected=idx.numel(), capped=int(picked > idx.numel()), cut=picked - idx.numel())
         with self.timer("comm"):
             gathered = allgather_chunks(self.comm, chunk)
         with self.timer("decompress"):
-            out = torch.zeros_like(grad)
-            for received in gathered:
-                received.scatter_add_(out)
-            out.div_(self.comm.size)
+            out = self.output_buffer(grad)
+            self.output_written(add_messages(out, gathered, self.comm.size))
         self.stats["message_bytes"] = chunk.nbytes()
         self.stats["counts"] = [received.nnz for received in gathered]
         self.stats["received_nnz"] = sum(self.stats["counts"])

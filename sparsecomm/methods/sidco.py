@@ -11,6 +11,15 @@ reading of SIDCo's multi-stage scheme: later stages use the exponential for ``"e
 ``"gamma"`` (a gamma tail is exponential), the GPD for ``"gpd"``; SIDCo's adaptive choice of the
 number of stages is not reproduced (``stages`` is fixed).
 
+Holding the density. A fitted distribution that is not the data's (an exponential fitted to normal
+magnitudes, say) misses the density by a factor that persists. By default (``controller="adaptive"``)
+the fitted threshold is divided by a correction that log-space feedback on this rank's count
+moves (:class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`, steps scaled by the
+count's elasticity measured on the selected magnitudes), so the count settles on k within a few
+calls; ``controller="paper"`` uses the fit alone. The fit scales with the gradient, so
+SIDCo starts right at any scale. The hard cap (``cap``, default 2: at most 2k entries per rank)
+bounds any single call.
+
 Like every select-then-all-gather scheme (:class:`~.select_allgather.SelectAllGather`), every rank
 picks entries of its own ``acc = grad + residual`` over the WHOLE gradient, so the ranks' picks
 overlap only by chance and the union grows with P (*gradient build-up*: up to P k non-zeros in the
@@ -31,7 +40,7 @@ from torch import Tensor
 
 from ..blocks.metrics import SparsificationMetrics
 from ..blocks.selectors.scan import Scratch
-from ..blocks.selectors.threshold import HardThreshold
+from ..blocks.selectors.threshold import HardThreshold, ThresholdController, local_elasticity
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_int
 from .base import register_method
@@ -40,6 +49,7 @@ from .select_allgather import SelectAllGather, select_allgather_cost
 __all__ = ["SIDCo", "sidco_threshold"]
 
 _DISTRIBUTIONS = ("exponential", "gamma", "gpd")
+_CONTROLLERS = ("adaptive", "paper")
 
 
 def _gamma_fit(a: Tensor) -> tuple:
@@ -130,29 +140,51 @@ class SIDCo(SparsificationMetrics, SelectAllGather):
         density: target fraction per rank.
         distribution: ``"exponential"`` (default), ``"gamma"`` or ``"gpd"``.
         stages: number of fitting stages (>= 1, default 2).
+        controller: ``"adaptive"`` (default): the fit times a correction held by feedback on the count;
+            ``"paper"``: the fit alone.
+        cap: at most ``ceil(cap * k)`` entries per rank (default 2.0; ``None``: no cap).
         global_error: also report the global error.
     """
 
     def __init__(self, comm=None, *, density: float, distribution: str = "exponential", stages: int = 2,
-                 global_error: bool = False) -> None:
-        super().__init__(comm, density=density, selector="threshold", threshold=0.0)
+                 controller: str = "adaptive", cap: float | None = 2.0, global_error: bool = False) -> None:
+        super().__init__(comm, density=density, selector="threshold", cap=cap, threshold=0.0)
         if distribution not in _DISTRIBUTIONS:
             raise ValueError(f"sidco: distribution={distribution!r} must be one of {_DISTRIBUTIONS}")
+        if controller not in _CONTROLLERS:
+            raise ValueError(f"sidco: controller={controller!r} must be one of {_CONTROLLERS}")
         check_int("sidco: stages", stages, minimum=1)
         self.distribution = distribution
         self.stages = stages
+        self.controller = controller
         self.track_global_error = bool(global_error)
         self._scratch = Scratch()
         assert isinstance(self.selector, HardThreshold)
         self.hard: HardThreshold = self.selector
+        self._feedback = ThresholdController()
 
     def select(self, acc: Tensor) -> Tensor:
         n = acc.numel()
         k = self.k(n)
-        if k < n:
-            self.hard.threshold = sidco_threshold(acc, k / n, self.distribution, self.stages, self._scratch)
-            self.stats["threshold"] = self.hard.threshold
-        return self.selector(acc, k)
+        if k >= n:
+            return self.selector(acc, k)
+        fitted = sidco_threshold(acc, k / n, self.distribution, self.stages, self._scratch)
+        adaptive = self.controller == "adaptive"
+        self.hard.threshold = self._feedback.correct(fitted) if adaptive else fitted
+        self.stats.update(threshold=self.hard.threshold, fitted_threshold=fitted)
+        indices = self.selector(acc, k)
+        if adaptive:
+            elasticity = local_elasticity(acc[indices].abs(), self.hard.threshold)
+            self._feedback.update(indices.numel(), k, elasticity)
+        return indices
+
+    def extra_state(self) -> dict[str, Any]:
+        return {**super().extra_state(), "feedback": self._feedback.state_dict()}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        super().load_extra_state(state)
+        if "feedback" in state:
+            self._feedback.load_state_dict(state["feedback"])
 
 
 @register_cost("sidco")

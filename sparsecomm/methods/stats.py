@@ -45,6 +45,8 @@ class Stats(Mapping[str, Any]):
         warmup: the call was a dense warm-up step.
         skipped: calls skipped on every rank because a rank's gradient held NaN/Inf (policy
             ``nonfinite="skip"``; ``extra["nonfinite_ranks"]`` names them).
+        capped: calls whose selection the hard cap cut (0 or 1 for one call; summed over calls).
+        cut: entries the hard cap removed from the selection (they stay in the residual).
         extra: method-specific figures of a single call (not summed).
     """
 
@@ -68,12 +70,19 @@ class Stats(Mapping[str, Any]):
     inter_node_bytes_recv: int = 0
     dense_fallback: bool = False
     skipped: int = 0
+    capped: int = 0
+    cut: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def density(self) -> float:
         """Output non-zeros over elements (0 for an empty call)."""
         return self.nnz_out / self.n if self.n else 0.0
+
+    @property
+    def density_sent(self) -> float:
+        """Elements this rank selected to send over elements (0 for an empty call): the density reached."""
+        return self.selected / self.n if self.n else 0.0
 
     @property
     def time_other(self) -> float:
@@ -84,14 +93,14 @@ class Stats(Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         if key in _FIELDS:
             return getattr(self, key)
-        if key in ("density", "time_other"):
+        if key in _DERIVED:
             return getattr(self, key)
         return self.extra[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key in _FIELDS:
             setattr(self, key, value)
-        elif key in ("density", "time_other"):
+        elif key in _DERIVED:
             raise KeyError(f"Stats.{key} is derived from the other fields and cannot be set")
         else:
             self.extra[key] = value
@@ -103,12 +112,11 @@ class Stats(Mapping[str, Any]):
 
     def __iter__(self) -> Iterator[str]:
         yield from (name for name in _FIELDS if name != "extra")
-        yield "density"
-        yield "time_other"
+        yield from _DERIVED
         yield from self.extra
 
     def __len__(self) -> int:
-        return len(_FIELDS) + 1 + len(self.extra)
+        return len(_FIELDS) - 1 + len(_DERIVED) + len(self.extra)
 
     # ------------------------------------------------------------------ adding up
     @classmethod
@@ -127,3 +135,4 @@ class Stats(Mapping[str, Any]):
 
 _FIELDS = tuple(f.name for f in fields(Stats))
 _SUMMED = tuple(f.name for f in fields(Stats) if f.type in ("int", "float"))
+_DERIVED = ("density", "density_sent", "time_other")

@@ -5,9 +5,18 @@ Like every select-then-all-gather scheme (:class:`~.select_allgather.SelectAllGa
 picks entries of its own ``acc = grad + residual`` over the WHOLE gradient, so the ranks' picks
 overlap only by chance and the union grows with P (*gradient build-up*: up to P k non-zeros in the
 result), and every rank's count differs (padding overhead f(t) > 1 in an all-gather padded to
-the largest count; ours is sized per message, f(t) is reported as a metric). The paper tunes the
-threshold before training; our default is ExDyna's initial threshold 1 / (2 sqrt(k)), so the two
-start from the same point and only ExDyna adapts.
+the largest count; ours is sized per message, f(t) is reported as a metric).
+
+The threshold. The paper tunes a fixed threshold before training. ``threshold=<value>`` is that
+fixed threshold. By default (``controller="adaptive"``) the threshold holds the density instead:
+every call estimates the k-th largest ``|acc|`` from a sample of ``acc``
+(:func:`~sparsecomm.blocks.selectors.threshold.estimate_kth_magnitude`, about 1024/k of the
+gradient read), k corrected by log-space feedback on this rank's count
+(:class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`), so any gradient scale gives
+the density from the first call and a drifting one keeps it. ``controller="paper"`` is the previous
+default, ExDyna's fixed initial threshold 1 / (2 sqrt(k)), which does not depend on the gradient's
+scale. The hard cap
+(``cap``, default 2: at most 2k entries per rank) bounds any single call.
 
 Cost: TopkA's with the per-rank message sizes: ``cost("threshold", P, n, k, rank, counts=[k_0, ...,
 k_(P-1)])`` is exact; without ``counts`` it is TopkA's figure for k per rank, marked inexact.
@@ -22,12 +31,14 @@ from typing import Any
 from torch import Tensor
 
 from ..blocks.metrics import SparsificationMetrics
-from ..blocks.selectors.threshold import HardThreshold
+from ..blocks.selectors.threshold import HardThreshold, ThresholdController, estimate_kth_magnitude
 from ..core.cost import Cost, register_cost
 from .base import register_method
 from .select_allgather import SelectAllGather, select_allgather_cost
 
 __all__ = ["HardThresholdAllGather"]
+
+_CONTROLLERS = ("adaptive", "paper")
 
 
 @register_method("threshold")
@@ -35,25 +46,48 @@ class HardThresholdAllGather(SparsificationMetrics, SelectAllGather):
     """Hard-threshold sparsifier: every ``|acc| >= threshold``, all-gather, sum.
 
     Args:
-        density: the user-set density (metrics only, and the default threshold; density 1 sends all).
-        threshold: the fixed threshold (default 1 / (2 sqrt(k)), ExDyna's initial threshold).
+        density: the user-set density d, k = ceil(d n) (density 1 sends all).
+        threshold: a fixed threshold (the paper's tuned one); ``None`` (default): set by ``controller``.
+        controller: ``"adaptive"`` (default): first threshold from the gradient, then feedback on the
+            count to hold k per rank; ``"paper"``: the fixed threshold 1 / (2 sqrt(k)) (ExDyna's
+            initial threshold; scale-free, so its density depends on the gradient's scale).
+        cap: at most ``ceil(cap * k)`` entries per rank (default 2.0; ``None``: no cap).
         global_error: also report the global error.
     """
 
     def __init__(self, comm=None, *, density: float, threshold: float | None = None,
-                 global_error: bool = False) -> None:
-        super().__init__(comm, density=density, selector="threshold",
+                 controller: str = "adaptive", cap: float | None = 2.0, global_error: bool = False) -> None:
+        super().__init__(comm, density=density, selector="threshold", cap=cap,
                          threshold=0.0 if threshold is None else threshold)
+        if controller not in _CONTROLLERS:
+            raise ValueError(f"threshold: controller={controller!r} must be one of {_CONTROLLERS}")
         assert isinstance(self.selector, HardThreshold)
         self.hard: HardThreshold = self.selector
         self.fixed_threshold = threshold
+        self.controller = controller
         self.track_global_error = bool(global_error)
+        self._feedback = ThresholdController()
 
     def select(self, acc: Tensor) -> Tensor:
         k = self.k(acc.numel())
-        if self.fixed_threshold is None:
+        adaptive = self.fixed_threshold is None and self.controller == "adaptive" and k < acc.numel()
+        if adaptive:
+            self.hard.threshold = estimate_kth_magnitude(acc, self._feedback.target(k), self.step)
+        elif self.fixed_threshold is None:
             self.hard.threshold = 1 / (2 * math.sqrt(k))
-        return self.selector(acc, k)
+        indices = self.selector(acc, k)
+        self.stats["threshold"] = self.hard.threshold
+        if adaptive:
+            self._feedback.update(indices.numel(), k)
+        return indices
+
+    def extra_state(self) -> dict[str, Any]:
+        return {**super().extra_state(), "feedback": self._feedback.state_dict()}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        super().load_extra_state(state)
+        if "feedback" in state:
+            self._feedback.load_state_dict(state["feedback"])
 
 
 @register_cost("threshold")
