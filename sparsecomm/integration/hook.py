@@ -23,9 +23,9 @@ How a step runs:
 * **Groups** (:mod:`.residuals`): one method call per group and step. ``granularity="bucket"``: one
   group per bucket of DDP's first iteration; ``granularity="model"``: the whole model in one flat
   buffer (canonical parameter order) and one call when its last gradient arrives, as SparDL, Ok-Topk
-  and ExDyna select over the whole model. Parameters that :func:`~.residuals.goes_dense` (fewer
-  than ``dense_below`` elements, or a sparse message not smaller than the dense one) are all-reduced
-  densely in one fused call (stats ``dense_calls``).
+  and ExDyna select over the whole model. With ``dense_below`` > 0 (default 0: off), parameters
+  that :func:`~.residuals.goes_dense` (fewer elements, or a sparse message not smaller than the
+  dense one) are all-reduced densely in one fused call (stats ``dense_calls``).
 * **Residuals belong to parameters**: each group's residual is one flat tensor the method updates in
   place, each parameter's residual a view of it. The groups never change, so DDP's bucket rebuild
   after the first iteration and a checkpoint reload are lookups, and a resumed run continues
@@ -141,6 +141,9 @@ class SparseHookState:
         self._inputs: dict[int, torch.Tensor] = {}   # group -> its gradient this iteration
         self._outputs: dict[int, torch.Tensor] = {}  # group -> its averaged gradient this iteration
         self._calls: list[tuple[Stats, float, float]] = []  # this iteration's (stats, start, end)
+        self._bucketing: list[tuple[int, ...]] = []   # this iteration's buckets (parameter data_ptrs)
+        self._last_bucketing: list[tuple[int, ...]] | None = None
+        self._bucket_params: list[list[torch.Tensor]] = []
         self._error: BaseException | None = None
         self._stats: list[Stats] = []
         self._lock = threading.Lock()
@@ -167,11 +170,14 @@ class SparseHookState:
         return goes_dense(numel, itemsize, self.method_options.get("density"), self.dense_below)
 
     def _build(self, buckets: list[_Bucket]) -> None:
-        self.plan = ParamPlan(self.granularity, self._is_dense, self._new_method)
-        self.plan.build([b.params for b in buckets])
+        self.plan = plan = ParamPlan(self.granularity, self._is_dense, self._new_method)
+        params = [b.params for b in buckets]
+        plan.number(params)
         if self._loaded is not None:
-            self.plan.load_state_dict(self._loaded)
+            plan.load_state_dict(self._loaded)
             self._loaded = None
+        else:
+            plan.set_groups(plan.members_of(params))
         if self._deferred_switch is not None:
             self._swap_methods(*self._deferred_switch)
             self._deferred_switch = None
@@ -210,6 +216,8 @@ class SparseHookState:
         assert plan is not None
         bucket.route = route = plan.route(bucket.index, bucket.params, bucket.buffer.numel())
         self._pending.append(bucket)
+        self._bucketing.append(tuple(p.data_ptr() for p in bucket.params))
+        self._bucket_params.append(bucket.params)
         if bucket.warmup:
             if self._warmup_method is None:
                 self._warmup_method = make_method("dense", self.comm)
@@ -268,7 +276,12 @@ class SparseHookState:
             self._answer(bucket)
         for group in plan.groups:
             group.arrived = 0
+        if self.granularity == "bucket" and self._last_bucketing is not None \
+                and self._bucketing != self._last_bucketing:
+            plan.set_groups(plan.members_of(self._bucket_params))  # DDP rebuilt its buckets
+        self._last_bucketing = self._bucketing
         self._pending, self._calls, self._outputs, self._inputs = [], [], {}, {}
+        self._bucketing, self._bucket_params = [], []
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
@@ -378,6 +391,7 @@ class SparseHookState:
         saved = state["plan"]
         if saved is not None and self.plan is not None:
             self.plan.load_state_dict(saved)
+            self._last_bucketing = None  # keep the saved groups until DDP's buckets change
         else:
             self._loaded = saved
 

@@ -9,11 +9,14 @@ lookups instead of re-homing:
   first-iteration bucketing (bucket 0's parameters in bucket order, then bucket 1's, ...). A fresh
   DDP over the same model starts with the same bucketing, so the run that saves a checkpoint and the
   run that loads it number the parameters alike.
-* Parameters are synchronized in fixed *groups*, one method call per group and step:
-  ``granularity="bucket"``: one group per first-iteration bucket; ``granularity="model"``: one group
-  holding every parameter. Parameters too small to be worth sparsifying form one more, dense group
-  (see :func:`goes_dense`). The groups never change afterwards, whatever DDP does to its buckets, so
-  a method always selects over the same elements (the condition for an exact resume).
+* Parameters are synchronized in *groups*, one method call per group and step:
+  ``granularity="bucket"``: one group per DDP bucket; ``granularity="model"``: one group holding
+  every parameter. Parameters too small to be worth sparsifying form one more, dense group (see
+  :func:`goes_dense`). Bucket groups follow DDP's buckets only when DDP rebuilds them (once, after
+  its first iteration: :meth:`ParamPlan.set_groups`, a group with the same parameters keeps its
+  method and residual); a checkpoint carries its groups, and a resumed run uses them from its first
+  step although DDP starts again from its initial bucketing, so a method always selects over the
+  same elements as in the uninterrupted run (the condition for an exact resume).
 * A group's residual is one flat tensor; each parameter's residual is a view into it
   (:meth:`ParamPlan.residual_of`). The method is handed that tensor as its ``residual`` and updates
   it in place: no copy per step. Checkpoints store one residual per parameter id.
@@ -146,59 +149,86 @@ class ParamPlan:
         self.ids: dict[int, int] = {}            # data_ptr -> canonical id
         self.numels: list[int] = []              # canonical id -> numel
         self.where: list[tuple[int, int]] = []   # canonical id -> (group index, offset)
+        self._kinds: list[tuple[torch.dtype, torch.device, int]] = []  # canonical id -> dtype, device, itemsize
         self.groups: list[Group] = []
         self._routes: dict[tuple[int, tuple[int, ...]], Route] = {}
 
-    @property
-    def built(self) -> bool:
-        return bool(self.groups)
+    # ------------------------------------------------------------------ numbering and groups
+    def number(self, buckets: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Number the parameters from the first iteration's buckets (each a list of parameters in
+        bucket order, buckets in index order)."""
+        if self.numels:
+            raise RuntimeError("ParamPlan.number: the parameters are numbered once, on the first iteration")
+        for params in buckets:
+            for param in params:
+                self.ids[param.data_ptr()] = len(self.numels)
+                self.numels.append(param.numel())
+                self._kinds.append((param.dtype, param.device, param.element_size()))
 
-    # ------------------------------------------------------------------ building (first iteration)
-    def build(self, buckets: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Number the parameters and form the groups from the first iteration's buckets (each a
-        list of parameters in bucket order, buckets in index order)."""
-        if self.built:
-            raise RuntimeError("ParamPlan.build: the groups are fixed once built")
-        members: list[list[int]] = []
+    def members_of(self, buckets: Sequence[Sequence[torch.Tensor]]) -> list[tuple[tuple[int, ...], bool]]:
+        """The groups (parameter ids, dense?) for DDP buckets holding ``buckets``' parameters: one per
+        bucket (its parameters that are not dense) or one for the model, then the dense group."""
+        members: list[tuple[tuple[int, ...], bool]] = []
         model: list[int] = []
         dense: list[int] = []
-        kinds: dict[int, tuple[torch.dtype, torch.device]] = {}
         for params in buckets:
             sparse_here = []
             for param in params:
-                pid = len(self.numels)
-                self.ids[param.data_ptr()] = pid
-                self.numels.append(param.numel())
-                kinds[pid] = (param.dtype, param.device)
-                if self._is_dense(param.numel(), param.element_size()):
+                pid = self.ids[param.data_ptr()]
+                if self._is_dense(self.numels[pid], self._kinds[pid][2]):
                     dense.append(pid)
                 elif self.granularity == "model":
                     model.append(pid)
                 else:
                     sparse_here.append(pid)
             if sparse_here:
-                members.append(sparse_here)
+                members.append((tuple(sparse_here), False))
         if model:
-            members.append(model)
-        self.where = [(-1, 0)] * len(self.numels)
-        for ids in members:
-            self._add_group(ids, kinds, dense=False)
+            members.append((tuple(sorted(model)), False))
         if dense:
-            self._add_group(dense, kinds, dense=True)
-        log.info("hook groups: %s", ", ".join(
-            f"{'dense' if g.dense else 'sparse'} {len(g.ids)} params / {g.n} elements" for g in self.groups))
+            members.append((tuple(sorted(dense)), True))
+        return members
 
-    def _add_group(self, ids: list[int], kinds: dict[int, tuple[torch.dtype, torch.device]], dense: bool) -> None:
-        found = {kinds[pid] for pid in ids}
+    def set_groups(self, members: Sequence[tuple[tuple[int, ...], bool]]) -> None:
+        """Use these groups from now on. A group with the same parameters as a current one is that
+        group (method state, residual); a new group gets its parameters' residuals by lookup (a copy,
+        once) and a new method instance at the current groups' step."""
+        old = {(g.ids, g.dense): g for g in self.groups}
+        step = max((g.method.step for g in self.groups), default=0)
+        old_views = {pid: self.residual_of(pid) for pid in range(len(self.where))}
+        groups: list[Group] = []
+        for ids, dense in members:
+            group = old.pop((ids, dense), None)
+            if group is None:
+                group = self._new_group(len(groups), ids, dense)
+                group.method.step = step
+                if group.residual is not None:
+                    for pid, offset in zip(group.ids, group.offsets, strict=True):
+                        view = old_views.get(pid)
+                        if view is not None:
+                            group.residual[offset:offset + self.numels[pid]].copy_(view)
+            group.index = len(groups)
+            groups.append(group)
+        if self.groups:
+            log.info("hook groups re-formed on DDP's new buckets: %d kept, %d new",
+                     len(self.groups) - len(old), len(groups) - len(self.groups) + len(old))
+        self.groups = groups
+        self.where = [(-1, 0)] * len(self.numels)
+        for group in groups:
+            for pid, offset in zip(group.ids, group.offsets, strict=True):
+                self.where[pid] = (group.index, offset)
+        if any(gi < 0 for gi, _ in self.where):
+            raise ValueError("hook groups must hold every parameter exactly once")
+        self._routes.clear()
+
+    def _new_group(self, index: int, ids: tuple[int, ...], dense: bool) -> Group:
+        found = {self._kinds[pid][:2] for pid in ids}
         if len(found) > 1:
             raise ValueError(f"the hook's {'dense' if dense else self.granularity} group mixes dtypes/devices "
                              f"{sorted(map(str, found))}; use granularity='bucket' (DDP buckets hold one dtype)")
         dtype, device = found.pop()
-        group = Group(len(self.groups), tuple(ids), tuple(self.numels[pid] for pid in ids), dense,
-                      self._make_method(dense), dtype, device)
-        for pid, offset in zip(group.ids, group.offsets, strict=True):
-            self.where[pid] = (group.index, offset)
-        self.groups.append(group)
+        return Group(index, ids, tuple(self.numels[pid] for pid in ids), dense, self._make_method(dense),
+                     dtype, device)
 
     # ------------------------------------------------------------------ routing (every step)
     def route(self, index: int, params: Sequence[torch.Tensor], buffer_numel: int) -> Route:
@@ -255,23 +285,19 @@ class ParamPlan:
                 "residuals": residuals}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Give each parameter its saved residual (a lookup by id) and each group whose parameters
-        are those of a saved group its method's step and extra state."""
+        """Use the saved groups (so a method selects over the same elements as in the run that saved
+        them, whatever DDP's bucketing now), with their methods' step and extra state, and give each
+        parameter its saved residual (a lookup by id)."""
         numels = [int(m) for m in saved["numels"]]
         if numels != self.numels:
             raise ValueError(f"the saved hook state numbers {len(numels)} parameters ({sum(numels)} elements), "
                              f"this model's DDP buckets {len(self.numels)} ({sum(self.numels)}): not the same model")
-        by_ids = {(tuple(int(i) for i in g["params"]), bool(g["dense"])): g["method"] for g in saved["groups"]}
-        last_step = max((int(g["method"]["step"]) for g in saved["groups"]), default=0)
-        for group in self.groups:
-            method_state = by_ids.get((group.ids, group.dense))
-            if method_state is not None:
-                group.method.load_state_dict(method_state)
-            else:
-                log.info("hook group %d has no saved counterpart (granularity or bucket size changed): its "
-                         "method restarts its own state at step %d; residuals are restored per parameter",
-                         group.index, last_step)
-                group.method.step = last_step
+        if saved["granularity"] != self.granularity:
+            raise ValueError(f"the hook state was saved with granularity={saved['granularity']!r}, this one has "
+                             f"{self.granularity!r}")
+        self.set_groups([(tuple(int(i) for i in g["params"]), bool(g["dense"])) for g in saved["groups"]])
+        for group, group_state in zip(self.groups, saved["groups"], strict=True):
+            group.method.load_state_dict(group_state["method"])
             group.method.residual = group.residual
         for pid, residual in saved["residuals"].items():
             mine = self.residual_of(int(pid))

@@ -51,6 +51,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=64, help="samples per rank and step (default 64)")
     parser.add_argument("--steps", type=int, default=7, help="timed steps per configuration (default 7)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3, >= 3)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=4.0,
+                        help="DDP's bucket_cap_mb for DDP and the sparse hook (default 4; PowerSGD: one bucket)")
+    parser.add_argument("--dense-below", type=int, default=0, help="the hook's dense_below (default 0)")
     parser.add_argument("--per-group", type=int, default=4,
                         help="configurations per worker group besides DDP (default 4; memory)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker group")
@@ -99,7 +102,8 @@ def _configs(args) -> list[dict[str, Any]]:
 class _Run:
     """One configuration inside a worker: its own model copy, DDP wrapper, hook and optimizer."""
 
-    def __init__(self, config: dict[str, Any], width: int, depth: int, density: float) -> None:
+    def __init__(self, config: dict[str, Any], width: int, depth: int, density: float, bucket_cap_mb: float,
+                 dense_below: int) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
         from ...integration.hook import SparseHookState, hook
@@ -108,7 +112,7 @@ class _Run:
         self.config = config
         model = make_mlp(width, depth)
         self.n = sum(p.numel() for p in model.parameters())
-        cap = 1000 if config["kind"] == "powersgd" else 25
+        cap = 1000 if config["kind"] == "powersgd" else bucket_cap_mb
         self.net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap, gradient_as_bucket_view=True)
         self.opt = torch.optim.SGD(self.net.parameters(), lr=0.01)
         self.state: Any = None
@@ -120,7 +124,7 @@ class _Run:
             self.modelled_elements = powersgd_elements(model, config["rank"])
         elif config["kind"] == "sparse":
             self.state = SparseHookState(None, config["method"], density=density,
-                                         granularity=config["granularity"])
+                                         granularity=config["granularity"], dense_below=dense_below)
             self.net.register_comm_hook(self.state, hook)
         else:
             self.modelled_elements = self.n
@@ -142,9 +146,9 @@ class _Run:
 
 
 def _worker(configs: list[dict[str, Any]], width: int, depth: int, batch: int, density: float,
-            warmup: int, steps: int) -> dict[str, Any]:
+            warmup: int, steps: int, bucket_cap_mb: float, dense_below: int) -> dict[str, Any]:
     rank = dist.get_rank()
-    runs = [_Run(c, width, depth, density) for c in configs]
+    runs = [_Run(c, width, depth, density, bucket_cap_mb, dense_below) for c in configs]
     records: dict[str, list[dict[str, float]]] = {c["label"]: [] for c in configs}
     gen = torch.Generator().manual_seed(rank)
     for step in range(warmup + steps):
@@ -180,7 +184,8 @@ def run(args) -> int:
     for net in parse_networks(args.net):
         for group in groups:
             per_rank = run_workers(args.workers, _worker, [ddp] + group, args.width, args.depth, args.batch,
-                                   args.density, args.warmup, args.steps, net=net, timeout=args.timeout)
+                                   args.density, args.warmup, args.steps, args.bucket_cap_mb, args.dense_below,
+                                   net=net, timeout=args.timeout)
             n = per_rank[0]["n"]
             reference = _median_slowest(per_rank, "DDP", "seconds")
             for config in ([ddp] if group is groups[0] else []) + group:
@@ -206,7 +211,7 @@ def run(args) -> int:
           f"{args.batch}/rank, density {args.density}; median over {args.steps} interleaved steps (after "
           f"{args.warmup}) of the slowest rank. x DDP: against DDP in the same worker group. hidden: the "
           f"method's seconds that ran before DDP handed over its last bucket (behind backward). DDP and "
-          f"sparse hooks: bucket_cap_mb=25. {POWERSGD_NOTE}.")
+          f"sparse hooks: bucket_cap_mb={args.bucket_cap_mb:g}, hook dense_below={args.dense_below}. {POWERSGD_NOTE}.")
     for note in sorted(notes):
         print(f"Note: {note}.")
     return 0
