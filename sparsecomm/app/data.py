@@ -5,6 +5,7 @@
 | ``digits`` | ``sklearn.datasets.load_digits`` (ships with scikit-learn): 1797 8x8 images | 10 classes |
 | ``fashion-mnist`` | Debian package ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``) | 10 classes |
 | ``fortunes`` | Debian ``fortunes-min`` (``/usr/share/games/fortunes``): character-level text | next character |
+| ``fortunes-words`` | the same files, word-level (with ``fortunes``: ~540k tokens, 10k-word vocabulary) | next word |
 | ``zipf`` | synthetic: bags of Zipf-distributed tokens over a large vocabulary | 4 classes |
 
 :func:`load_dataset` returns a :class:`Dataset` with train and test tensors. Splits are seeded, so
@@ -16,13 +17,15 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import re
 import struct
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Dataset", "load_dataset", "available_datasets", "DatasetUnavailable",
+__all__ = ["Dataset", "load_dataset", "available_datasets", "DatasetUnavailable", "tokenize_words",
            "FASHION_MNIST_DIR", "FORTUNES_DIR"]
 
 log = logging.getLogger(__name__)
@@ -166,6 +169,49 @@ def load_fortunes(seed: int = 0, seq_len: int = 64, test_fraction: float = 0.1, 
                     "characters": len(text)})
 
 
+_WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
+
+
+def tokenize_words(text: str) -> list[str]:
+    """Lower-cased words (with an apostrophe suffix: ``don't``) and single punctuation marks;
+    a blank line (the end of a fortune) becomes ``<eos>``."""
+    tokens: list[str] = []
+    for entry in text.lower().split("\n\n"):
+        words = _WORD.findall(entry)
+        if words:
+            tokens += words + ["<eos>"]
+    return tokens
+
+
+def load_fortunes_words(seed: int = 0, seq_len: int = 35, max_vocab: int = 10000, test_fraction: float = 0.1,
+                        test_size: int | None = 300, train_size: int | None = None, **_) -> Dataset:
+    """Word-level language modelling on the fortune files (Zaremba et al.'s PTB setting, scaled down).
+
+    The ``max_vocab - 1`` most frequent tokens keep their id (ties broken alphabetically), the rest
+    map to ``<unk>``. ``x`` holds non-overlapping windows of ``seq_len`` tokens, ``y`` the next token
+    at each position; a seeded ``test_fraction`` of the windows is held out, of which ``test_size``
+    are kept (the evaluation of a 10k-word softmax is the costly part; ``None`` keeps all).
+    """
+    if max_vocab < 2:
+        raise ValueError(f"max_vocab={max_vocab!r} must be >= 2 (<unk> and at least one word)")
+    tokens = tokenize_words(_fortune_text())
+    counts = Counter(tokens)
+    kept = sorted(counts, key=lambda w: (-counts[w], w))[:max_vocab - 1]
+    vocab = ["<unk>"] + kept
+    index = {word: i for i, word in enumerate(vocab)}
+    ids = torch.tensor([index.get(word, 0) for word in tokens], dtype=torch.int64)
+    count = (len(ids) - 1) // seq_len
+    x = ids[:count * seq_len].reshape(count, seq_len)
+    y = ids[1:count * seq_len + 1].reshape(count, seq_len)
+    train, test = _split(count, test_fraction, seed)
+    x_train, y_train = _subset(x[train], y[train], train_size, seed)
+    x_test, y_test = _subset(x[test], y[test], test_size, seed + 1)
+    unk = float((ids == 0).float().mean())
+    return Dataset("fortunes-words", "language-model", x_train, y_train, x_test, y_test,
+                   {"vocab_size": len(vocab), "num_classes": len(vocab), "seq_len": seq_len,
+                    "tokens": len(ids), "unk_fraction": round(unk, 4)})
+
+
 def load_zipf(seed: int = 0, vocab_size: int = 20000, bag_size: int = 20, train_size: int = 8000,
               test_size: int = 2000, num_classes: int = 4, exponent: float = 1.1, **_) -> Dataset:
     """Bags of ``bag_size`` tokens drawn from a Zipf law over ``vocab_size`` tokens.
@@ -191,6 +237,7 @@ def load_zipf(seed: int = 0, vocab_size: int = 20000, bag_size: int = 20, train_
 _LOADERS: dict[str, Callable[..., Dataset]] = {
     "digits": load_digits,
     "fashion-mnist": load_fashion_mnist,
+    "fortunes-words": load_fortunes_words,
     "fortunes": load_fortunes,
     "zipf": load_zipf,
 }

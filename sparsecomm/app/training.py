@@ -47,7 +47,7 @@ from ..methods import Stats, method_class
 from .checkpoint import checkpoint_path, resume_checkpoint, save_checkpoint
 from .data import Dataset, load_dataset
 from .launcher import STALL_TIMEOUT, run_workers
-from .models import make_model
+from .models import MODEL_DEFAULTS, make_model, model_defaults
 
 __all__ = ["TrainConfig", "train", "train_worker", "save_record", "shell_safe", "BASELINES", "describe_method"]
 
@@ -77,10 +77,11 @@ class TrainConfig:
     method: str = "dense"
     density: float = 0.01
     workers: int = 4
-    epochs: int = 5
-    batch_size: int = 16            # per worker
-    lr: float = 0.1
-    lr_schedule: str = "constant"   # or "cosine": lr * (1 + cos(pi * step / total steps)) / 2
+    # None: the model's tuned value on this data (models.MODEL_DEFAULTS), filled in by __post_init__
+    epochs: int = None  # type: ignore[assignment]
+    batch_size: int = None  # type: ignore[assignment]  # per worker
+    lr: float = None  # type: ignore[assignment]
+    lr_schedule: str = "cosine"     # or "constant"; cosine: lr * (1 + cos(pi * step / total steps)) / 2
     momentum: float = 0.9
     weight_decay: float = 0.0
     seed: int = 0
@@ -97,6 +98,7 @@ class TrainConfig:
     data_options: dict[str, Any] = field(default_factory=dict)
     evals_per_epoch: int = 1
     target_accuracy: float | None = None
+    target_perplexity: float | None = None  # language models: reached when exp(test loss) <= it
     stop_at_target: bool = False
     checkpoint_dir: str | None = None
     resume: bool = False            # continue from the checkpoint in checkpoint_dir
@@ -104,8 +106,16 @@ class TrainConfig:
     #: seconds after which a rank that stopped taking part in collectives is reported, by name
     collective_timeout: float = STALL_TIMEOUT
 
+    def __post_init__(self) -> None:
+        if self.model in MODEL_DEFAULTS:  # an unknown model is reported by validate()
+            for key, value in model_defaults(self.model, self.data).items():
+                if getattr(self, key) is None:
+                    setattr(self, key, value)
+
     def validate(self) -> None:
         """Reject bad options before any worker starts, naming the option and the rule."""
+        if self.model not in MODEL_DEFAULTS:
+            raise ValueError(f"model={self.model!r} is unknown; available: {', '.join(sorted(MODEL_DEFAULTS))}")
         if self.method not in BASELINES:
             method_class(self.method)  # unknown: ValueError with the list
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -181,7 +191,12 @@ class _Synchronization:
                 momentum_correction=config.momentum if config.momentum_correction else None,
                 density_warmup=config.density_warmup, **config.method_kwargs())
             return
-        self.module = nn.parallel.DistributedDataParallel(model)
+        if config.method == "powersgd":
+            # One bucket: torch 2.13's powerSGD_hook aborts on gloo once a model spans >= 2 buckets.
+            megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
+            self.module = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=megabytes + 1)
+        else:
+            self.module = nn.parallel.DistributedDataParallel(model)
         if config.method == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -307,7 +322,7 @@ def train_worker(config: TrainConfig, dataset: Dataset,
         start_epoch, train_time = saved["epoch"], saved["train_time"]
         history, epochs, steps = saved["history"], saved["epochs"], saved["steps"]
     eval_points = {round(steps_per_epoch * (i + 1) / config.evals_per_epoch) for i in range(config.evals_per_epoch)}
-    reached = any(h["test_accuracy"] >= (config.target_accuracy or math.inf) for h in history)
+    reached = any(reached_target(h, config.target_accuracy, config.target_perplexity) for h in history)
     for epoch in range(start_epoch, config.epochs):
         sampler.set_epoch(epoch)
         if config.schedule:
@@ -341,8 +356,7 @@ def train_worker(config: TrainConfig, dataset: Dataset,
                 point = {"epoch": epoch + step / steps_per_epoch, "step": epoch * steps_per_epoch + step,
                          "train_time": train_time, **_evaluate(sync.module, dataset)}
                 history.append(point)
-                if config.target_accuracy is not None and point["test_accuracy"] >= config.target_accuracy:
-                    reached = True
+                reached = reached or reached_target(point, config.target_accuracy, config.target_perplexity)
         n_steps = steps_per_epoch
         total = Stats.total(step_stats)
         summary = {
@@ -430,7 +444,7 @@ def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None
         "epochs": first["epochs"],
         "steps": first["steps"],
         "final_accuracy": first["history"][-1]["test_accuracy"] if first["history"] else None,
-        "time_to_target": time_to_target(first["history"], config.target_accuracy),
+        "time_to_target": time_to_target(first["history"], config.target_accuracy, config.target_perplexity),
         "consistent": all(all(torch.equal(a, b) for a, b in zip(first["params"], r["params"], strict=True))
                           for r in results),
     }
@@ -439,12 +453,20 @@ def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None
     return record
 
 
-def time_to_target(history: list[dict[str, Any]], target: float | None) -> float | None:
-    """Training wall time of the first evaluation at or above ``target`` accuracy (None if never)."""
-    if target is None:
-        return None
+def reached_target(point: dict[str, Any], accuracy: float | None, perplexity: float | None = None) -> bool:
+    """Whether the evaluation ``point`` meets the target: test accuracy at or above ``accuracy``,
+    or test perplexity (exp of the mean test cross-entropy) at or below ``perplexity``."""
+    if accuracy is not None and point["test_accuracy"] >= accuracy:
+        return True
+    return perplexity is not None and math.exp(min(point["test_loss"], 700.0)) <= perplexity
+
+
+def time_to_target(history: list[dict[str, Any]], target: float | None,
+                   perplexity: float | None = None) -> float | None:
+    """Training wall time of the first evaluation that meets the target (:func:`reached_target`):
+    accuracy ``target`` and/or ``perplexity``; None if never or no target is set."""
     for point in history:
-        if point["test_accuracy"] >= target:
+        if reached_target(point, target, perplexity):
             return point["train_time"]
     return None
 

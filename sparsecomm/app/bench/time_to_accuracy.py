@@ -1,54 +1,87 @@
-"""``sparsecomm bench time_to_accuracy``: wall time to a target test accuracy, side by side.
+"""``sparsecomm bench time_to_accuracy``: the time-to-accuracy campaign (:mod:`sparsecomm.app.campaign`).
 
-Plain DDP, DDP with torch's PowerSGD hook and sparsecomm methods (default: spardl), each trained
-from the same seed at P workers on an emulated network (loopback when unavailable, said in the
-table's note) until the target accuracy or the epoch limit. One process tree, one run after the
-other, so the ratios are comparable on a noisy machine.
+P workers (default 4) on each communication-heavy workload (``fashion``: the wide-FC VGG on
+Fashion-MNIST, accuracy; ``lstm``: the word-level LSTM on the fortunes, perplexity), on each
+emulated network (default 1 Gbit/s and 100 Mbit/s): plain DDP, DDP + PowerSGD rank 2 and 4 (one
+DDP bucket), every sparse method at 1%, then the four fastest of those at 0.1%. Each run trains
+for the workload's epoch budget, evaluated several times per epoch; the table gives the training
+wall time to the target. Runs go one after the other in one process tree, so ratios are
+comparable on a noisy machine; a run whose record exists under ``--out`` is skipped (resume).
+``--methods``, ``--workloads`` and ``--nets`` run a subset; ``--report`` writes the table and the
+plots (metric against wall time and against epochs) there.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import logging
+import sys
 
+from .. import campaign
 from ..report_table import markdown_table
-from ..training import TrainConfig, train
+from .common import parse_networks
 
-HELP = "time to a target accuracy: plain DDP vs DDP+PowerSGD vs sparsecomm methods"
+HELP = "time to a target accuracy/perplexity: DDP vs PowerSGD vs every sparse method (resumable campaign)"
+
+log = logging.getLogger(__name__)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", "-P", type=int, default=4)
-    parser.add_argument("--net", default="1gbit")
-    parser.add_argument("--model", default="cnn")
-    parser.add_argument("--data", default="digits")
-    parser.add_argument("--methods", default="ddp,powersgd,spardl")
-    parser.add_argument("--density", type=float, default=0.01)
-    parser.add_argument("--target-accuracy", type=float, default=90.0)
-    parser.add_argument("--max-epochs", type=int, default=10)
-    parser.add_argument("--evals-per-epoch", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=0.05, help="peak learning rate (cosine over --max-epochs)")
+    parser.add_argument("--workers", "-P", type=int, default=4, help="worker count (default 4)")
+    parser.add_argument("--workloads", default="fashion,lstm",
+                        help=f"comma-separated, from {', '.join(campaign.WORKLOADS)} (default fashion,lstm)")
+    parser.add_argument("--nets", "--net", default="1gbit,100mbit",
+                        help="comma-separated emulated rates (loopback for none; default 1gbit,100mbit)")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated subset: ddp, powersgd, sparse method names (default: all)")
+    parser.add_argument("--density", type=float, default=0.01, help="density of every sparse run (default 0.01)")
+    parser.add_argument("--low-density", default="0.001",
+                        help="densities for the best sparse methods after the first stage ('' for none; default 0.001)")
+    parser.add_argument("--best", type=int, default=4, help="how many sparse methods run at --low-density (default 4)")
+    parser.add_argument("--powersgd-ranks", default="2,4", help="PowerSGD ranks (default 2,4)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="epoch budget of every run (default: the workload's, fashion 2, lstm 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every run (default 0)")
+    parser.add_argument("--out", default="runs/campaign", help="run records; existing ones are skipped "
+                        "(default runs/campaign)")
+    parser.add_argument("--report", default=None, help="write campaign.md and the plots into this folder "
+                        "(default <out>/report)")
+    parser.add_argument("--report-only", action="store_true", help="write the report from the existing runs, "
+                        "train nothing")
 
 
 def run(args: argparse.Namespace) -> int:
-    net = None if args.net in ("none", "loopback") else args.net
-    base = TrainConfig(model=args.model, data=args.data, workers=args.workers, epochs=args.max_epochs,
-                       density=args.density, net=net, target_accuracy=args.target_accuracy,
-                       stop_at_target=True, evals_per_epoch=args.evals_per_epoch, seed=args.seed,
-                       lr=args.lr, lr_schedule="cosine")
-    rows, network = [], None
-    for name in args.methods.split(","):
-        record = train(dataclasses.replace(base, method=name))
-        network = record["network"]
-        epochs = record["epochs"]
-        ttt = record["time_to_target"]
-        rows.append({"method": record["label"],
-                     f"time to {args.target_accuracy:g}% (s)": "not reached" if ttt is None else ttt,
-                     "epochs run": len(epochs), "ms/step": 1e3 * sum(e["time_per_step"] for e in epochs) / len(epochs),
-                     "final acc %": record["final_accuracy"]})
-    print(f"{args.model} on {args.data}, P={args.workers}, network: {network}; training wall time "
-          f"(evaluation excluded) until the test accuracy first reaches {args.target_accuracy:g}% "
-          f"(evaluated {args.evals_per_epoch}x per epoch)\n")
-    print(markdown_table(rows))
+    workloads = [w for w in args.workloads.split(",") if w]
+    nets = parse_networks(args.nets)
+    methods = [m for m in args.methods.split(",") if m] if args.methods else None
+    ranks = [int(r) for r in args.powersgd_ranks.split(",") if r]
+    overrides = {"workers": args.workers, "seed": args.seed}
+    if args.epochs is not None:
+        overrides["epochs"] = args.epochs
+    try:
+        first = campaign.plan(workloads, nets, methods, density=args.density, powersgd_ranks=ranks)
+        low = _floats(args.low_density)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.report_only:
+        campaign.run_campaign(first, args.out, overrides)
+        for density in low:
+            second = campaign.plan_low_density(workloads, nets, args.out, methods, density=density,
+                                               best=args.best, from_density=args.density)
+            campaign.run_campaign(second, args.out, overrides)
+    records = campaign.load_campaign(args.out)
+    records = [r for r in records if r["campaign"]["workload"] in workloads
+               and (r["config"]["net"] in nets)]
+    if not records:
+        print(f"no finished runs under {args.out}")
+        return 1
+    command = "sparsecomm bench time_to_accuracy " + " ".join(sys.argv[3:])
+    paths = campaign.write_campaign_report(records, args.report or f"{args.out}/report", command=command.strip())
+    print(markdown_table(paths["rows"]))
+    print(f"\nreport: {paths['markdown']}")
     return 0

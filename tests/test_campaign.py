@@ -1,0 +1,126 @@
+"""The time-to-accuracy campaign (sparsecomm.app.campaign) and the demo built on it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from sparsecomm.app import campaign
+from sparsecomm.app.campaign import RunSpec
+from sparsecomm.app.data import DatasetUnavailable, load_dataset
+from sparsecomm.methods import available_methods, method_class
+
+SPARSE = [m for m in available_methods() if method_class(m).sparse]
+
+
+def test_plan_puts_baselines_first_then_every_sparse_method_at_one_percent():
+    runs = campaign.plan(["lstm"], ["1gbit", "100mbit"])
+    first = [r for r in runs if r.net == "1gbit"]
+    assert [r.label for r in first[:3]] == ["ddp", "powersgd-r2", "powersgd-r4"]
+    assert [r.method for r in first[3:]] == SPARSE and {r.density for r in first[3:]} == {0.01}
+    assert len(runs) == 2 * len(first)
+
+
+def test_plan_subset_and_errors_name_the_bad_value():
+    assert [r.label for r in campaign.plan(["fashion"], [None], ["ddp", "topk"])] == ["ddp", "topk@0.01"]
+    with pytest.raises(ValueError, match="topkk"):
+        campaign.plan(["lstm"], [None], ["topkk"])
+    with pytest.raises(ValueError, match="cifar"):
+        campaign.plan(["cifar"], [None])
+
+
+def _record(label: str, net: str | None, times: list[float], values: list[float], metric: str = "perplexity",
+            target: float = 100.0, density: float = 0.01) -> dict:
+    key = "test_loss" if metric == "perplexity" else "test_accuracy"
+    pairs = enumerate(zip(times, values, strict=True))
+    history = [{"epoch": 0.5 * (i + 1), "train_time": t, "test_accuracy": 0.0, "test_loss": 0.0,
+                key: math.log(v) if metric == "perplexity" else v} for i, (t, v) in pairs]
+    return {"config": {"model": "word-lstm", "data": "fortunes-words", "net": net, "workers": 4, "density": density},
+            "network": "emulated", "history": history,
+            "epochs": [{"time_per_step": 0.1, "bytes_per_step": 1e6}],
+            "campaign": {"workload": "lstm", "metric": metric, "target": target, "label": label}}
+
+
+def _write(out: str, spec: RunSpec, record: dict) -> None:
+    path = campaign.record_path(out, spec)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(record, handle)
+
+
+def test_low_density_stage_takes_the_fastest_sparse_methods_of_the_first_stage(tmp_path):
+    out = str(tmp_path)
+    finishes = {"topk": 30.0, "spardl": 10.0, "cltk": None, "topka": 20.0}
+    for method, seconds in finishes.items():
+        values = [500.0, 90.0] if seconds else [500.0, 300.0]
+        record = _record(f"{method}@0.01", "1gbit", [5.0, seconds or 40.0], values)
+        _write(out, RunSpec("lstm", "1gbit", method), record)
+    runs = campaign.plan_low_density(["lstm"], ["1gbit"], out, best=2)
+    assert [(r.method, r.density) for r in runs] == [("spardl", 0.001), ("topka", 0.001)]
+    assert campaign.best_sparse(out, "lstm", "1gbit")[-1] == "cltk"  # never reached: last
+
+
+def test_run_campaign_skips_finished_runs_so_an_interrupted_campaign_resumes(tmp_path):
+    calls = []
+
+    def trainer(config):
+        calls.append(config.method)
+        return {"history": [{"epoch": 1.0, "train_time": 1.0, "test_accuracy": 0.0, "test_loss": math.log(50.0)}],
+                "network": "loopback", "config": {}}
+
+    specs = campaign.plan(["lstm"], [None], ["ddp", "topk"])
+    _write(str(tmp_path), specs[0], _record("ddp", None, [1.0], [50.0]))
+    paths = campaign.run_campaign(specs, str(tmp_path), trainer=trainer, echo=lambda _: None)
+    assert calls == ["topk"] and all(os.path.exists(p) for p in paths)
+    campaign.run_campaign(specs, str(tmp_path), trainer=trainer, echo=lambda _: None)
+    assert calls == ["topk"]
+    assert "?" not in paths[1] and "(" not in paths[1]
+
+
+def test_rows_and_speedups_compare_against_ddp_at_the_same_network():
+    records = [_record("ddp", "1gbit", [10.0, 20.0, 30.0], [300.0, 150.0, 90.0]),
+               _record("powersgd-r2", "1gbit", [8.0, 16.0, 24.0], [400.0, 95.0, 80.0]),
+               _record("topka@0.01", "1gbit", [3.0, 6.0, 9.0], [350.0, 160.0, 93.0]),
+               _record("cltk@0.01", "1gbit", [2.0, 4.0, 6.0], [600.0, 400.0, 200.0])]
+    rows = {r["method"]: r for r in campaign.campaign_rows(records)}
+    assert rows["ddp"]["time to target s"] == 30.0 and rows["topka@0.01"]["speed-up vs DDP"] == pytest.approx(30 / 9)
+    assert rows["cltk@0.01"]["time to target s"] == "not reached"
+    assert rows["topka@0.01"]["vs DDP, same epochs"] == "+3.3%"
+    (summary,) = campaign.speedups(list(rows.values()))
+    assert summary["fastest sparse"] == "topka@0.01"
+    assert summary["speed-up vs PowerSGD"] == pytest.approx(16 / 9)
+
+
+def test_report_writes_the_table_and_one_plot_per_workload_and_network(tmp_path):
+    pytest.importorskip("matplotlib")
+    records = [_record("ddp", "1gbit", [1.0, 2.0], [300.0, 90.0]),
+               _record("topk@0.01", "1gbit", [0.5, 1.0], [310.0, 95.0]),
+               _record("ddp", "100mbit", [5.0, 9.0], [300.0, 90.0])]
+    paths = campaign.write_campaign_report(records, str(tmp_path), command="sparsecomm bench time_to_accuracy")
+    names = sorted(os.path.basename(p) for p in paths["plots"])
+    assert names == ["campaign-lstm-100mbit.png", "campaign-lstm-1gbit.png"]
+    with open(paths["markdown"]) as handle:
+        text = handle.read()
+    assert text.index(".png") < text.index("Speed-up") < text.index("sparsecomm bench time_to_accuracy")
+    assert "2" in str(paths["summary"][0]["speed-up vs DDP"])
+
+
+def test_demo_pieces_train_and_report_on_a_tiny_config(tmp_path):
+    pytest.importorskip("matplotlib")
+    from sparsecomm.app.commands.demo import demo_workload, run_demo
+
+    try:
+        load_dataset("fortunes-words", max_vocab=2, test_size=1)
+    except DatasetUnavailable as exc:
+        pytest.skip(str(exc))
+    workload = demo_workload("lstm", train_size=64, epochs=1, embed_dim=8, hidden=8)
+    workload = campaign.Workload(**{**workload.__dict__, "evals_per_epoch": 2,
+                                    "data_options": {**workload.data_options, "max_vocab": 300, "test_size": 8}})
+    report = run_demo(workload, ["ddp", "topka"], None, str(tmp_path), workers=2)
+    assert [r["method"] for r in report["rows"]] == ["ddp", "topka@0.01"]
+    with open(report["markdown"]) as handle:
+        assert handle.read().startswith("# sparsecomm demo")
+    assert all(os.path.exists(p) for p in report["plots"])
