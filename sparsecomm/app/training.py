@@ -309,13 +309,13 @@ def train_worker(config: TrainConfig, dataset: Dataset,
     train_time = 0.0
     start_epoch = 0
     torch.manual_seed(config.seed * 7919 + rank)
-    schedule = config.method_schedule()
+    schedule = config.method_schedule() if config.schedule else None
     if config.resume:
         assert config.checkpoint_dir is not None  # validate() requires it with resume
         saved = resume_checkpoint(config.checkpoint_dir, _checkpoint_meta(config, world))
         sync.local_model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        if saved["epoch"] > 0:  # the method that wrote the checkpoint's state
+        if schedule is not None and saved["epoch"] > 0:  # the method that wrote the checkpoint's state
             sync.switch_method(schedule.method_at(saved["epoch"] - 1))
         sync.load_state_dict(saved["sync"])
         torch.set_rng_state(saved["rng"])
@@ -325,7 +325,7 @@ def train_worker(config: TrainConfig, dataset: Dataset,
     reached = any(reached_target(h, config.target_accuracy, config.target_perplexity) for h in history)
     for epoch in range(start_epoch, config.epochs):
         sampler.set_epoch(epoch)
-        if config.schedule:
+        if schedule is not None:
             sync.switch_method(schedule.method_at(epoch))
         sums = {"time_iter": 0.0, "loss": 0.0, "correct": 0, "count": 0}
         step_stats: list[Stats] = []
