@@ -4,6 +4,7 @@ next call on finite input must succeed with bit-identical replicas. Every method
 (sparsecomm.app.faults; `make test-faults` runs only these), plus a hypothesis fuzz."""
 
 import dataclasses
+import math
 import os
 
 import pytest
@@ -60,13 +61,14 @@ def test_nan_on_one_rank_raises_everywhere_and_leaves_the_residual_clean():
 
 def _skip_policy():
     rank = dist.get_rank()
-    method = make_method("spardl", density=0.2, nonfinite="skip")
+    method = make_method("topka", density=0.2, nonfinite="skip")
     method(make_gradient(64, rank, 0))
     step, residual = method.step, method.residual.clone()
     grad = make_gradient(64, rank, 1)
     if rank == 0:
         grad[3] = float("inf")
     out = method(grad)
+    assert method.last_sent is not None and method.last_sent.numel() == 0  # nothing sent: DGC masks nothing
     return (bool((out == 0).all()), method.stats.skipped, method.stats["nonfinite_ranks"],
             method.step == step and torch.equal(method.residual, residual), Stats.total([method.stats]).skipped)
 
@@ -219,3 +221,33 @@ def test_cli_collective_timeout_reaches_the_launcher(monkeypatch):
         training.train(config)
     with pytest.raises(ValueError, match="collective_timeout=0 must be a number of seconds > 0"):
         training.train(dataclasses.replace(config, collective_timeout=0))
+
+
+def _ddp_with_skip():
+    from torch import nn
+
+    import sparsecomm
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 30), nn.ReLU(), nn.Linear(30, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = sparsecomm.SparseHookState(None, "topk", density=0.1, nonfinite="skip")
+    ddp.register_comm_hook(state, sparsecomm.hook)
+    norms = []
+    for step in range(4):
+        x = torch.randn(8, 20, generator=torch.Generator().manual_seed(step * 10 + rank))
+        loss = ddp(x).pow(2).mean()
+        if step == 1 and rank == 1:
+            loss = loss * float("nan")
+        loss.backward()
+        norms.append(float(sum(p.grad.abs().sum() for p in model.parameters())))
+        model.zero_grad()
+    return norms, state.take_stats().skipped
+
+
+def test_ddp_hook_with_skip_policy_skips_the_nan_step_on_every_rank_and_goes_on():
+    (norms0, skipped0), (norms1, skipped1) = run_workers(2, _ddp_with_skip, timeout=60)
+    assert norms0 == norms1
+    assert norms0[1] == 0 and all(v > 0 and math.isfinite(v) for i, v in enumerate(norms0) if i != 1)
+    assert skipped0 >= 1 and skipped1 >= 1

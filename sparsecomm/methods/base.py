@@ -171,6 +171,8 @@ class Method:
         self._times = {}
         n = grad.numel()
         self.stats = Stats(n=n, selected=0 if self.sparse else n)
+        if self.tracks_sent and (skip is not None or n == 0):  # nothing sent: DGC masks nothing
+            self.last_sent = torch.empty(0, dtype=torch.int64, device=grad.device)
         if skip is not None:
             self.stats.skipped = 1
             self.stats.extra.update(skip)
