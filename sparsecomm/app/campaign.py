@@ -31,7 +31,8 @@ from .report_table import markdown_table
 from .training import TrainConfig, save_record, train
 
 __all__ = ["Workload", "WORKLOADS", "RunSpec", "RECIPES", "plan", "plan_low_density", "plan_recipes", "best_sparse",
-           "run_campaign", "campaign_rows", "write_campaign_report", "speedups", "load_campaign", "metric_of", "safe_name"]
+           "run_campaign", "campaign_rows", "write_campaign_report", "speedups", "load_campaign", "metric_of",
+           "safe_name"]
 
 log = logging.getLogger(__name__)
 
