@@ -55,7 +55,7 @@ class Workload:
     def config(self, **overrides: Any) -> TrainConfig:
         """The run's :class:`TrainConfig`: the model's tuned defaults, this target, ``overrides``."""
         target = {"target_accuracy": self.target} if self.metric == "accuracy" else {"target_perplexity": self.target}
-        options = {"model": self.model, "data": self.data, "epochs": self.max_epochs,
+        options: dict[str, Any] = {"model": self.model, "data": self.data, "epochs": self.max_epochs,
                    "evals_per_epoch": self.evals_per_epoch, "data_options": dict(self.data_options),
                    "model_options": dict(self.model_options), **target}
         options.update(overrides)
@@ -319,8 +319,8 @@ def speedups(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
     for (workload, network), group in groups.items():
         ddp = next((r for r in group if r["method"] == "ddp"), None)
-        power = sorted((r for r in group if r["method"].startswith("powersgd") and ttt(r)), key=ttt)
-        sparse = sorted((r for r in group if "@" in r["method"] and ttt(r)), key=ttt)
+        power = sorted((r for r in group if r["method"].startswith("powersgd") and ttt(r)), key=lambda r: ttt(r) or 0)
+        sparse = sorted((r for r in group if "@" in r["method"] and ttt(r)), key=lambda r: ttt(r) or 0)
         best = sparse[0] if sparse else None
         ddp_t, power_t, best_t = ttt(ddp), ttt(power[0] if power else None), ttt(best)
         out.append({"workload": workload, "network": network,
