@@ -30,8 +30,9 @@ from ..methods import available_methods, method_class
 from .report_table import markdown_table
 from .training import TrainConfig, save_record, train
 
-__all__ = ["Workload", "WORKLOADS", "RunSpec", "plan", "plan_low_density", "best_sparse", "run_campaign",
-           "campaign_rows", "write_campaign_report", "speedups", "load_campaign", "metric_of", "safe_name"]
+__all__ = ["Workload", "WORKLOADS", "RunSpec", "RECIPES", "plan", "plan_low_density", "plan_recipes", "best_sparse",
+           "run_campaign", "campaign_rows", "write_campaign_report", "speedups", "load_campaign", "metric_of",
+           "safe_name"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class Workload:
     def config(self, **overrides: Any) -> TrainConfig:
         """The run's :class:`TrainConfig`: the model's tuned defaults, this target, ``overrides``."""
         target = {"target_accuracy": self.target} if self.metric == "accuracy" else {"target_perplexity": self.target}
-        options = {"model": self.model, "data": self.data, "epochs": self.max_epochs,
+        options: dict[str, Any] = {"model": self.model, "data": self.data, "epochs": self.max_epochs,
                    "evals_per_epoch": self.evals_per_epoch, "data_options": dict(self.data_options),
                    "model_options": dict(self.model_options), **target}
         options.update(overrides)
@@ -65,7 +66,7 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {
     "fashion": Workload("fashion", "vgg-fc", "fashion-mnist", "accuracy", target=75.0, max_epochs=1,
                         evals_per_epoch=6, data_options={"train_size": 4096, "test_size": 1000}),
-    "lstm": Workload("lstm", "word-lstm", "fortunes-words", "perplexity", target=900.0, max_epochs=1,
+    "lstm": Workload("lstm", "word-lstm", "fortunes-words", "perplexity", target=1000.0, max_epochs=1,
                      evals_per_epoch=6, data_options={"train_size": 1920, "test_size": 200}),
 }
 
@@ -79,12 +80,25 @@ class RunSpec:
     method: str
     density: float = 0.01
     powersgd_rank: int = 2
+    recipe: str = ""  # a key of RECIPES, "" for the campaign's plain setting (DDP hook, SGD momentum)
 
     @property
     def label(self) -> str:
         if self.method == "powersgd":
             return f"powersgd-r{self.powersgd_rank}"
-        return f"{self.method}@{self.density:g}" if _is_sparse(self.method) else self.method
+        label = f"{self.method}@{self.density:g}" if _is_sparse(self.method) else self.method
+        return f"{label}+{self.recipe}" if self.recipe else label
+
+
+#: sparse-training recipes compared by ``bench time_to_accuracy --recipe METHOD`` (docs/campaign.md):
+#: the DDP comm hook with the optimizer's momentum; DGC momentum correction with factor masking
+#: (Lin et al. 2018, section 3.2; SparseSynchronizer, momentum-free optimizer); the same after a
+#: dense warm-up of 10% of the steps
+RECIPES: dict[str, dict[str, Any]] = {
+    "hook": {},
+    "mc": {"sync": "synchronizer", "momentum_correction": True},
+    "mc-warmup": {"sync": "synchronizer", "momentum_correction": True, "dense_warmup_steps": 6},
+}
 
 
 def _is_sparse(method: str) -> bool:
@@ -138,8 +152,24 @@ def plan_low_density(workloads: Sequence[str], nets: Sequence[str | None], out: 
             for m in [m for m in best_sparse(out, workload, net, from_density) if m in chosen][:best]]
 
 
+def plan_recipes(workloads: Sequence[str], nets: Sequence[str | None], method: str,
+                 density: float = 0.01) -> list[RunSpec]:
+    """``method`` under every recipe of :data:`RECIPES` but the plain one (which is the campaign's
+    own run of ``method``), per workload and network."""
+    _check(workloads, [method])
+    return [RunSpec(workload, net, method, density, recipe=name) for workload in workloads for net in nets
+            for name in RECIPES if name != "hook"]
+
+
 def record_path(out: str, spec: RunSpec) -> str:
     return os.path.join(out, spec.workload, safe_name(spec.net or "loopback"), safe_name(spec.label) + ".json")
+
+
+def _target(camp: dict[str, Any]) -> float:
+    """The target of a record's workload: the registry's (:data:`WORKLOADS`, which the report
+    applies to runs made before a target changed; runs never stop at the target), else the record's."""
+    known = WORKLOADS.get(camp["workload"])
+    return known.target if known is not None and known.metric == camp["metric"] else camp["target"]
 
 
 def metric_of(point: dict[str, Any], metric: str) -> float:
@@ -162,7 +192,6 @@ def time_and_epochs_to_target(history: Sequence[dict[str, Any]], metric: str,
 def best_sparse(out: str, workload: str, net: str | None, density: float = 0.01) -> list[str]:
     """Sparse methods with a finished run at ``density`` on ``workload`` / ``net``, fastest to the
     target first (those that never reached it last, by their final metric)."""
-    wl = WORKLOADS[workload]
     scored = []
     for method in sparse_methods():
         path = record_path(out, RunSpec(workload, net, method, density))
@@ -170,15 +199,17 @@ def best_sparse(out: str, workload: str, net: str | None, density: float = 0.01)
             continue
         with open(path) as handle:
             record = json.load(handle)
-        ttt, _ = time_and_epochs_to_target(record["history"], wl.metric, wl.target)
-        final = metric_of(record["history"][-1], wl.metric)
-        scored.append((ttt is None, ttt or 0.0, -final if wl.metric == "accuracy" else final, method))
+        metric, target = record["campaign"]["metric"], _target(record["campaign"])
+        ttt, _ = time_and_epochs_to_target(record["history"], metric, target)
+        final = metric_of(record["history"][-1], metric)
+        scored.append((ttt is None, ttt or 0.0, -final if metric == "accuracy" else final, method))
     return [s[-1] for s in sorted(scored)]
 
 
 def run_campaign(specs: Sequence[RunSpec], out: str, overrides: dict[str, Any] | None = None,
                  trainer: Callable[[TrainConfig], dict[str, Any]] = train,
-                 echo: Callable[[str], None] = print, workloads: dict[str, Workload] | None = None) -> list[str]:
+                 echo: Callable[[str], None] = log.warning,
+                 workloads: dict[str, Workload] | None = None) -> list[str]:
     """Train every run of ``specs`` whose record file is missing; returns the record paths.
 
     ``overrides`` go into every :class:`TrainConfig` (e.g. ``workers``, or ``epochs`` for a
@@ -194,7 +225,8 @@ def run_campaign(specs: Sequence[RunSpec], out: str, overrides: dict[str, Any] |
             continue
         wl = (workloads or WORKLOADS)[spec.workload]
         config = wl.config(method=spec.method, density=spec.density, powersgd_rank=spec.powersgd_rank,
-                           net=spec.net, stop_at_target=False, **(overrides or {}))
+                           net=spec.net, stop_at_target=False, **RECIPES[spec.recipe or "hook"],
+                           **(overrides or {}))
         echo(f"[{i}/{len(specs)}] {spec.workload} {spec.net or 'loopback'} {spec.label} ...")
         record = trainer(config)
         record["campaign"] = {"workload": spec.workload, "metric": wl.metric, "target": wl.target,
@@ -233,16 +265,19 @@ def _metric_at_epoch(history: Sequence[dict[str, Any]], epoch: float, metric: st
     return metric_of(points[-1], metric) if points else None
 
 
-def campaign_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def campaign_rows(records: Sequence[dict[str, Any]], by_network: bool = True) -> list[dict[str, Any]]:
     """One row per run: time and epochs to target, speed-up against DDP (same workload and
-    network), ms per step, final metric, and the difference to DDP after the same epochs."""
+    network; any network with ``by_network=False``, for the metric columns of runs whose
+    trajectory does not depend on it), ms per step, final metric, and the difference to DDP after
+    the same epochs."""
     rows = []
-    ddp = {(r["campaign"]["workload"], r["config"]["net"]): r for r in records if r["campaign"]["label"] == "ddp"}
+    ddp = {(r["campaign"]["workload"], r["config"]["net"] if by_network else None): r
+           for r in records if r["campaign"]["label"] == "ddp"}
     for rec in sorted(records, key=_order):
         camp, net = rec["campaign"], rec["config"]["net"]
-        metric, target = camp["metric"], camp["target"]
+        metric, target = camp["metric"], _target(camp)
         ttt, ett = time_and_epochs_to_target(rec["history"], metric, target)
-        base = ddp.get((camp["workload"], net))
+        base = ddp.get((camp["workload"], net if by_network else None))
         base_ttt = time_and_epochs_to_target(base["history"], metric, target)[0] if base else None
         final = metric_of(rec["history"][-1], metric)
         epoch = rec["history"][-1]["epoch"]
@@ -284,8 +319,8 @@ def speedups(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
     for (workload, network), group in groups.items():
         ddp = next((r for r in group if r["method"] == "ddp"), None)
-        power = sorted((r for r in group if r["method"].startswith("powersgd") and ttt(r)), key=ttt)
-        sparse = sorted((r for r in group if "@" in r["method"] and ttt(r)), key=ttt)
+        power = sorted((r for r in group if r["method"].startswith("powersgd") and ttt(r)), key=lambda r: ttt(r) or 0)
+        sparse = sorted((r for r in group if "@" in r["method"] and ttt(r)), key=lambda r: ttt(r) or 0)
         best = sparse[0] if sparse else None
         ddp_t, power_t, best_t = ttt(ddp), ttt(power[0] if power else None), ttt(best)
         out.append({"workload": workload, "network": network,
@@ -319,18 +354,18 @@ def _plot_group(records: Sequence[dict[str, Any]], path: str) -> str:
         axes[1].plot([h["epoch"] for h in rec["history"]], values, marker="o", markersize=2,
                      label=rec["campaign"]["label"], **style)
     for ax in axes:
-        ax.axhline(camp["target"], color="grey", linestyle="--", linewidth=1)
+        ax.axhline(_target(camp), color="grey", linestyle="--", linewidth=1)
         ax.grid(alpha=0.3)
     if metric == "perplexity":
         axes[0].set_yscale("log")
         top = max(metric_of(r["history"][0], metric) for r in records)
-        axes[0].set_ylim(camp["target"] * 0.7, min(top * 1.1, camp["target"] * 6))
+        axes[0].set_ylim(_target(camp) * 0.7, min(top * 1.1, _target(camp) * 6))
     axes[0].set_xlabel("training wall time (s, evaluation excluded)")
     axes[1].set_xlabel("epoch")
     axes[0].set_ylabel(f"test {metric}" + (" (%)" if metric == "accuracy" else ""))
     axes[1].legend(fontsize=7, ncol=2)
     fig.suptitle(f"{cfg['model']} on {cfg['data']}, P={cfg['workers']}, {records[0]['network'].split(' (')[0]}; "
-                 f"target {camp['target']:g} (dashed)")
+                 f"target {_target(camp):g} (dashed)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -55,7 +55,8 @@ def _he_init(module: nn.Module) -> None:
     for layer in module.modules():
         if isinstance(layer, (nn.Conv2d, nn.Linear)):
             nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
-            nn.init.zeros_(layer.bias)
+            if layer.bias is not None:
+                nn.init.zeros_(layer.bias)
 
 
 class SmallVGG(nn.Module):

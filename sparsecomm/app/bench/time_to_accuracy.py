@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default runs/campaign)")
     parser.add_argument("--report", default=None, help="write campaign.md and the plots into this folder "
                         "(default <out>/report)")
+    parser.add_argument("--recipe", default=None, metavar="METHOD",
+                        help="instead of the campaign: DDP and METHOD under each sparse-training recipe "
+                        "(hook; momentum correction; momentum correction after a dense warm-up)")
     parser.add_argument("--report-only", action="store_true", help="write the report from the existing runs, "
                         "train nothing")
 
@@ -63,8 +66,12 @@ def run(args: argparse.Namespace) -> int:
     if args.epochs is not None:
         overrides["epochs"] = args.epochs
     try:
-        first = campaign.plan(workloads, nets, methods, density=args.density, powersgd_ranks=ranks)
-        low = _floats(args.low_density)
+        if args.recipe:
+            first = campaign.plan_recipes(workloads, nets, args.recipe, density=args.density)
+            low = []
+        else:
+            first = campaign.plan(workloads, nets, methods, density=args.density, powersgd_ranks=ranks)
+            low = _floats(args.low_density)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
