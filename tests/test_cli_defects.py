@@ -17,7 +17,7 @@ import pytest
 from sparsecomm.app import training
 from sparsecomm.app.cli import _discover, build_parser, main
 from sparsecomm.app.netemu import parse_rate
-from sparsecomm.app.progress import Progress, progress_iter
+from sparsecomm.app.progress import Progress, is_terminal, progress_iter
 from sparsecomm.app.reporting import group_records, write_report
 from sparsecomm.app.training import save_record
 
@@ -114,6 +114,17 @@ def test_plain_progress_lines_off_a_terminal():
     stream = io.StringIO()
     assert list(progress_iter(["a", "b"], "bench x", stream=stream)) == ["a", "b"]
     assert stream.getvalue().splitlines()[:2] == ["bench x: 1/2 a", "bench x: 2/2 b"]
+
+
+def test_progress_bar_on_a_terminal():
+    """bar=True (what a terminal gets): a tqdm bar redrawn in place (carriage returns), no plain lines."""
+    stream = io.StringIO()
+    with Progress(3, "epoch 1/1", stream=stream, bar=True) as bar:
+        for _ in range(3):
+            bar.update(1, "loss 0.5")
+    text = stream.getvalue()
+    assert re.search(r"\repoch 1/1: +0%\|", text) and "\n" not in text
+    assert not is_terminal(io.StringIO())
 
 
 def test_bench_announces_each_configuration(capsys):

@@ -9,6 +9,7 @@ and never prints: the commands create these objects and pass them in.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -20,8 +21,12 @@ T = TypeVar("T")
 
 
 def is_terminal(stream: TextIO) -> bool:
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
+    """A terminal with a known width (a pseudo-terminal of 0 columns gets plain lines: a bar in 0
+    columns is invisible)."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 class Progress:
