@@ -56,6 +56,19 @@ def test_every_route_averages_row_sparse_gradients(route, P, sparse):
             assert 0 < stats["bytes_sent"] < ROWS * DIM * 4        # less than one dense gradient
 
 
+def test_s2_route_with_a_collision_prone_sketch_estimates_on_the_union_rows():
+    errors = {}
+    for ratio in (0.5, 8.0):                             # lambda = 0.5 (S2's best) and a larger sketch
+        results = run_workers(3, _reduce, "s2reducer", True, {"sketch_ratio": ratio}, timeout=60)
+        dense = sum(r[0] for r in results) / 3
+        union = dense.ne(0).any(1)
+        out = results[0][2]
+        assert all(torch.equal(r[2], out) for r in results)
+        assert not out[~union].any()                     # nothing outside the rows set in the bitmap
+        errors[ratio] = ((out - dense).norm() / dense.norm()).item()
+    assert 0 < errors[8.0] < errors[0.5]
+
+
 def test_rows_of_reads_sparse_and_dense_alike():
     grad = _grad(0, True)
     ids_s, rows_s = rows_of(grad, ROWS, DIM)

@@ -15,9 +15,10 @@ the ranks by one of five routes, each the row-sparse form of a registered method
   dense only past the break-even point, i.e. when the touched rows are that many;
 * ``"omnireduce"``: the rows as OmniReduce blocks of ``dim`` values, aggregated per shard
   (:func:`~sparsecomm.transport.block_aggregate.block_allreduce`);
-* ``"s2reducer"``: S2 Reducer's count-sketch of the touched values (``sketch_ratio`` x the largest
-  count of touched elements, agreed over the ranks) and a bitmap of the touched rows, both summed by
-  all-reduce; the touched rows are then queried. One byte per row: the bitmap has num_rows entries,
+* ``"s2reducer"``: S2 Reducer's count-sketch and bitmap with rows as the unit: each touched row is
+  hashed once into a bucket of ``dim`` values (a block count-sketch of ``sketch_ratio`` x the largest
+  touched element count cells, S2's lambda), the bitmap has one byte per row; both are summed by
+  all-reduce and the rows set in the bitmap are queried (median over the sketch rows). The bitmap is
   the only state that grows with the vocabulary;
 * ``"dense"``: the baseline: scatter into (num_rows, dim) and all-reduce densely (native all-reduce).
 
@@ -159,28 +160,32 @@ class RowSparseReducer:
         return out_ids.long(), out
 
     def _s2reducer(self, ids: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """S2's sketch with rows as the unit: one hash per row id, buckets of ``dim`` values (a block
+        count-sketch; ``sketch_ratio`` x the largest touched count of cells, as S2's lambda)."""
         dim = self.dim
-        most = self.comm.agree_max([ids.numel() * dim])[0]
+        most = self.comm.agree_max([ids.numel()])[0]
         cols = max(1, math.ceil(self.sketch_ratio * max(most, 1) / self.sketch_rows))
-        sketch = CountSketch(self.num_rows * dim, self.sketch_rows, cols,
-                             seed=self.seed * _SEED_STRIDE + self.calls)
-        offsets = torch.arange(dim, dtype=torch.int64, device=values.device)
-        table = sketch.empty_table(values.dtype, values.device)
-        for start in range(0, ids.numel(), _SCAN_ROWS):      # in slices: the hashes' temporaries stay small
-            part = ids[start:start + _SCAN_ROWS]
-            sketch.insert(table, (part.unsqueeze(1) * dim + offsets).reshape(-1),
-                          values[start:start + _SCAN_ROWS].reshape(-1))
+        sketch = CountSketch(self.num_rows, self.sketch_rows, cols, seed=self.seed * _SEED_STRIDE + self.calls)
+        table = torch.zeros(self.sketch_rows, cols, dim, dtype=values.dtype, device=values.device)
+        buckets, signs = sketch.hashes(ids)
+        for row in range(self.sketch_rows):
+            table[row].index_add_(0, buckets[row], values * signs[row].to(values.dtype).unsqueeze(1))
         bitmap = torch.zeros(self.num_rows, dtype=torch.uint8 if self.comm.size <= 255 else torch.int32,
                              device=values.device)
         bitmap[ids] = 1
-        table = allreduce(self.comm, table.reshape(-1), "rabenseifner").view(self.sketch_rows, cols)
+        table = allreduce(self.comm, table.reshape(-1), "rabenseifner").view(self.sketch_rows, cols, dim)
         bitmap = allreduce(self.comm, bitmap, "rabenseifner")
         union = torch.nonzero(bitmap).reshape(-1)
         del bitmap
-        queried = [sketch.query(table, (union[start:start + _SCAN_ROWS].unsqueeze(1) * dim + offsets).reshape(-1))
-                   for start in range(0, union.numel(), _SCAN_ROWS)]
-        out = torch.cat(queried) if queried else torch.empty(0, dtype=values.dtype, device=values.device)
-        return union, out.reshape(-1, dim)
+        buckets, signs = sketch.hashes(union)
+        estimates = torch.stack([table[row][buckets[row]] * signs[row].to(values.dtype).unsqueeze(1)
+                                 for row in range(self.sketch_rows)])
+        if self.sketch_rows == 1:
+            return union, estimates[0]
+        if self.sketch_rows == 3:                 # the median of three without a sort
+            a, b, c = estimates
+            return union, torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+        return union, estimates.median(dim=0).values
 
     def _dense(self, ids: Tensor, values: Tensor) -> tuple[None, Tensor]:
         dense = torch.zeros(self.num_rows, self.dim, dtype=values.dtype, device=values.device)

@@ -11,8 +11,9 @@ Fig. 3 and 7, Appendix B):
   of ``--block`` elements non-zero, the non-zero blocks at random places on each rank; the registered
   methods at density = ``--block-density`` (which then select exactly the non-zero elements).
 
-Per method and workload: the slowest rank's median time per call, rank 0's bytes sent and rounds,
-and the speed-up of s2reducer over each other method. One worker group per (workload, method), one
+Per method and workload: the slowest rank's median time per call and communication time (S2's Fig. 7
+and Appendix B.2 compare the communication overhead), the largest rank's bytes sent and rounds, and
+the ratios of each method's times to s2reducer's. One worker group per (workload, method), one
 after another in this process tree, the methods interleaved over ``--rounds`` rounds.
 """
 
@@ -149,6 +150,7 @@ def _run_one(workload: str, name: str, args: argparse.Namespace, net: str | None
     return {"times": [max(r["times"][i] for r in per_rank) for i in range(calls)],
             "sent": [max(r["stats"][i].bytes_sent for r in per_rank) for i in range(calls)],
             "rounds": [max(r["stats"][i].rounds for r in per_rank) for i in range(calls)],
+            "comm": [max(r["stats"][i].time_comm for r in per_rank) for i in range(calls)],
             "modelled": per_rank[0]["stats"][-1].modelled_bytes,
             "touched": [t for r in per_rank for t in r.get("touched", [])]}
 
@@ -177,20 +179,23 @@ def run(args: argparse.Namespace) -> int:
             for name in methods:
                 runs[name].append(_run_one(workload, name, args, net))
         times = {m: statistics.median([t for r in runs[m] for t in r["times"]]) for m in methods}
+        comms = {m: statistics.median([t for r in runs[m] for t in r["comm"]]) for m in methods}
         for name in methods:
             sent = statistics.median([b for r in runs[name] for b in r["sent"]])
             touched = [t for r in runs[name] for t in r["touched"]]
             rows.append({
                 "workload": workload, "method": name,
-                "time/call (s)": times[name],
+                "time/call (s)": times[name], "comm (s)": comms[name],
                 "MB sent max rank": f"{sent / 1e6:.3g}{' (ring model)' if runs[name][0]['modelled'] else ''}",
                 "rounds": max(x for r in runs[name] for x in r["rounds"]),
                 "s2reducer speed-up": times[name] / times["s2reducer"] if "s2reducer" in times else "-",
+                "comm / s2reducer's": comms[name] / comms["s2reducer"] if "s2reducer" in comms else "-",
                 "touched rows/rank": statistics.median(touched) if touched else "-",
             })
     print(markdown_table(rows))
     print(f"\nP={args.workers}, network {network_label(net)}; embedding: vocab {args.vocab} x dim {args.dim}, "
           f"{args.tokens} Zipf tokens per rank per batch; blocks: n={args.size}, {args.block_density:g} of the "
           f"blocks of {args.block} non-zero; time: median over {args.rounds} round(s) x {args.repeat} calls of the "
-          f"slowest rank; 's2reducer speed-up' = time of the method / time of s2reducer")
+          f"slowest rank; 'comm (s)': the slowest rank's communication phase (the whole call for the embedding "
+          f"routes, which do no selection); 's2reducer speed-up' = time of the method / time of s2reducer")
     return 0
