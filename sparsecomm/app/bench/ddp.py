@@ -17,6 +17,7 @@ the ``x DDP`` column divides by the DDP steps of the same group, measured interl
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -204,6 +205,7 @@ def run(args) -> int:
                 else:
                     row.update({"method (ms)": "", "hidden (%)": "", "bytes": "ring formula"})
                 rows.append(row)
+            print(f"done: {network_label(net)}, {', '.join(c['label'] for c in group)}", file=sys.stderr, flush=True)
     columns = ["network", "configuration", "step (ms)", "x DDP", "method (ms)", "hidden (%)",
                "MB sent/rank/step", "bytes"]
     print(markdown_table(rows, columns))
