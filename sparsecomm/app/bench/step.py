@@ -2,7 +2,8 @@
 
 For every sparse method, every density and every worker count P, each rank calls the method
 ``--repeat`` times (after ``--warmup`` calls) on a copy of one normal gradient of ``n`` elements, and
-right before every call times one *pass* over the gradient: the fused scan
+right before every call times one *pass* over the gradient, in wall time and in CPU time of the
+calling thread: the fused scan
 (:meth:`sparsecomm.blocks.selectors.scan.Scratch.scan`: one read of ``x`` giving sum and max of
 ``|x|``, the C kernel where built), or ``torch.abs`` into a reused buffer and a sum where it is not.
 Every phase of the call (``stats.time_select``, ``time_residual`` from ``stats.extra``,
@@ -49,11 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker group")
 
 
-def one_pass(x: torch.Tensor, scratch: scan.Scratch) -> float:
-    """Seconds of one pass over ``x``: the fused scan (sum and max of ``|x|``, no candidates)."""
-    start = time.perf_counter()
+def one_pass(x: torch.Tensor, scratch: scan.Scratch) -> tuple[float, float]:
+    """(wall, CPU) seconds of one pass over ``x``: the fused scan (sum and max of ``|x|``, no candidates)."""
+    wall, cpu = time.perf_counter(), time.thread_time()
     scratch.scan(x, math.inf, name="pass", check_finite=False)
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.thread_time() - cpu
 
 
 def _worker(n: int, densities: list[float], methods: list[str], repeat: int, warmup: int) -> dict[str, Any]:
@@ -74,12 +75,14 @@ def _worker(n: int, densities: list[float], methods: list[str], repeat: int, war
             for call in range(warmup + repeat):
                 grad.copy_(base)
                 dist.barrier()
-                seconds = one_pass(grad, scratch)
+                seconds, cpu_pass = one_pass(grad, scratch)
                 dist.barrier()
+                cpu = time.thread_time()
                 method(grad)
+                cpu = time.thread_time() - cpu
                 if call >= warmup:
                     stats = method.stats
-                    rows.append({"pass": seconds, "select": stats.time_select,
+                    rows.append({"pass": seconds, "cpu_pass": cpu_pass, "cpu": cpu, "select": stats.time_select,
                                  "residual": stats.extra.get("time_residual", 0.0),
                                  "decompress": stats.time_decompress, "comm": stats.time_comm,
                                  "total": stats.time_total, "capped": stats.capped})
@@ -89,13 +92,28 @@ def _worker(n: int, densities: list[float], methods: list[str], repeat: int, war
 
 
 def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
-    """Median pass (seconds) and every phase's median in passes."""
+    """Medians over calls, in passes: by wall time, and by this thread's CPU time.
+
+    Wall: each phase's wall time over the wall time of the pass timed just before the call. CPU: the
+    call's CPU time on the calling thread over the pass's; a phase's CPU share is taken as its share of
+    the call's wall time (the method runs on this one thread, torch uses one thread per worker), and
+    the non-communication CPU figure is the call's CPU times the non-communication share of its wall
+    time. On a loaded machine the CPU figures are the steadier: waiting for a core is not counted.
+    """
     unit = statistics.median(r["pass"] for r in rows)
-    out = {"pass_ms": unit * 1e3}
+    out = {"pass_ms": unit * 1e3, "cpu_pass_ms": statistics.median(r["cpu_pass"] for r in rows) * 1e3}
     for key in ("select", "residual", "decompress", "comm", "total"):
         out[key] = statistics.median(r[key] for r in rows) / unit
     out["non_comm"] = statistics.median(r["total"] - r["comm"] for r in rows) / unit
     out["other"] = max(0.0, out["non_comm"] - out["select"] - out["residual"] - out["decompress"])
+
+    def cpu_passes(share) -> float:
+        return statistics.median(r["cpu"] / r["cpu_pass"] * share(r) for r in rows)
+
+    for key in ("select", "residual", "decompress"):
+        out[f"cpu_{key}"] = cpu_passes(lambda r, key=key: r[key] / r["total"])
+    out["cpu_non_comm"] = cpu_passes(lambda r: (r["total"] - r["comm"]) / r["total"])
+    out["cpu_total"] = cpu_passes(lambda r: 1.0)
     return out
 
 
@@ -117,11 +135,15 @@ def run(args: argparse.Namespace) -> int:
             for name in methods:
                 s = summarize(per_rank[0][f"{name}@{density}"])
                 rows.append({"method": name, "P": P, "density": density,
-                             "select": round(s["select"], 2), "residual": round(s["residual"], 2),
-                             "decompress": round(s["decompress"], 2), "other": round(s["other"], 2),
-                             "non-comm": round(s["non_comm"], 2), "comm": round(s["comm"], 2),
-                             "whole call": round(s["total"], 2), "pass ms": round(s["pass_ms"], 1)})
+                             "select": round(s["cpu_select"], 1), "residual": round(s["cpu_residual"], 1),
+                             "decompress": round(s["cpu_decompress"], 1),
+                             "non-comm": round(s["cpu_non_comm"], 1), "whole call": round(s["cpu_total"], 1),
+                             "pass CPU ms": round(s["cpu_pass_ms"], 1),
+                             "wall: non-comm": round(s["non_comm"], 1), "wall: whole": round(s["total"], 1),
+                             "pass wall ms": round(s["pass_ms"], 1)})
     print(markdown_table(rows))
+    print("\nselect, residual, decompress, non-comm, whole call: CPU time of the calling thread in passes "
+          "(phases split by their share of the call's wall time); wall: wall time over the pass's wall time")
     over = sorted({r["method"] for r in rows if r["P"] == 1 and r["non-comm"] > 4})
     if over:
         print(f"\nabove 4 passes outside communication at P = 1: {', '.join(over)}")
