@@ -86,7 +86,7 @@ def _asq_worker(n, steps, layout, options):
         grad = make_gradient(n, rank, step)
         old = None if method.residual is None else method.residual.clone()
         out = method(grad.clone(), layout)
-        records.append({"grad": grad, "old_residual": old, "out": out,
+        records.append({"grad": grad, "old_residual": old, "out": out.clone(),  # valid until the next call
                         "new_residual": method.residual.clone(), "stats": dict(method.stats),
                         "sent": method.last_sent.clone()})
     return records

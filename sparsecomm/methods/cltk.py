@@ -91,7 +91,8 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
         n, P, r = grad.numel(), self.comm.size, self.comm.rank
         k = self.k(n)
         leader = self.step % P
-        acc = self.residual_for(grad).add_(grad)
+        with self.timer("residual"):
+            acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
         with self.timer("select"):
             if r == leader:
                 indices = torch.sort(self.selector(acc, k)).values.to(index_dtype(n))
@@ -102,9 +103,11 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
             chosen = indices.long()
             summed = allreduce(self.comm, acc[chosen], self.allreduce)
         with self.timer("decompress"):
-            out = torch.zeros_like(grad)
+            out = self.output_buffer(grad)
             out[chosen] = summed.div_(P)
-            acc[chosen] = 0
+            self.output_written(chosen)
+        with self.timer("residual"):
+            acc.index_fill_(0, chosen, 0)
         self.stats.update(selected=k if r == leader else 0, nnz_out=k, leader=leader,
                           counts=[k if q == leader else 0 for q in range(P)], padding_overhead=1.0)
         return out

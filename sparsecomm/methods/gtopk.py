@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, register_cost
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype
 from .base import Layout, Method, register_method
@@ -56,15 +57,20 @@ class GlobalTopk(Method):
     sparse = True
     has_residual = True
 
+    def __init__(self, comm=None, *, density: float) -> None:
+        super().__init__(comm, density=density)
+        self.selector = make_selector("topk")  # exact top-k by a sampled floor and one scan
+
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         comm, n = self.comm, grad.numel()
         k = self.k(n)
-        residual = self.residual_for(grad)
-        acc = residual.add_(grad)                      # the residual buffer now holds grad + residual
+        with self.timer("residual"):
+            acc = self.residual_for(grad).add_(grad)   # the residual buffer now holds grad + residual
         with self.timer("select"):
-            local_idx = torch.topk(acc.abs(), k, sorted=False).indices
+            local_idx = self.selector(acc, k)
             held = SparseChunk.gather(acc, local_idx)
-            acc[local_idx] = 0                         # residual = acc minus what is sent
+        with self.timer("residual"):
+            acc.index_fill_(0, local_idx, 0)           # residual = acc minus what is sent
         self.stats["selected"] = k
         current: SparseChunk | None = held          # None once this rank handed its chunk to its parent
         for role, peer in tree_schedule(comm.size, comm.rank):
@@ -82,9 +88,10 @@ class GlobalTopk(Method):
         with self.timer("comm"):
             current = self._broadcast(current, n, grad)
         with self.timer("decompress"):
-            out = torch.zeros_like(grad)
-            current.scatter_add_(out)
-            out.div_(comm.size)
+            out = self.output_buffer(grad)
+            where = current.indices.long()
+            out[where] = current.values.to(out.dtype) / comm.size
+            self.output_written(where)
         self.stats["nnz_out"] = current.nnz
         return out
 

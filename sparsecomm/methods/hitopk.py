@@ -105,13 +105,15 @@ class HiTopKComm(SelectorStateMixin, Method):
         start, size = chunk_offsets(n, self.node.size)[self.node.rank]
         with self.timer("comm"):
             shard = ring_reduce_scatter(self.node, grad) if self.node.size > 1 else grad.clone()
-        with self.timer("select"):
+        with self.timer("residual"):
             acc = self.residual_for(grad)[start:start + size]   # a view: the residual is updated in place
             acc.add_(shard)
+        with self.timer("select"):
             k = self.k(size)
             idx = torch.sort(self.selector(acc, k)).values if k else acc.new_empty(0, dtype=torch.int64)
             mine = SparseChunk.gather(acc, idx, offset=start, n=n)
-            acc[idx] = 0
+        with self.timer("residual"):
+            acc.index_fill_(0, idx, 0)
         self.stats["selected"] = idx.numel()
         with self.timer("comm"):
             across = allgather_chunks(self.cross, mine)
@@ -120,11 +122,12 @@ class HiTopKComm(SelectorStateMixin, Method):
         with self.timer("comm"):
             shards = allgather_chunks(self.node, union)
         with self.timer("decompress"):
-            out = torch.zeros_like(grad)
-            for shard_chunk in shards:
-                out[shard_chunk.indices.long()] = shard_chunk.values
-            out.div_(self.comm.size)
+            out = self.output_buffer(grad)
+            where = torch.cat([shard_chunk.indices.long() for shard_chunk in shards])
+            out[where] = torch.cat([shard_chunk.values for shard_chunk in shards]).to(out.dtype) / self.comm.size
+            self.output_written(where)
         self.stats["union_nnz"] = union.nnz
+        self.stats.nnz_out = int(torch.count_nonzero(out.index_select(0, where)))  # shards are disjoint
         self.stats["local_size"] = self.local_size
         self.stats.dense_fallback = self.one_node
         return out

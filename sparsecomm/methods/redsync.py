@@ -258,8 +258,9 @@ class RedSync(Method):
         n = grad.numel()
         specs = self._layers(n, layout)
         sign = 1 if self.step % 2 == 0 else -1
+        with self.timer("residual"):
+            acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
         with self.timer("select"):
-            acc = self.residual_for(grad).add_(grad)
             parts, sent = [], []
             for i, spec in enumerate(specs):
                 part, idx = self._compress(i, spec, acc[spec.offset:spec.offset + spec.numel], sign)
@@ -273,10 +274,18 @@ class RedSync(Method):
         with self.timer("comm"):
             gathered = allgatherv(self.comm, message)
         with self.timer("decompress"):
-            out = torch.zeros_like(grad)
-            for counts, indices, values in gathered:
-                _scatter_message(out, specs, unpack_message(specs, counts, indices, values))
-            out.div_(self.comm.size)
+            out = self.output_buffer(grad)
+            touched = [_scatter_message(out, specs, unpack_message(specs, counts, indices, values))
+                       for counts, indices, values in gathered]
+            if any(spec.dense for spec in specs):
+                out.div_(self.comm.size)
+                self.output_written(None)
+            else:
+                union = torch.cat(touched)
+                if self.comm.size > 1:
+                    out[union] = out[union].div_(self.comm.size)
+                self.output_written(union)
+                self.stats.nnz_out = int(torch.count_nonzero(out.index_select(0, torch.unique(union))))
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -290,8 +299,9 @@ class RedSync(Method):
                 self._selectors[i].load_state_dict(self._pending_selector_state.pop(i))
 
 
-def _scatter_message(out: Tensor, specs: Sequence[LayerSpec], parts: Sequence[LayerPart]) -> None:
-    """Add one rank's unpacked message into ``out`` (dense slices, then one scatter-add)."""
+def _scatter_message(out: Tensor, specs: Sequence[LayerSpec], parts: Sequence[LayerPart]) -> Tensor:
+    """Add one rank's unpacked message into ``out`` (dense slices, then one scatter-add); returns the
+    int64 indices of the sparse layers' entries it added."""
     indices, values = [], []
     for spec, part in zip(specs, parts, strict=False):
         if spec.dense:
@@ -299,8 +309,11 @@ def _scatter_message(out: Tensor, specs: Sequence[LayerSpec], parts: Sequence[La
         elif part.indices is not None and part.indices.numel():
             indices.append(part.indices)
             values.append(part.values.expand(part.indices.numel()) if spec.quantized else part.values)
-    if indices:
-        SparseChunk(torch.cat(indices), torch.cat(values)).scatter_add_(out)
+    if not indices:
+        return torch.empty(0, dtype=torch.int64, device=out.device)
+    chunk = SparseChunk(torch.cat(indices), torch.cat(values))
+    chunk.scatter_add_(out)
+    return chunk.indices.long()
 
 
 # ---------------------------------------------------------------------- cost model

@@ -110,11 +110,14 @@ class SparseSketchReducer(Method):
         n, P, B = grad.numel(), self.comm.size, self.block_size
         rows, cols = sketch_shape(self.k(n), self.sketch_ratio, self.rows)
         sketch = CountSketch(n, rows, cols, seed=self.seed * _SEED_STRIDE + self.step)
-        with self.timer("select"):
+        with self.timer("residual"):
             acc = self.residual_for(grad).add_(grad)
+        with self.timer("select"):
             idx = torch.sort(self.selector(acc, self.k(n))).values
             values = acc[idx]
-            acc[idx] = 0                                     # acc is the residual: what stays
+        with self.timer("residual"):
+            acc.index_fill_(0, idx, 0)                       # acc is the residual: what stays
+        with self.timer("select"):
             table = sketch.insert(sketch.empty_table(grad.dtype, grad.device), idx, values)
             bitmap = torch.zeros(math.ceil(n / B), dtype=bitmap_dtype(P), device=grad.device)
             bitmap[idx // B] = 1
@@ -128,10 +131,11 @@ class SparseSketchReducer(Method):
             offsets = torch.arange(B, dtype=torch.int64, device=grad.device)
             union = (blocks.unsqueeze(1) * B + offsets).reshape(-1)
             union = union[union < n]
-            out = torch.zeros_like(grad)
-            out[union] = sketch.query(table, union)
-            out.div_(P)
-        self.stats.update(nnz_out=int(torch.count_nonzero(out)), union_nnz=union.numel(),
+            out = self.output_buffer(grad)
+            estimates = sketch.query(table, union).div_(P)
+            out[union] = estimates
+            self.output_written(union)
+        self.stats.update(nnz_out=int(torch.count_nonzero(estimates)), union_nnz=union.numel(),
                           sketch_cells=rows * cols)
         if self.measure_error:
             self._measure_error(out, idx, values)

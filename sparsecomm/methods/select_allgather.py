@@ -140,7 +140,10 @@ class SelectAllGather(SelectorStateMixin, Method):
             gathered = allgather_chunks(self.comm, chunk)
         with self.timer("decompress"):
             out = self.output_buffer(grad)
-            self.output_written(add_messages(out, gathered, self.comm.size))
+            union = add_messages(out, gathered, self.comm.size)
+            self.output_written(union)
+            # without this the base class would count the non-zeros of all of out (a full pass)
+            self.stats.nnz_out = int(torch.count_nonzero(out.index_select(0, torch.unique(union))))
         self.stats["message_bytes"] = chunk.nbytes()
         self.stats["counts"] = [received.nnz for received in gathered]
         self.stats["received_nnz"] = sum(self.stats["counts"])

@@ -139,7 +139,6 @@ class SparDL(Method):
         self._exact = self._blocks if selector is None else BlockSelector()
         self._splits: dict[int, tuple[Communicator, Communicator]] = {}
         self._adjusters: dict[tuple[int, int], HAdjuster] = {}
-        self._work: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ choosing d
     def _teams_now(self, n: int, k: int, itemsize: int) -> int:
@@ -191,13 +190,12 @@ class SparDL(Method):
         counts = chunk_sizes(k, m)
 
         residual = self.residual_for(grad)
-        if self._work is None or self._work.shape != grad.shape or self._work.dtype != grad.dtype \
-                or self._work.device != grad.device:
-            self._work = torch.empty_like(grad)
-        work = self._work
-        with self.timer("select"):
-            torch.add(grad, residual, out=work)   # G = gradient + residual (Algorithm 1, line 1)
-            residual.copy_(work)                  # G_copy (line 3), kept in the residual's buffer
+        # The dense accumulator lives in the reused output buffer: it is zeroed and receives the
+        # result at the end, so the method keeps two length-n buffers between calls (residual, output).
+        work = self.output_buffer(grad)
+        with self.timer("residual"):
+            residual.add_(grad)                   # G = gradient + residual (Algorithm 1, line 1),
+            work.copy_(residual)                  # G_copy (line 3) stays in the residual's buffer
 
         own, selected = spar_reduce_scatter(team, work, bounds, counts, self._blocks, self.timer)
         if sag == "recursive":
@@ -217,12 +215,14 @@ class SparDL(Method):
         with self.timer("comm"):
             blocks = allgather_chunks(team, own, bruck=True)
 
-        with self.timer("decompress"):
+        with self.timer("residual"):
             indices = torch.cat([b.indices for b in blocks]).long()
             values = torch.cat([b.values for b in blocks])
-            out = torch.zeros_like(grad)
-            out[indices] = values / P
             residual[indices] = work[indices]     # Algorithm 1, lines 13-15
+        with self.timer("decompress"):
+            out = work.zero_()                    # the accumulator becomes the output
+            out[indices] = values / P
+            self.output_written(indices)
         self.stats.update(selected=selected, nnz_out=int(indices.numel()), teams=d, sag=sag, k=k)
         if self.teams is None:
             self._record_trial(d, time.perf_counter() - started)

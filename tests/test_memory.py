@@ -1,0 +1,103 @@
+"""Memory of every method (issue 16, item 6), in gradient-sized buffers (4n bytes for float32):
+
+* kept between calls, for a method with a residual: at most 2 (the residual and the reused output);
+* at peak during a call, counting the caller's gradient and the returned output: at most 4.
+
+Measured as resident memory in a fresh forked worker per method (``run_workers``), after a warm-up of
+the method on a small gradient (libraries, communication buffers), independent of how torch
+allocates: the peak is Linux's ``VmHWM``, reset before the measured calls by writing 5 to
+``/proc/self/clear_refs``; glibc's ``mmap`` threshold is pinned at 128 KiB (``mallopt``) so that a
+freed buffer goes back to the kernel at once instead of counting as kept. ``python tests/test_memory.py``
+prints the table of docs/memory.md.
+"""
+
+import ctypes
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sparsecomm import available_methods, make_method, run_workers
+from sparsecomm.methods import method_class
+
+N = 5_000_000
+DENSITY = 0.01
+_M_MMAP_THRESHOLD = -3
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def measure(name, n, calls=3):
+    """Worker: (kept between calls, peak during calls), in units of one gradient (n elements)."""
+    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    options = {"density": DENSITY} if method_class(name).sparse else {}
+    warm = make_method(name, **options)  # libraries, communication buffers: not per-gradient memory
+    for _ in range(2):
+        warm(torch.randn(20_000))
+    del warm
+    method = make_method(name, **options)
+    unit = 4 * n / 1024  # KiB of one float32 gradient
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    dist.barrier()
+    base = _status_kib("VmRSS")
+    grad = torch.randn(n, generator=gen)
+    method(grad.clone())  # first call: buffers built, one-time checks
+    dist.barrier()
+    before = _status_kib("VmRSS")  # the caller's gradient + what the method keeps
+    _reset_peak()
+    peak = 0
+    for _ in range(calls):
+        out = method(grad)
+        peak = max(peak, _status_kib("VmHWM"))
+        del out
+    dist.barrier()
+    kept = _status_kib("VmRSS") - base - 4 * n / 1024  # less the caller's gradient
+    return {"kept": kept / unit, "peak": (peak - base) / unit, "before": (before - base) / unit}
+
+
+def _row(name, n=N, P=2):
+    per_rank = run_workers(P, measure, name, n, timeout=600)
+    return {"kept": max(r["kept"] for r in per_rank), "peak": max(r["peak"] for r in per_rank)}
+
+
+def _check(name, figures):
+    if method_class(name).has_residual:
+        assert figures["kept"] <= 2.2, (name, figures)  # 2 buffers + index arrays and interpreter noise
+    assert figures["peak"] <= 4.2, (name, figures)
+
+
+@pytest.mark.parametrize("name", ["topka", "spardl"])
+def test_memory_of_two_methods_at_one_million(name):
+    """The quick version (the full table at n = 5M is the slow test below)."""
+    _check(name, _row(name, 1_000_000))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", available_methods())
+def test_memory_at_five_million(name):
+    _check(name, _row(name))
+
+
+if __name__ == "__main__":  # the table of docs/memory.md
+    P = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    print(f"n = {N}, density {DENSITY}, P = {P}; gradient-sized buffers (4n = {4 * N / 2 ** 20:.1f} MiB), "
+          "max over ranks")
+    print("| method | residual | kept between calls | peak during a call (with gradient and output) |")
+    print("| --- | --- | --- | --- |")
+    for method_name in available_methods():
+        row = _row(method_name, N, P)
+        print(f"| {method_name} | {'yes' if method_class(method_name).has_residual else 'no'} | "
+              f"{row['kept']:.2f} | {row['peak']:.2f} |")
+        sys.stdout.flush()
