@@ -166,6 +166,8 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.plot:
-        plot_projection(rows, args.plot, title=f"n={n}, density={args.density:g} ({source})")
+        where = "colocated on this machine" if args.colocated else "one device per worker"
+        plot_projection(rows, args.plot, title=f"n={n}, density={args.density:g}, alpha={alpha * 1e6:.0f} us, "
+                        f"{8 / beta / 1e9:g} Gbit/s, {where}, compute x{args.compute_scale:g} ({source})")
         print(f"plot: {args.plot}")
     return 0
