@@ -123,7 +123,7 @@ def pivot(rows: list[dict], methods: list[str], workers: list[int]) -> list[dict
             row[f"P={P} ms"] = 1e3 * mine[P]["time_s"]
         for P in workers:
             row[f"P={P} x"] = f"{mine[P]['speedup']:.2f}"
-        row["faster than dense at"] = "-" if name == "dense" else faster_range(rows, name)
+        row["faster than dense (by >5%) at"] = "-" if name == "dense" else faster_range(rows, name)
         out.append(row)
     return out
 
