@@ -300,12 +300,13 @@ def crossover(rows: Sequence[dict[str, Any]], method: str) -> int | None:
     return None
 
 
-def faster_range(rows: Sequence[dict[str, Any]], method: str) -> str:
-    """Where in ``rows`` ``method`` beats dense: "all P", "never", or the P ranges ("P <= 64",
-    "P >= 128", "16 <= P <= 256", joined by ", " when there are several)."""
+def faster_range(rows: Sequence[dict[str, Any]], method: str, margin: float = 0.05) -> str:
+    """Where in ``rows`` ``method`` beats dense by more than ``margin`` (a speed-up above 1 + margin;
+    smaller differences are below what the model can tell): "all P", "never", or the P ranges
+    ("P <= 64", "P >= 128", "16 <= P <= 256", joined by ", " when there are several)."""
     mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["P"])
     Ps = [int(r["P"]) for r in mine]
-    wins = [r["speedup"] > 1.0 + 1e-9 for r in mine]
+    wins = [r["speedup"] > 1.0 + margin for r in mine]
     if all(wins):
         return "all P"
     if not any(wins):

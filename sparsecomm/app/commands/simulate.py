@@ -123,7 +123,7 @@ def pivot(rows: list[dict], methods: list[str], workers: list[int]) -> list[dict
             row[f"P={P} ms"] = 1e3 * mine[P]["time_s"]
         for P in workers:
             row[f"P={P} x"] = f"{mine[P]['speedup']:.2f}"
-        row["faster than dense at"] = "-" if name == "dense" else faster_range(rows, name)
+        row["faster than dense (by >5%) at"] = "-" if name == "dense" else faster_range(rows, name)
         out.append(row)
     return out
 
@@ -166,6 +166,8 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.plot:
-        plot_projection(rows, args.plot, title=f"n={n}, density={args.density:g} ({source})")
+        where = "colocated on this machine" if args.colocated else "one device per worker"
+        plot_projection(rows, args.plot, title=f"n={n}, density={args.density:g}, alpha={alpha * 1e6:.0f} us, "
+                        f"{8 / beta / 1e9:g} Gbit/s, {where}, compute x{args.compute_scale:g} ({source})")
         print(f"plot: {args.plot}")
     return 0
