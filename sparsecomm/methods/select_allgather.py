@@ -83,6 +83,19 @@ class SelectorStateMixin:
             self.selector.load_state_dict(state["selector"])  # type: ignore[attr-defined]
 
 
+class FeedbackStateMixin:
+    """Checkpoints ``self._feedback`` (a :class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`,
+    the density controller of threshold methods) beside the other extra state."""
+
+    def extra_state(self) -> dict[str, Any]:
+        return {**super().extra_state(), "feedback": self._feedback.state_dict()}  # type: ignore[misc,attr-defined]
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        super().load_extra_state(state)  # type: ignore[misc]
+        if "feedback" in state:
+            self._feedback.load_state_dict(state["feedback"])  # type: ignore[attr-defined]
+
+
 class SelectAllGather(SelectorStateMixin, Method):
     """Error-feedback selection per rank, all-gather of (indices, values), sparse sum.
 
@@ -168,3 +181,12 @@ def select_allgather_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, 
         return allgatherv_cost([c * pair for c in counts], P, rank, exact=True)
     count = k if max_count is None else max_count
     return allgatherv_cost([count * pair] * P, P, rank, exact=max_count is None)
+
+
+def data_dependent_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4,
+                        counts: Sequence[int] | None = None, **_: Any) -> Cost:
+    """Cost of a :class:`SelectAllGather` whose per-rank count is data-dependent (threshold
+    selection): exact with the measured ``counts``, else the bound of k pairs per rank."""
+    if counts is None:
+        return select_allgather_cost(P, n, k, rank, itemsize).bound()
+    return select_allgather_cost(P, n, k, rank, itemsize, counts=counts)

@@ -32,8 +32,6 @@ k_(P-1)])`` is exact; without ``counts`` it is TopkA's figure for k per rank, ma
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,10 +39,10 @@ from torch import Tensor
 from ..blocks.metrics import SparsificationMetrics
 from ..blocks.selectors.scan import Scratch
 from ..blocks.selectors.threshold import HardThreshold, ThresholdController, local_elasticity
-from ..core.cost import Cost, register_cost
+from ..core.cost import register_cost
 from ..core.validate import check_int
 from .base import register_method
-from .select_allgather import SelectAllGather, select_allgather_cost
+from .select_allgather import FeedbackStateMixin, SelectAllGather, data_dependent_cost
 
 __all__ = ["SIDCo", "sidco_threshold"]
 
@@ -133,7 +131,7 @@ def sidco_threshold(x: Tensor, density: float, distribution: str = "exponential"
 
 
 @register_method("sidco")
-class SIDCo(SparsificationMetrics, SelectAllGather):
+class SIDCo(SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
     """SIDCo statistical threshold estimation, all-gather, sum (see the module docstring).
 
     Args:
@@ -178,18 +176,5 @@ class SIDCo(SparsificationMetrics, SelectAllGather):
             self._feedback.update(indices.numel(), k, elasticity)
         return indices
 
-    def extra_state(self) -> dict[str, Any]:
-        return {**super().extra_state(), "feedback": self._feedback.state_dict()}
 
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        super().load_extra_state(state)
-        if "feedback" in state:
-            self._feedback.load_state_dict(state["feedback"])
-
-
-@register_cost("sidco")
-def _sidco_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4,
-                counts: Sequence[int] | None = None, **_: Any) -> Cost:
-    if counts is None:
-        return select_allgather_cost(P, n, k, rank, itemsize).bound()
-    return select_allgather_cost(P, n, k, rank, itemsize, counts=counts)
+register_cost("sidco")(data_dependent_cost)

@@ -25,16 +25,14 @@ k_(P-1)])`` is exact; without ``counts`` it is TopkA's figure for k per rank, ma
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
 
 from torch import Tensor
 
 from ..blocks.metrics import SparsificationMetrics
 from ..blocks.selectors.threshold import HardThreshold, ThresholdController, estimate_kth_magnitude
-from ..core.cost import Cost, register_cost
+from ..core.cost import register_cost
 from .base import register_method
-from .select_allgather import SelectAllGather, select_allgather_cost
+from .select_allgather import FeedbackStateMixin, SelectAllGather, data_dependent_cost
 
 __all__ = ["HardThresholdAllGather"]
 
@@ -42,7 +40,7 @@ _CONTROLLERS = ("adaptive", "paper")
 
 
 @register_method("threshold")
-class HardThresholdAllGather(SparsificationMetrics, SelectAllGather):
+class HardThresholdAllGather(SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
     """Hard-threshold sparsifier: every ``|acc| >= threshold``, all-gather, sum.
 
     Args:
@@ -81,18 +79,5 @@ class HardThresholdAllGather(SparsificationMetrics, SelectAllGather):
             self._feedback.update(indices.numel(), k)
         return indices
 
-    def extra_state(self) -> dict[str, Any]:
-        return {**super().extra_state(), "feedback": self._feedback.state_dict()}
 
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        super().load_extra_state(state)
-        if "feedback" in state:
-            self._feedback.load_state_dict(state["feedback"])
-
-
-@register_cost("threshold")
-def _threshold_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4,
-                    counts: Sequence[int] | None = None, **_: Any) -> Cost:
-    if counts is None:
-        return select_allgather_cost(P, n, k, rank, itemsize).bound()
-    return select_allgather_cost(P, n, k, rank, itemsize, counts=counts)
+register_cost("threshold")(data_dependent_cost)
