@@ -6,6 +6,7 @@ next call on finite input must succeed with bit-identical replicas. Every method
 import dataclasses
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -251,3 +252,21 @@ def test_ddp_hook_with_skip_policy_skips_the_nan_step_on_every_rank_and_goes_on(
     assert norms0 == norms1
     assert norms0[1] == 0 and all(v > 0 and math.isfinite(v) for i, v in enumerate(norms0) if i != 1)
     assert skipped0 >= 1 and skipped1 >= 1
+
+
+def _one_rank_stops(name):
+    rank = dist.get_rank()
+    method = make_method(name, density=0.1)
+    method(torch.ones(100))
+    if rank == 1:
+        time.sleep(3600)                       # stops taking part; its heartbeat goes on
+    method(torch.ones(100))
+
+
+def test_a_rank_that_stops_calling_is_named_by_the_others_agreement():
+    """Every call starts with the agreement, so whatever the method, the ranks left waiting in it time
+    out after the process group's timeout and the launcher names the rank that stopped."""
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 stopped participating: rank\(s\) \[0, 2\] waited 4 s for it"):
+        run_workers(3, _one_rank_stops, "topk", timeout=60, stall_timeout=4)
+    assert time.monotonic() - start < 20

@@ -66,12 +66,17 @@ def save_checkpoint(path: str, state: dict[str, Any], meta: dict[str, Any]) -> N
 def load_checkpoint(path: str, expect: dict[str, Any]) -> dict[str, Any]:
     """Read the checkpoint at ``path``; ``CheckpointError`` unless its ``meta`` matches ``expect``
     on every key of ``expect`` (local: see :func:`resume_checkpoint` for the collective version)."""
-    saved = torch.load(path, weights_only=False)
-    if not isinstance(saved, dict) or "meta" not in saved:
-        raise CheckpointError(f"{path} is not a sparsecomm checkpoint (no 'meta'; written by an older version?)")
+    saved = _read(path)
     problems = meta_mismatch(saved["meta"], expect)
     if problems:
         raise CheckpointError(f"{path} was written by another run: {problems}")
+    return saved
+
+
+def _read(path: str) -> dict[str, Any]:
+    saved = torch.load(path, weights_only=False)
+    if not isinstance(saved, dict) or not isinstance(saved.get("meta"), dict):
+        raise CheckpointError(f"{path} is not a sparsecomm checkpoint (no 'meta'; written by an older version?)")
     return saved
 
 
@@ -94,10 +99,8 @@ def resume_checkpoint(directory: str, expect: dict[str, Any], group=None) -> dic
     path = checkpoint_path(directory, rank)
     status, saved, detail, written_by = _OK, None, "", -1
     try:
-        saved = torch.load(path, weights_only=False)
-        meta = saved.get("meta") if isinstance(saved, dict) else None
-        if not isinstance(meta, dict):
-            raise CheckpointError(f"{path} is not a sparsecomm checkpoint (no 'meta'; written by an older version?)")
+        saved = _read(path)
+        meta = saved["meta"]
         written_by = int(meta.get("world_size", -1))
         mismatch = meta_mismatch(meta, expect)
         if mismatch:
