@@ -22,7 +22,7 @@ __all__ = ["BlockTopK"]
 
 
 #: elements squared at a time by :meth:`BlockTopK.block_energies`
-_CHUNK = 1 << 20
+_CHUNK = 1 << 16
 
 
 @register_selector("block_topk")
