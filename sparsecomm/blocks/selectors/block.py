@@ -21,6 +21,10 @@ from .registry import register_selector
 __all__ = ["BlockTopK"]
 
 
+#: elements squared at a time by :meth:`BlockTopK.block_energies`
+_CHUNK = 1 << 16
+
+
 @register_selector("block_topk")
 class BlockTopK(Selector):
     """Whole blocks with the largest L2 norm: count in ``[k, k + block_size - 1]``.
@@ -37,16 +41,25 @@ class BlockTopK(Selector):
         self._block_topk = TopK(check_finite=False)
 
     def block_energies(self, x: Tensor) -> Tensor:
-        """Squared L2 norm of each block (float32 for half-precision input, which could overflow)."""
+        """Squared L2 norm of each block (float32 for half-precision input, which could overflow).
+
+        Computed chunk by chunk through a reused buffer of at most ``_CHUNK`` elements, so the
+        selector keeps no gradient-sized buffer between calls (issue 16, item 6)."""
         dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        n, size = x.numel(), self.block_size
+        chunk = max(size, _CHUNK // size * size)
         buf = self._squares
-        if buf is None or buf.numel() != x.numel() or buf.dtype != dtype or buf.device != x.device:
-            self._squares = buf = torch.empty(x.numel(), dtype=dtype, device=x.device)
-        torch.square(x.to(dtype), out=buf)
-        full = x.numel() // self.block_size
-        energies = buf[: full * self.block_size].view(full, self.block_size).sum(1)
-        if full * self.block_size < x.numel():
-            energies = torch.cat([energies, buf[full * self.block_size:].sum().reshape(1)])
+        if buf is None or buf.numel() < min(chunk, n) or buf.dtype != dtype or buf.device != x.device:
+            self._squares = buf = torch.empty(min(chunk, n), dtype=dtype, device=x.device)
+        energies = torch.empty(math.ceil(n / size), dtype=dtype, device=x.device)
+        for start in range(0, n, chunk):
+            part = x[start:start + chunk]
+            squares = torch.square(part.to(dtype), out=buf[:part.numel()])
+            full = part.numel() // size
+            first = start // size
+            energies[first:first + full] = squares[:full * size].view(full, size).sum(1)
+            if full * size < part.numel():
+                energies[first + full] = squares[full * size:].sum()
         return energies
 
     def select(self, x: Tensor, k: int) -> Tensor:

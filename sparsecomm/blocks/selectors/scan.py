@@ -53,6 +53,10 @@ try:
 except ImportError:  # built optionally (setup.py): no compiler at install time
     _compiled = None
 
+#: the kernel's output buffers keep at most this many candidates (or 4x the expected count) between
+#: calls, so that a rare scan at a low threshold does not leave a gradient-sized buffer behind
+_KEEP_CAPACITY = 1 << 18
+
 #: a sample is at most this fraction of the input, and at most _MAX_SAMPLE elements
 _MAX_SAMPLE_FRACTION = 1 / 8
 _MAX_SAMPLE = 1 << 16
@@ -184,7 +188,10 @@ class Scratch:
                       self._out_indices.numel())
             self._grow(count + count // 4)
             count, total, top = self._run_compiled(x, floor, self._out_indices.numel())
-        return ScanResult(self._out_indices[:count].clone(), self._out_values[:count].clone(), total, top)
+        result = ScanResult(self._out_indices[:count].clone(), self._out_values[:count].clone(), total, top)
+        if self._out_indices.numel() > max(4 * expected, _KEEP_CAPACITY):
+            self._grow(max(expected, 1024))  # a rare large gather: do not keep 12 bytes per element of it
+        return result
 
     def _grow(self, capacity: int) -> None:
         self._out_indices = torch.empty(capacity, dtype=torch.int64)
