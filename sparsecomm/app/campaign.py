@@ -95,7 +95,7 @@ class RunSpec:
 #: (Lin et al. 2018, section 3.2; SparseSynchronizer, momentum-free optimizer); the same after a
 #: dense warm-up of 10% of the steps
 RECIPES: dict[str, dict[str, Any]] = {
-    "hook": {},
+    "hook": {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0},
     "mc": {"sync": "synchronizer", "momentum_correction": True},
     "mc-warmup": {"sync": "synchronizer", "momentum_correction": True, "dense_warmup_steps": 6},
 }
