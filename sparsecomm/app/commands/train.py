@@ -33,11 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync", choices=["ddp", "synchronizer"], default=None,
                         help="DDP with the comm hook, or SparseSynchronizer (needed for the DGC options); "
-                        "default: the recommended recipe (synchronizer for sparse methods)")
+                        "default: the recommended recipe (training.SPARSE_RECIPE: ddp)")
     parser.add_argument("--dense-warmup-steps", type=int, default=None, help="default: the recipe's (0)")
     parser.add_argument("--clip-norm", type=float, default=None, help="local gradient clipping (synchronizer)")
     parser.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
-                        help="DGC momentum correction (synchronizer); default: on for sparse methods")
+                        help="DGC momentum correction (synchronizer); default: the recipe's (off)")
     parser.add_argument("--density-warmup", type=int, default=None, help="DGC density warm-up epochs (synchronizer)")
     parser.add_argument("--method-options", default="{}", help='JSON dict of method options, e.g. \'{"teams": 2}\'')
     parser.add_argument("--train-size", type=int, default=None, help="subset of the training set (fashion-mnist, zipf)")
