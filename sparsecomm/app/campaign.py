@@ -91,11 +91,12 @@ class RunSpec:
 
 
 #: sparse-training recipes compared by ``bench time_to_accuracy --recipe METHOD`` (docs/campaign.md):
-#: the DDP comm hook with the optimizer's momentum; DGC momentum correction with factor masking
-#: (Lin et al. 2018, section 3.2; SparseSynchronizer, momentum-free optimizer); the same after a
-#: dense warm-up of 10% of the steps
+#: the DDP comm hook with the optimizer's momentum, without and with a dense warm-up of 10% of the
+#: steps (6 of the LSTM's 60); DGC momentum correction with factor masking (Lin et al. 2018,
+#: section 3.2; SparseSynchronizer, momentum-free optimizer), without and with that warm-up
 RECIPES: dict[str, dict[str, Any]] = {
-    "hook": {},
+    "hook": {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0},
+    "warmup": {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 6},
     "mc": {"sync": "synchronizer", "momentum_correction": True},
     "mc-warmup": {"sync": "synchronizer", "momentum_correction": True, "dense_warmup_steps": 6},
 }

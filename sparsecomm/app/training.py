@@ -59,6 +59,15 @@ BASELINES = ("ddp", "powersgd")
 
 LR_SCHEDULES = ("constant", "cosine")
 
+#: the recommended recipe for sparse methods, chosen by the measurement in docs/campaign.md
+#: ("Recipe"): the DDP comm hook with the optimizer's momentum (error feedback in the method's
+#: residual), no dense warm-up, the cosine learning-rate schedule (the default ``lr_schedule``).
+#: DGC momentum correction (``sync="synchronizer", momentum_correction=True``) and a dense warm-up
+#: (``dense_warmup_steps``) stay available; they did worse or no better in that measurement.
+SPARSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0}
+#: dense methods and the torch baselines: DDP, the optimizer's own momentum
+DENSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0}
+
 
 def scheduled_lr(config: TrainConfig, step: int, total_steps: int) -> float:
     """The learning rate of global step ``step`` (0-based): a function of the step alone, so a
@@ -86,10 +95,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     seed: int = 0
     net: str | None = None       # tc rate of the emulated network, None = loopback
-    sync: str = "ddp"               # "ddp" (comm hook) or "synchronizer"
-    dense_warmup_steps: int = 0
+    # None: the recommended recipe (SPARSE_RECIPE for sparse methods, DENSE_RECIPE otherwise)
+    sync: str = None  # type: ignore[assignment]  # "ddp" (comm hook) or "synchronizer"
+    dense_warmup_steps: int = None  # type: ignore[assignment]
     clip_norm: float | None = None
-    momentum_correction: bool = False
+    momentum_correction: bool = None  # type: ignore[assignment]
     density_warmup: int | None = None
     powersgd_rank: int = 2
     method_options: dict[str, Any] = field(default_factory=dict)
@@ -107,10 +117,15 @@ class TrainConfig:
     collective_timeout: float = STALL_TIMEOUT
 
     def __post_init__(self) -> None:
-        if self.model in MODEL_DEFAULTS:  # an unknown model is reported by validate()
-            for key, value in model_defaults(self.model, self.data).items():
-                if getattr(self, key) is None:
-                    setattr(self, key, value)
+        defaults = model_defaults(self.model, self.data) if self.model in MODEL_DEFAULTS else {}
+        try:
+            sparse = self.is_sparse
+        except ValueError:  # an unknown model or method is reported by validate()
+            sparse = False
+        defaults.update(SPARSE_RECIPE if sparse else DENSE_RECIPE)
+        for key, value in defaults.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
 
     def validate(self) -> None:
         """Reject bad options before any worker starts, naming the option and the rule."""

@@ -43,11 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cosine decays the learning rate to 0 over the run")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sync", choices=["ddp", "synchronizer"], default="ddp",
-                        help="DDP with the comm hook, or SparseSynchronizer (needed for the DGC options)")
-    parser.add_argument("--dense-warmup-steps", type=int, default=0)
+    parser.add_argument("--sync", choices=["ddp", "synchronizer"], default=None,
+                        help="DDP with the comm hook, or SparseSynchronizer (needed for the DGC options); "
+                        "default: the recommended recipe (training.SPARSE_RECIPE: ddp)")
+    parser.add_argument("--dense-warmup-steps", type=int, default=None, help="default: the recipe's (0)")
     parser.add_argument("--clip-norm", type=float, default=None, help="local gradient clipping (synchronizer)")
-    parser.add_argument("--momentum-correction", action="store_true", help="DGC momentum correction (synchronizer)")
+    parser.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
+                        help="DGC momentum correction (synchronizer); default: the recipe's (off)")
     parser.add_argument("--density-warmup", type=int, default=None, help="DGC density warm-up epochs (synchronizer)")
     parser.add_argument("--schedule", default=None,
                         help="method switches EPOCH:METHOD[,EPOCH:METHOD...], e.g. 13:torus2d: --method runs "
