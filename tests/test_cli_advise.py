@@ -101,3 +101,24 @@ def test_advice_at_100mbit_beats_every_dense_method_as_measured(capsys):
     dense_family = ("dense", "ring", "rabenseifner", "torus2d", "tree", "twolevel")
     assert advised not in dense_family
     assert measured[advised] < min(measured[m] for m in dense_family)
+
+
+def test_measure_checks_the_colocated_advice(monkeypatch, capsys):
+    """The measured workers share this machine's cores: --measure predicts them colocated."""
+    from sparsecomm.app.commands import advise as advise_command
+
+    seen = {}
+    real = advise_command.advise
+
+    def spy(*args, **kwargs):
+        seen["colocated"] = kwargs["colocated"]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(advise_command, "advise", spy)
+    monkeypatch.setattr(advise_command, "measure", lambda ranked, *a, **k: {p.method: {"best": 1.0, "median": 1.0}
+                                                                            for p in ranked})
+    argv = ["advise", "--params", "1M", "-P", "4", "--methods", "dense,topka", "--alpha", "50us",
+            "--bandwidth", "1gbit"]
+    assert main(argv) == 0 and seen["colocated"] is False
+    assert main([*argv, "--measure"]) == 0 and seen["colocated"] is True
+    assert "ratio 1.00 (within 10% of the fastest)" in capsys.readouterr().out

@@ -7,8 +7,9 @@ is given. The recommendation is the fastest predicted method; its density is the
 whose predicted step is within ``--density-slack`` of that method's fastest (a lower density saves
 time but costs accuracy: see docs/training.md). Each line says what the prediction rests on.
 
-``--measure`` checks the advice on this machine: every ranked method runs at its chosen density in one
-group of ``-P`` forked workers (on ``--net``, an emulated link, or loopback), interleaved: each round
+``--measure`` checks the advice on this machine (so the prediction takes the workers as colocated on
+its cores, as ``--colocated``): every ranked method runs at its chosen density in one group of ``-P``
+forked workers (on ``--net``, an emulated link, or loopback), interleaved: each round
 calls every method once, in a rotated order, so that the load of a shared machine falls on all of them
 alike. A method's measured time is its best round (the least of the slowest rank's call times: the call
 least disturbed by other processes, the statistic ``calibrate`` fits the profile on); the median is
@@ -48,7 +49,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--top", type=int, default=5, help="alternatives listed (default: %(default)s)")
     add_model_arguments(parser, methods="all")
     parser.add_argument("--measure", action="store_true", help="also run every ranked method here, interleaved, "
-                        "and compare the advice with the measured fastest")
+                        "and compare the advice with the measured fastest (implies --colocated: the measured "
+                        "workers share this machine's cores)")
     parser.add_argument("--net", default=None, help="with --measure: the emulated link the workers measure on, a tc "
                         "rate such as 1gbit (default: loopback)")
     parser.add_argument("--rounds", type=int, default=5, help="with --measure: timed rounds (default: %(default)s)")
@@ -185,6 +187,8 @@ def run(args) -> int:
     try:
         if args.rounds < 1:
             raise ValueError(f"--rounds={args.rounds} must be >= 1")
+        if args.measure:
+            args.colocated = True  # the advice checked is the one for the workers measured here
         if args.net is not None:
             from ..netemu import parse_net
 
