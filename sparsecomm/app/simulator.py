@@ -3,7 +3,8 @@
 A method's predicted time for one call on a flat gradient of ``n`` elements at ``P`` workers is
 
     T = comm + work
-    comm = link_contention(P) * comm_factor * max over ranks of (rounds * alpha + traffic_factor * bytes_sent * beta)
+    comm = f * (rounds * alpha + link_contention(P) * traffic_factor * bytes_sent * beta) + rounds * o
+           (rounds, bytes_sent: the slowest of a few sampled ranks)
     work = (w1 * n + w0) * contention(P) / contention(P_cal) + g * (received(P) - received(P_cal))
 
 * ``rounds`` and ``bytes_sent`` come from the formula registered with the method
@@ -19,12 +20,16 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   cores (as in this repository's validation), 1 for a cluster with a device per worker.
 * ``compute_scale`` (an assumption the user gives, e.g. a GPU's memory bandwidth over this
   machine's) divides the work term.
-* ``comm_factor`` is the method's measured communication time over the formula's time at the
-  calibration P: what the formula's rounds leave out (size headers, index and value messages sent
-  apart, per-call setup). Applied as a constant ratio at every P, and only on the profile's own
-  network: with a given alpha and beta it is 1 (the traffic factor still applies).
+* ``o`` and ``f`` compare the method's measured communication time at the calibration P with the
+  formula's there. Where the measurement is longer, the difference is what the formula's rounds
+  leave out, a cost per message (a round's size header, index and value messages sent apart, a
+  peer process's wake-up): ``o`` = difference / rounds at P_cal, f = 1. Where it is shorter (the
+  formula over-estimates), o = 0 and f = measured / formula (the profile's ``comm_factor``). Only
+  on the profile's own network: with a given alpha and beta, o = 0 and f = 1 (the traffic factor
+  still applies).
 * ``link_contention(P)`` (:func:`comm_contention`) is ``P / cores`` on loopback with colocated
-  workers (a loopback link is a kernel copy: CPU work the P processes share), 1 under a rate limit.
+  workers (moving a byte over loopback is a kernel copy: CPU work the P processes share; a round's
+  latency is not), 1 under a rate limit.
 * ``overlap`` in [0, 1] with a backward time ``backward_s``: the fraction of communication that can
   run behind backward, hidden up to the backward time (the overlapped DDP hook).
   ``T = work + comm - min(overlap * comm, backward_s)``.
@@ -257,7 +262,19 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         if compute_scale != 1.0:
             rests.append(f"ASSUMED compute {compute_scale:g}x this device")
     comm, rounds, sent, exact = predict_comm(name, P, n, density, a, b, options, factor)
-    comm *= comm_factor * contention_comm
+    per_round = 0.0
+    if profile is not None and calib and comm_factor != 1.0 and calib.get("comm_s"):
+        # the measured comm at the calibration P against the formula's there: what the formula leaves
+        # out is a cost per message (a round's size header, separate index and value messages, the
+        # peer's wake-up), added per round; a formula that over-estimates is scaled down
+        n_cal = max(int(size) for size in calib["comm_s"])
+        measured = float(calib["comm_s"][str(n_cal)])
+        formula, rounds_cal, _, _ = predict_comm(name, calib["P"], n_cal, density, a, b, calib_options, factor)
+        if measured >= formula and rounds_cal:
+            per_round, comm_factor = (measured - formula) / rounds_cal, 1.0
+        elif formula > 0:
+            comm_factor = measured / formula
+    comm = comm_factor * (rounds * a + contention_comm * (comm - rounds * a)) + rounds * per_round
     hidden = min(overlap * comm, backward_s)
     if overlap:
         rests.append(f"overlap {overlap:g} of comm behind {backward_s * 1e3:.0f} ms backward")
