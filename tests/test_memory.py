@@ -79,9 +79,10 @@ OVER_PEAK = {
 }
 
 
-def _check(name, figures):
+def _check(name, figures, n):
     if method_class(name).has_residual:
-        assert figures["kept"] <= 2.25, (name, figures)  # 2 buffers + index arrays and scratch (< 5%)
+        # 2 buffers + index arrays and scratch: 20% of a gradient, plus 1 MiB that does not scale with n
+        assert figures["kept"] <= 2.2 + 2 ** 20 / (4 * n), (name, figures)
     if name in OVER_PEAK:
         pytest.xfail(OVER_PEAK[name])
     assert figures["peak"] <= 4.2, (name, figures)
@@ -90,13 +91,13 @@ def _check(name, figures):
 @pytest.mark.parametrize("name", ["topka", "spardl"])
 def test_memory_of_two_methods_at_one_million(name):
     """The quick version (the full table at n = 5M is the slow test below)."""
-    _check(name, _row(name, 1_000_000))
+    _check(name, _row(name, 1_000_000), 1_000_000)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", available_methods())
 def test_memory_at_five_million(name):
-    _check(name, _row(name))
+    _check(name, _row(name), N)
 
 
 if __name__ == "__main__":  # the table of docs/memory.md

@@ -77,7 +77,7 @@ def _run_subclass(n, steps):
         grad = make_gradient(n, rank, step)
         old = None if method.residual is None else method.residual.clone()
         out = method(grad.clone())
-        records.append({"grad": grad, "old_residual": old, "out": out,
+        records.append({"grad": grad, "old_residual": old, "out": out.clone(),  # valid until the next call
                         "new_residual": method.residual.clone(), "stats": dict(method.stats),
                         "sent": method.last_sent.clone()})
     return records

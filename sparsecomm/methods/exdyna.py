@@ -75,6 +75,7 @@ from typing import Any
 import torch
 
 from ..blocks.metrics import SparsificationMetrics
+from ..blocks.selectors.scan import Scratch
 from ..blocks.selectors.threshold import (
     ScaledThreshold,
     ThresholdController,
@@ -265,6 +266,7 @@ class ExDyna(SparsificationMetrics, Method):
         self.partition_counts: list[int] | None = None  # previous step's counts, by partition
         self.scaler: ScaledThreshold | None = None  # holds the threshold; Algorithm 5's factor
         self.feedback: ThresholdController | None = None  # the adaptive controller
+        self._scratch = Scratch()  # reused buffers of the selection pass
 
     # ------------------------------------------------------------------ state
     def _ensure_state(self, n: int) -> None:
@@ -328,7 +330,9 @@ class ExDyna(SparsificationMetrics, Method):
             start, end = self.partitions.bounds(mine)
             threshold = 0.0 if k >= n else self.scaler.threshold
             part = acc[start:end]
-            local = torch.nonzero(part.abs() >= threshold).reshape(-1)
+            # one fused pass (the selectors' scan kernel where built): increasing indices of |part| >= t
+            local = self._scratch.scan(part, threshold, name="exdyna", check_finite=False,
+                                       need_total=False, expected=math.ceil(2 * k / P)).indices
             picked = local.numel()
             limit = cap_limit(self.cap, k / P)
             if limit is not None and k < n and picked > limit:

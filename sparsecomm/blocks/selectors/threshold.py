@@ -142,7 +142,7 @@ def estimate_kth_magnitude(x: Tensor, k: int, shift: int = 0) -> float:
     """An estimate of the ``k``-th largest ``|x_i|``, from a sample holding about 1024 elements above it.
 
     The sample is ``x`` itself when that would take more than half of it (then the answer is exact),
-    else pieces of 256 contiguous elements at random places, about ``1024 n / k`` elements in all: the
+    else aligned pieces of 256 contiguous elements at random places, about ``1024 n / k`` elements in all: the
     count at the estimate is then within a few percent of ``k`` (binomial, relative error about
     ``1 / sqrt(1024)``) at the cost of reading ``1024 / k`` of ``x``. Returns 0.0 for ``k >= n``
     (everything is selected). Non-finite elements are ignored (the caller checks finiteness where
@@ -162,11 +162,10 @@ def estimate_kth_magnitude(x: Tensor, k: int, shift: int = 0) -> float:
     if 2 * size >= n:
         sample = x.abs()
     else:
-        pieces = max(1, size // _ESTIMATE_PIECE)
+        rows = x[: n // _ESTIMATE_PIECE * _ESTIMATE_PIECE].view(-1, _ESTIMATE_PIECE)
         gen = torch.Generator().manual_seed(_SEED_STRIDE * shift + n)
-        starts = torch.randint(0, n - _ESTIMATE_PIECE + 1, (pieces,), generator=gen).to(x.device)
-        where = (starts.unsqueeze(1) + torch.arange(_ESTIMATE_PIECE, device=x.device)).reshape(-1)
-        sample = x[where].abs_()
+        picked = torch.randint(0, rows.shape[0], (max(1, size // _ESTIMATE_PIECE),), generator=gen)
+        sample = rows.index_select(0, picked.to(x.device)).reshape(-1).abs_()
     sample = sample[torch.isfinite(sample)]
     if sample.numel() == 0:
         return 0.0
