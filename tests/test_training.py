@@ -11,8 +11,10 @@ from sparsecomm import available_methods
 from sparsecomm.app.cli import main
 from sparsecomm.app.training import TrainConfig, train
 
+# A constant learning rate: the resume tests stop a run early by giving it fewer epochs, which would
+# change a cosine schedule (a function of the total number of steps).
 SMALL = TrainConfig(model="mlp", data="digits", workers=2, epochs=2, batch_size=32, density=0.05,
-                    model_options={"hidden": [32]})
+                    lr_schedule="constant", model_options={"hidden": [32]})
 
 
 def _best_sparse():
