@@ -151,3 +151,24 @@ def test_small_tensors_go_dense():
     assert min(residual_sizes) >= 1024           # no residual for the dense parameters
     (calls0, n0, _, sizes0), = run_workers(1, _small_tensor_grads, 0)
     assert calls0 == 0 and n0 == n and min(sizes0) < 1024
+
+
+def _failing_method_raises_in_backward():
+    net, state = _ddp({"method": "topka", "density": 0.02}, find_unused=False)
+    _train(net, state, 0, 2)  # DDP has rebuilt its buckets: the groups are final
+
+    def broken(grad, layout):
+        raise ValueError("broken on purpose")
+
+    state.plan.groups[0].method.reduce = broken
+    x, y = _batch(dist.get_rank(), 2)
+    try:
+        nn.functional.cross_entropy(net(x), y).backward()
+    except Exception as exc:  # DDP re-raises the future's error at the end of backward
+        return str(exc)
+    return "no error"
+
+
+def test_error_on_the_thread_reaches_backward():
+    for message in run_workers(2, _failing_method_raises_in_backward):
+        assert "broken on purpose" in message
