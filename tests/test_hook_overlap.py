@@ -116,17 +116,21 @@ def _run_and_save(options: dict, steps: int, find_unused: bool, blobs=None, para
     return params_out, pickle.dumps(state), state.iter, len(net.seen_buckets)
 
 
-@pytest.mark.parametrize("granularity,find_unused", [("bucket", False), ("model", True), ("bucket", True)])
-def test_resume_with_several_buckets_is_exact(granularity, find_unused):
-    """find_unused_parameters=False: DDP rebuilds its buckets after the first step (in another
-    order), and the resumed run starts again from the first-iteration buckets."""
-    options = {"method": "topka", "density": 0.02, "granularity": granularity}
-    straight = run_workers(2, _run_and_save, options, 6, find_unused)
-    first = run_workers(2, _run_and_save, options, 3, find_unused)
-    resumed = run_workers(2, _run_and_save, options, 3, find_unused,
+@pytest.mark.parametrize("granularity,find_unused,half,method", [
+    ("bucket", False, 3, "topka"), ("model", True, 3, "topka"), ("bucket", True, 3, "topka"),
+    pytest.param("bucket", False, 30, "spardl", marks=pytest.mark.slow),   # issue 12's 30 + 30 steps
+    pytest.param("bucket", False, 30, "exdyna", marks=pytest.mark.slow),
+])
+def test_resume_with_several_buckets_is_exact(granularity, find_unused, half, method):
+    """find_unused_parameters=False: DDP starts from one bucket, rebuilds its buckets after the first
+    step (in another order), and the resumed run starts again from that one bucket."""
+    options = {"method": method, "density": 0.02, "granularity": granularity}
+    straight = run_workers(2, _run_and_save, options, 2 * half, find_unused)
+    first = run_workers(2, _run_and_save, options, half, find_unused)
+    resumed = run_workers(2, _run_and_save, options, half, find_unused,
                           [r[1] for r in first], [r[0] for r in first])
     for rank in range(2):
-        assert resumed[rank][2] == 6 and resumed[rank][3] >= 2  # several buckets
+        assert resumed[rank][2] == 2 * half and resumed[rank][3] >= 2  # several buckets
         assert all(torch.equal(a, b) for a, b in zip(resumed[rank][0], straight[rank][0], strict=True))
 
 
@@ -151,3 +155,24 @@ def test_small_tensors_go_dense():
     assert min(residual_sizes) >= 1024           # no residual for the dense parameters
     (calls0, n0, _, sizes0), = run_workers(1, _small_tensor_grads, 0)
     assert calls0 == 0 and n0 == n and min(sizes0) < 1024
+
+
+def _failing_method_raises_in_backward():
+    net, state = _ddp({"method": "topka", "density": 0.02}, find_unused=False)
+    _train(net, state, 0, 2)  # DDP has rebuilt its buckets: the groups are final
+
+    def broken(grad, layout):
+        raise ValueError("broken on purpose")
+
+    state.plan.groups[0].method.reduce = broken
+    x, y = _batch(dist.get_rank(), 2)
+    try:
+        nn.functional.cross_entropy(net(x), y).backward()
+    except Exception as exc:  # DDP re-raises the future's error at the end of backward
+        return str(exc)
+    return "no error"
+
+
+def test_error_on_the_thread_reaches_backward():
+    for message in run_workers(2, _failing_method_raises_in_backward):
+        assert "broken on purpose" in message
