@@ -6,9 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.bootstrapped
 
-# Offline data from Debian packages (Fashion-MNIST, fortunes text); skipped where apt or root is missing:
+# Offline data from Debian packages (Fashion-MNIST, fortunes text: `fortunes` holds most of the word
+# corpus of the LSTM workload); skipped where apt or root is missing:
 # the commands that need them then say how to install them.
-DATA_PACKAGES := dataset-fashion-mnist fortunes-min
+DATA_PACKAGES := dataset-fashion-mnist fortunes-min fortunes
 
 .PHONY: venv data lint test test-slow test-faults demo bench clean
 

@@ -59,7 +59,7 @@ def test_fortunes_words_is_a_word_level_language_model_with_a_capped_vocabulary(
     assert data.info["vocab_size"] == 5000
     assert int(data.x_train.max()) < 5000 and len(data.x_test) == 50
     assert torch.equal(data.x_train[:, 1:], data.y_train[:, :-1])  # y is x shifted by one token
-    assert data.info["tokens"] > 50_000  # fortunes-min alone has ~60k words
+    assert data.info["tokens"] > 15_000  # fortunes-min alone has ~18k words, with fortunes ~460k
     assert data.info["unk_fraction"] < 0.15
 
 

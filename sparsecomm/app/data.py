@@ -195,6 +195,9 @@ def load_fortunes_words(seed: int = 0, seq_len: int = 35, max_vocab: int = 10000
     if max_vocab < 2:
         raise ValueError(f"max_vocab={max_vocab!r} must be >= 2 (<unk> and at least one word)")
     tokens = tokenize_words(_fortune_text())
+    if len(tokens) < 100_000:
+        log.warning("fortunes-words: only %d tokens in %s; the LSTM workload expects ~575k: install the "
+                    "Debian package `fortunes` beside `fortunes-min`", len(tokens), FORTUNES_DIR)
     counts = Counter(tokens)
     kept = sorted(counts, key=lambda w: (-counts[w], w))[:max_vocab - 1]
     vocab = ["<unk>"] + kept

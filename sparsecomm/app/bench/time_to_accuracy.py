@@ -26,6 +26,10 @@ HELP = "time to a target accuracy/perplexity: DDP vs PowerSGD vs every sparse me
 log = logging.getLogger(__name__)
 
 
+def _echo(line: str) -> None:
+    print(line, flush=True)
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -76,11 +80,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not args.report_only:
-        campaign.run_campaign(first, args.out, overrides)
+        campaign.run_campaign(first, args.out, overrides, echo=_echo)
         for density in low:
             second = campaign.plan_low_density(workloads, nets, args.out, methods, density=density,
                                                best=args.best, from_density=args.density)
-            campaign.run_campaign(second, args.out, overrides)
+            campaign.run_campaign(second, args.out, overrides, echo=_echo)
     records = campaign.load_campaign(args.out)
     records = [r for r in records if r["campaign"]["workload"] in workloads
                and (r["config"]["net"] in nets)]

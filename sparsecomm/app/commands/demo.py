@@ -57,7 +57,8 @@ def run_demo(workload: campaign.Workload, methods: list[str], net: str | None, o
     """Train ``methods`` on ``workload`` and write the report into ``out/report``; returns the
     report's paths, rows and summary."""
     specs = campaign.plan([workload.name], [net], methods, density=density, powersgd_ranks=(2,))
-    campaign.run_campaign(specs, out, {"workers": workers}, workloads={workload.name: workload})
+    campaign.run_campaign(specs, out, {"workers": workers}, workloads={workload.name: workload},
+                          echo=lambda line: print(line, flush=True))
     records = campaign.load_campaign(out)
     return campaign.write_campaign_report(records, os.path.join(out, "report"), command=command,
                                           title="sparsecomm demo: time to target")
