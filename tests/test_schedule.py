@@ -104,8 +104,8 @@ def test_switch_to_unknown_method_leaves_synchronizer_unchanged():
 
 
 # constant lr: the first part of the resumed run is stopped by giving it fewer epochs
-SMALL = TrainConfig(model="mlp", data="digits", workers=2, epochs=3, batch_size=32, density=0.05, lr_schedule="constant",
-                    method="topka", schedule="2:dense", model_options={"hidden": [32]})
+SMALL = TrainConfig(model="mlp", data="digits", workers=2, epochs=3, batch_size=32, density=0.05,
+                    lr_schedule="constant", method="topka", schedule="2:dense", model_options={"hidden": [32]})
 
 
 @pytest.mark.parametrize("sync", ["synchronizer", "ddp"])
