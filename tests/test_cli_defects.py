@@ -68,7 +68,7 @@ def test_train_help_shows_defaults(capsys):
         main(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     for option, default in (("--workers", "4"), ("--density", "0.01"), ("--momentum", "0.9"),
-                            ("--lr-schedule", "constant"), ("--runs-dir", "runs")):
+                            ("--lr-schedule", "cosine"), ("--runs-dir", "runs")):
         assert re.search(re.escape(option) + r" .*?\(default: " + re.escape(default) + r"\)", out), option
 
 
@@ -83,14 +83,14 @@ def test_every_command_help_shows_defaults():
 # -- train: progress, a short run learns, shell-safe run names ---------------------------------------
 
 def test_short_train_run_prints_progress_learns_and_names_its_file_safely(tmp_path, capfd):
-    """A 1-epoch run on digits with the default hyperparameters: per-step progress (plain lines off a
-    terminal), an epoch line, accuracy far above chance (10%), and a shell-safe record name. (The
-    default learning rates per model are issue 13's training work; this only checks that a short run
-    learns.) Rank 0 prints from its worker process: captured at the file descriptors."""
-    assert main(["train", "--model", "mlp", "--data", "digits", "--method", "ddp", "--epochs", "1", "-P", "2",
+    """A run on digits with every hyperparameter at its default (the model's tuned epochs, batch size
+    and learning rate): per-step progress (plain lines off a terminal), an epoch line, accuracy far
+    above chance (10%), and a shell-safe record name. Rank 0 prints from its worker process: captured
+    at the file descriptors."""
+    assert main(["train", "--model", "mlp", "--data", "digits", "--method", "ddp", "-P", "2",
                  "--runs-dir", str(tmp_path)]) == 0
     captured = capfd.readouterr()
-    assert re.search(r"^epoch 1/1: 1/\d+ loss ", captured.err, re.M)
+    assert re.search(r"^epoch 1/\d+: 1/\d+ loss ", captured.err, re.M)
     assert re.search(r"^epoch   1  loss ", captured.out, re.M)
     (path,) = tmp_path.iterdir()
     record = json.loads(path.read_text())
