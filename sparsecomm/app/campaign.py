@@ -56,6 +56,7 @@ class Workload:
         """The run's :class:`TrainConfig`: the model's tuned defaults, this target, ``overrides``."""
         target = {"target_accuracy": self.target} if self.metric == "accuracy" else {"target_perplexity": self.target}
         options: dict[str, Any] = {"model": self.model, "data": self.data, "epochs": self.max_epochs,
+                                   "lr_schedule": "cosine",
                    "evals_per_epoch": self.evals_per_epoch, "data_options": dict(self.data_options),
                    "model_options": dict(self.model_options), **target}
         options.update(overrides)

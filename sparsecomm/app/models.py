@@ -79,7 +79,6 @@ class SmallVGG(nn.Module):
             in_ch = out_ch
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Linear(in_ch * height * width, num_classes)
-        _he_init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.flatten(self.features(x), 1))
@@ -218,7 +217,7 @@ MODEL_DATA: dict[str, list[str]] = {
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "mlp": {"lr": 0.05, "batch_size": 16, "epochs": 5},
     "cnn": {"lr": 0.05, "batch_size": 16, "epochs": 5},
-    "cnn/fashion-mnist": {"lr": 0.01, "batch_size": 32, "epochs": 3},
+    "cnn/fashion-mnist": {"lr": 0.03, "batch_size": 32, "epochs": 3},
     "lstm": {"lr": 0.5, "batch_size": 16, "epochs": 5},
     "embedding": {"lr": 0.5, "batch_size": 32, "epochs": 5},
     "vgg-fc": {"lr": 0.005, "batch_size": 16, "epochs": 2},

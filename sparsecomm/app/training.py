@@ -61,7 +61,9 @@ LR_SCHEDULES = ("constant", "cosine")
 
 #: the recommended recipe for sparse methods, chosen by the measurement in docs/campaign.md
 #: ("Recipe"): the DDP comm hook with the optimizer's momentum (error feedback in the method's
-#: residual), no dense warm-up, the cosine learning-rate schedule (the default ``lr_schedule``).
+#: residual), no dense warm-up, the cosine learning-rate schedule (``lr_schedule="cosine"``, the
+#: default of ``sparsecomm train``; ``TrainConfig`` keeps "constant" so that a run cut into
+#: epochs-limited pieces keeps its schedule).
 #: DGC momentum correction (``sync="synchronizer", momentum_correction=True``) and a dense warm-up
 #: (``dense_warmup_steps``) stay available; they did worse or no better in that measurement.
 SPARSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0}
@@ -90,7 +92,7 @@ class TrainConfig:
     epochs: int = None  # type: ignore[assignment]
     batch_size: int = None  # type: ignore[assignment]  # per worker
     lr: float = None  # type: ignore[assignment]
-    lr_schedule: str = "cosine"     # or "constant"; cosine: lr * (1 + cos(pi * step / total steps)) / 2
+    lr_schedule: str = "constant"   # or "cosine" (the recipe; the CLI's default): lr * (1 + cos(pi * step / total)) / 2
     momentum: float = 0.9
     weight_decay: float = 0.0
     seed: int = 0
