@@ -16,7 +16,7 @@ DATA_PACKAGES := dataset-fashion-mnist fortunes-min fortunes
 venv: $(STAMP)
 
 data:
-	@if [ -d /usr/share/datasets/fashion-mnist ] && [ -d /usr/share/games/fortunes ]; then :; \
+	@if [ -d /usr/share/datasets/fashion-mnist ] && [ -f /usr/share/games/fortunes/computers ]; then :; \
 	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 			$(DATA_PACKAGES) >/dev/null) || echo "warning: could not install $(DATA_PACKAGES); tests needing them skip"; \
