@@ -209,7 +209,7 @@ class SparseHookState:
             if bucket.is_last:
                 self._finish(bucket)
         except BaseException as exc:  # noqa: BLE001 - fail every waiting future, DDP raises it
-            self._fail(exc)
+            self._fail(exc, bucket)
 
     def _step(self, bucket: _Bucket) -> None:
         plan = self.plan
@@ -283,10 +283,12 @@ class SparseHookState:
         self._pending, self._calls, self._outputs, self._inputs = [], [], {}, {}
         self._bucketing, self._bucket_params = [], []
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, current: _Bucket) -> None:
+        """Fail every bucket DDP is waiting on: those of this iteration handed over so far and
+        ``current`` (which may not have reached them), so that backward raises instead of hanging."""
         self._error = exc
         error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
-        for bucket in self._pending + self._first:
+        for bucket in [*self._pending, *self._first, current]:
             if not bucket.future.done():
                 bucket.future.set_exception(error)
         self._pending, self._first = [], []
