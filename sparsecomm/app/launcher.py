@@ -132,13 +132,13 @@ def _worker_main(rank: int, world_size: int, store_path: str, fn: Callable, args
 
     torch.set_num_threads(1)
     _die_with_parent()
-    _start_heartbeat(beat, stall_timeout / _BEATS_PER_STALL)
     import torch.distributed as dist
 
     try:
         os.environ.update(node_environment(rank, world_size, local_size))
         if network is not None:
-            os.environ.update(network.enter(rank))
+            os.environ.update(network.enter(rank))  # while single-threaded: only the caller moves
+        _start_heartbeat(beat, stall_timeout / _BEATS_PER_STALL)
         _current_network = net
         store = dist.FileStore(store_path, world_size)
         init_error = None
