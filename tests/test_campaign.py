@@ -32,7 +32,12 @@ def test_plan_subset_and_errors_name_the_bad_value():
         campaign.plan(["cifar"], [None])
 
 
-T = campaign.WORKLOADS["lstm"].target  # the report applies the registry's target (1000)
+T = campaign.WORKLOADS["lstm"].target  # the report applies the registry's target
+
+
+def _ppl(*values: float) -> list[float]:
+    """Perplexities given as if the target were 1000, scaled to the registry's target."""
+    return [v * T / 1000 for v in values]
 
 
 def _record(label: str, net: str | None, times: list[float], values: list[float], metric: str = "perplexity",
@@ -58,7 +63,7 @@ def test_low_density_stage_takes_the_fastest_sparse_methods_of_the_first_stage(t
     out = str(tmp_path)
     finishes = {"topk": 30.0, "spardl": 10.0, "cltk": None, "topka": 20.0}
     for method, seconds in finishes.items():
-        values = [5000.0, 900.0] if seconds else [5000.0, 3000.0]
+        values = _ppl(5000.0, 900.0) if seconds else _ppl(5000.0, 3000.0)
         record = _record(f"{method}@0.01", "1gbit", [5.0, seconds or 40.0], values)
         _write(out, RunSpec("lstm", "1gbit", method), record)
     runs = campaign.plan_low_density(["lstm"], ["1gbit"], out, best=2)
@@ -75,7 +80,7 @@ def test_run_campaign_skips_finished_runs_so_an_interrupted_campaign_resumes(tmp
                 "network": "loopback", "config": {}}
 
     specs = campaign.plan(["lstm"], [None], ["ddp", "topk"])
-    _write(str(tmp_path), specs[0], _record("ddp", None, [1.0], [50.0]))
+    _write(str(tmp_path), specs[0], _record("ddp", None, [1.0], _ppl(50.0)))
     paths = campaign.run_campaign(specs, str(tmp_path), trainer=trainer, echo=lambda _: None)
     assert calls == ["topk"] and all(os.path.exists(p) for p in paths)
     campaign.run_campaign(specs, str(tmp_path), trainer=trainer, echo=lambda _: None)
@@ -84,10 +89,10 @@ def test_run_campaign_skips_finished_runs_so_an_interrupted_campaign_resumes(tmp
 
 
 def test_rows_and_speedups_compare_against_ddp_at_the_same_network():
-    records = [_record("ddp", "1gbit", [10.0, 20.0, 30.0], [3000.0, 1500.0, 900.0]),
-               _record("powersgd-r2", "1gbit", [8.0, 16.0, 24.0], [4000.0, 950.0, 800.0]),
-               _record("topka@0.01", "1gbit", [3.0, 6.0, 9.0], [3500.0, 1600.0, 930.0]),
-               _record("cltk@0.01", "1gbit", [2.0, 4.0, 6.0], [6000.0, 4000.0, 2000.0])]
+    records = [_record("ddp", "1gbit", [10.0, 20.0, 30.0], _ppl(3000.0, 1500.0, 900.0)),
+               _record("powersgd-r2", "1gbit", [8.0, 16.0, 24.0], _ppl(4000.0, 950.0, 800.0)),
+               _record("topka@0.01", "1gbit", [3.0, 6.0, 9.0], _ppl(3500.0, 1600.0, 930.0)),
+               _record("cltk@0.01", "1gbit", [2.0, 4.0, 6.0], _ppl(6000.0, 4000.0, 2000.0))]
     rows = {r["method"]: r for r in campaign.campaign_rows(records)}
     assert rows["ddp"]["time to target s"] == 30.0 and rows["topka@0.01"]["speed-up vs DDP"] == pytest.approx(30 / 9)
     assert rows["cltk@0.01"]["time to target s"] == "not reached"
@@ -99,9 +104,9 @@ def test_rows_and_speedups_compare_against_ddp_at_the_same_network():
 
 def test_report_writes_the_table_and_one_plot_per_workload_and_network(tmp_path):
     pytest.importorskip("matplotlib")
-    records = [_record("ddp", "1gbit", [1.0, 2.0], [3000.0, 900.0]),
-               _record("topk@0.01", "1gbit", [0.5, 1.0], [3100.0, 950.0]),
-               _record("ddp", "100mbit", [5.0, 9.0], [3000.0, 900.0])]
+    records = [_record("ddp", "1gbit", [1.0, 2.0], _ppl(3000.0, 900.0)),
+               _record("topk@0.01", "1gbit", [0.5, 1.0], _ppl(3100.0, 950.0)),
+               _record("ddp", "100mbit", [5.0, 9.0], _ppl(3000.0, 900.0))]
     paths = campaign.write_campaign_report(records, str(tmp_path), command="sparsecomm bench time_to_accuracy")
     names = sorted(os.path.basename(p) for p in paths["plots"])
     assert names == ["campaign-lstm-100mbit.png", "campaign-lstm-1gbit.png"]

@@ -97,3 +97,43 @@ def test_momentum_correction_masks_sent_entries_and_stays_consistent():
     results = run_workers(2, _momentum_corrected_training, 2)
     assert all(r[0] and r[2] for r in results)
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=False))
+
+
+def _momentum_corrected_at_full_density(P_unused):
+    """Three steps of topka at density 1 with DGC momentum correction, and the same steps of plain SGD
+    without momentum on the all-reduced gradient, from the same start."""
+    torch.manual_seed(0)
+    corrected, plain = _model_pair()
+    opt = torch.optim.SGD(corrected.parameters(), lr=0.1, momentum=0.0)
+    sync = SparseSynchronizer(corrected, opt, "topka", density=1.0, momentum_correction=0.9)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.0)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(10 * dist.get_rank() + step)
+        x, y = torch.randn(4, 6, generator=gen), torch.randint(2, (4,), generator=gen)
+        for model, optimizer in ((corrected, opt), (plain, plain_opt)):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+        for p in plain.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        sync.step()
+        plain_opt.step()
+    return [p.detach() for p in corrected.parameters()], [p.detach() for p in plain.parameters()]
+
+
+def _model_pair():
+    first = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2))
+    second = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2))
+    second.load_state_dict(first.state_dict())
+    return first, second
+
+
+@pytest.mark.parametrize("P", [1, 3])
+def test_momentum_correction_at_full_density_is_sgd_without_momentum(P):
+    """DGC's momentum factor masking (Lin et al. 2018, section 3.2) zeroes the velocity wherever an
+    entry was sent: an entry sent every step keeps no momentum. At density 1 every entry is sent
+    every step, so the update is plain SGD on the average gradient. That is why momentum correction
+    needs a larger lr than momentum SGD where entries are sent often (docs/campaign.md, "Recipe")."""
+    for corrected, plain in run_workers(P, _momentum_corrected_at_full_density, P):
+        for a, b in zip(corrected, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

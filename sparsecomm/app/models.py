@@ -221,7 +221,7 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "lstm": {"lr": 0.5, "batch_size": 16, "epochs": 5},
     "embedding": {"lr": 0.5, "batch_size": 32, "epochs": 5},
     "vgg-fc": {"lr": 0.005, "batch_size": 16, "epochs": 2},
-    "word-lstm": {"lr": 0.3, "batch_size": 8, "epochs": 3},
+    "word-lstm": {"lr": 1.0, "batch_size": 8, "epochs": 3},
 }
 
 

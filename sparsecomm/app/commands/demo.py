@@ -25,7 +25,7 @@ from ..report_table import markdown_table
 HELP = "train the communication-heavy LSTM with DDP, PowerSGD and the best sparse methods; report the speed-up"
 
 #: the sparse methods fastest to the target in the campaign (docs/campaign.md), best first
-DEMO_SPARSE = ("topka", "cltk", "spardl")
+DEMO_SPARSE = ("topka", "hitopk", "cltk")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
