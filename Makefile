@@ -11,7 +11,7 @@ STAMP := $(VENV)/.bootstrapped
 # the commands that need them then say how to install them.
 DATA_PACKAGES := dataset-fashion-mnist fortunes-min fortunes
 
-.PHONY: venv data lint test test-slow test-faults demo bench clean
+.PHONY: venv data lint test test-slow test-faults test-gpu demo bench clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,11 @@ test: $(STAMP) data lint
 
 test-slow: $(STAMP) data
 	$(PY) -m pytest -q -ra -m slow
+
+# On a machine with a CUDA GPU and a CUDA build of torch (with Triton): the CUDA path's tests. Where the
+# environment already holds torch (a GPU image), `make test-gpu PY=python3` runs them without the venv.
+test-gpu:
+	$(PY) -m pytest -q -ra -m gpu tests/test_gpu.py
 
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -ra -m faults

@@ -68,6 +68,9 @@ class Communicator:
         self.meter = meter if meter is not None else TrafficMeter()
         self.node_size: int = resolve_local_size(dist.get_world_size(), node_size)
         self._my_node = node_of(me, self.node_size)
+        # gloo reads and writes host memory only (a CUDA tensor aborts it): stage CUDA tensors through
+        # host copies there; NCCL and other backends take device tensors as they are
+        self._host_staging = dist.get_backend(group) == "gloo"
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, ranks={self._ranks})"
@@ -89,18 +92,26 @@ class Communicator:
               recv: torch.Tensor | None, src: int | None, header: bool) -> None:
         """Send and receive concurrently; book the bytes; wait for both."""
         works = []
+        landing = None  # (device tensor, host copy) of a staged receive
         if recv is not None and recv.numel() > 0:
             assert src is not None, "a receive needs its source rank"
-            works.append(dist.irecv(_as_bytes(recv) if recv.dtype != torch.uint8 else recv,
+            target = recv
+            if self._host_staging and recv.is_cuda:
+                target = torch.empty(recv.shape, dtype=recv.dtype)
+                landing = (recv, target)
+            works.append(dist.irecv(_as_bytes(target) if target.dtype != torch.uint8 else target,
                                     src=self.global_rank(src), group=self.group))
             self.meter.record_recv(_nbytes(recv), header=header, inter_node=self.is_inter_node(src))
         if send is not None and send.numel() > 0:
             assert dst is not None, "a send needs its destination rank"
-            works.append(dist.isend(_as_bytes(send), dst=self.global_rank(dst), group=self.group))
+            payload = send.cpu() if self._host_staging and send.is_cuda else send
+            works.append(dist.isend(_as_bytes(payload), dst=self.global_rank(dst), group=self.group))
             self.meter.record_send(_nbytes(send), header=header, inter_node=self.is_inter_node(dst))
         for work in works:
             if work is not None:  # None only for a rank outside the group, which never gets here
                 work.wait()
+        if landing is not None:
+            landing[0].copy_(landing[1])
 
     def sendrecv(self, send: torch.Tensor | None, dst: int | None,
                  recv: torch.Tensor | None, src: int | None) -> None:
@@ -220,7 +231,12 @@ class Communicator:
         the meter books one round and no bytes (see ``costmodel`` for the model's figure)."""
         self._require_whole_group("native_all_reduce")
         self.meter.record_round()
-        dist.all_reduce(tensor, group=self.group)
+        if self._host_staging and tensor.is_cuda:
+            staged = tensor.cpu()
+            dist.all_reduce(staged, group=self.group)
+            tensor.copy_(staged)
+        else:
+            dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def agree_max(self, values: Sequence[int], device=None) -> list[int]:

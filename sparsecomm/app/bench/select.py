@@ -10,6 +10,13 @@ pure-torch path that CUDA tensors and other dtypes take), and the row "fused sca
 bare pass (sum and max of ``|x|``, no candidates). ``--quality`` instead prints the quality table on
 normal, Laplace, Student-t(3) data and on real gradients of a small MLP.
 
+``--device cuda`` times on the GPU instead (the reproduction of RedSync's Fig. 3 and Shi et al.'s Fig. 6):
+for every size of ``--sizes`` and every density, each selector's median time over ``--repeat`` calls
+(synchronized: a selector's result is on the host's hands when it returns), its speed-up over
+``torch.topk(|x|, k)`` on the same GPU, and its time in *memory passes*: one pass is one read of ``x``
+at the bandwidth of a device-to-device copy of ``x`` (half the copy's time, as the copy reads and
+writes ``x``), the least any selector must spend.
+
 Threshold selectors are primed as after a previous step: ``threshold`` and ``scaled_threshold`` start at
 the exact k-th largest magnitude of the previous input (timing: the same input; quality: an independent
 draw of the same distribution, or the MLP's previous gradient).
@@ -50,8 +57,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scan implementations timed beside the one in use (default: torch, when "
                              "the one in use is the C kernel)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: time the selectors on the GPU")
+    parser.add_argument("--sizes", type=_size_list, default=None,
+                        help="with --device cuda: comma-separated sizes (default 256K,1M,4M,16M,25M,64M,128M)")
     parser.add_argument("--quality", action="store_true",
                         help="print the quality table (normal, Laplace, Student-t(3), MLP gradients) instead")
+
+
+_DEFAULT_GPU_SIZES = [1 << 18, 1 << 20, 1 << 22, 1 << 24, 25_000_000, 64_000_000, 128_000_000]
+
+
+def _size_list(text: str) -> list[int]:
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        scale = {"K": 1 << 10, "M": 1_000_000}.get(part[-1:], 1)
+        sizes.append(int(float(part[:-1] if scale != 1 else part) * scale))
+    return sizes
+
+
+def _device_median_seconds(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
+    """Median wall time of ``fn`` with the device synchronized before and after each call."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _gpu_rows(args: argparse.Namespace, names: list[str]) -> list[dict[str, object]]:
+    """Per size and density: torch.topk, one memory pass, and every selector on the GPU."""
+    device = torch.device(args.device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    rows: list[dict[str, object]] = []
+    for n in args.sizes or _DEFAULT_GPU_SIZES:
+        x = torch.randn(n, generator=gen, device=device)
+        copy = torch.empty_like(x)
+        t_pass = _device_median_seconds(functools.partial(copy.copy_, x), args.repeat, device) / 2
+        for density in args.densities:
+            k = math.ceil(density * n)
+            t_topk = _device_median_seconds(functools.partial(torch.topk, x.abs(), k, sorted=False), args.repeat,
+                                            device)
+            base = {"n": n, "density": density, "k": k}
+            rows.append({**base, "selector": "torch.topk(|x|)", "us": 1e6 * t_topk, "speed-up vs topk": 1.0,
+                         "passes": t_topk / t_pass, "count": k, "quality": 1.0})
+            rows.append({**base, "selector": "one memory pass", "us": 1e6 * t_pass,
+                         "speed-up vs topk": t_topk / t_pass, "passes": 1.0, "count": "", "quality": ""})
+            for name in names:
+                sel = _make(name, x, k)
+                result: list[Tensor] = []
+                t = _device_median_seconds(functools.partial(_select_into, result, sel, x, k), args.repeat, device)
+                indices = result[-1]
+                rows.append({**base, "selector": name, "us": 1e6 * t, "speed-up vs topk": t_topk / t,
+                             "passes": t / t_pass, "count": indices.numel(),
+                             "quality": captured_mass(x, indices, k)})
+        del x, copy
+        torch.cuda.empty_cache()
+    return rows
 
 
 def captured_mass(x: Tensor, indices: Tensor, k: int) -> float:
@@ -194,6 +261,17 @@ def run(args: argparse.Namespace) -> int:
     check(args)
     torch.set_num_threads(args.threads)
     names = args.selectors or selectors.available()
+    if args.device != "cpu":
+        if not torch.cuda.is_available() or torch.device(args.device).type != "cuda":
+            raise ValueError(f"--device={args.device!r}: only 'cpu' and 'cuda' are supported, and 'cuda' needs a "
+                             "CUDA build of torch and a GPU (none here)")
+        from ...blocks.selectors import triton_scan
+        print(f"selection time on {torch.cuda.get_device_name(args.device)}, float32 N(0,1), median of "
+              f"{args.repeat} synchronized calls, torch {torch.__version__}, scan: "
+              f"{'triton' if triton_scan.installed() else 'torch passes (Triton not installed)'}")
+        print(markdown_table(_gpu_rows(args, names), ["selector", "n", "density", "k", "us", "speed-up vs topk",
+                                                      "passes", "count", "quality"]))
+        return 0
     if args.quality:
         print(f"quality (captured top-k L2 mass), n = {args.n} (MLP gradient: its own length), "
               f"threads = {torch.get_num_threads()}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -89,10 +90,19 @@ class Trimmed(Selector):
         view = MagnitudeView(x, self._scratch, sample_floor(x, k), name=self.name,
                              check_finite=self.check_finite, count=k)
         mean, top = view.mean, view.max()
+        thresholds = []  # the loop's thresholds, down to 0 (where every element counts)
         ratio = 1.0 - self.step
-        while True:
-            threshold = mean + ratio * (top - mean) if ratio >= 0.0 else 0.0
-            enough, _ = view.count_exceeds(threshold, k - 1)
+        while ratio >= 0.0:
+            thresholds.append(mean + ratio * (top - mean))
+            ratio -= self.step
+        thresholds.append(0.0)
+        # on a GPU every count is a round trip: count all of them in one pass over the candidates
+        counts = view.counts(np.array(thresholds)).tolist() if view.batched else None
+        for i, threshold in enumerate(thresholds):
+            if counts is not None and counts[i] >= 0:
+                enough = counts[i] > k - 1
+            else:
+                enough, _ = view.count_exceeds(threshold, k - 1)
             if enough:
                 return view.topk_at_or_above(threshold, k)
-            ratio -= self.step
+        raise AssertionError("unreachable: every element is at or above the threshold 0")

@@ -38,9 +38,11 @@ import os
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from . import triton_scan
 from .base import assert_finite
 
 __all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "kernel", "available_kernels",
@@ -75,8 +77,13 @@ def available_kernels() -> list:
 def _choose(name: str) -> str:
     if name == "auto":
         return available_kernels()[0]
+    if name == "triton":  # CUDA tensors use it whenever it is installed; this forces it on CPU tensors too
+        if not (triton_scan.installed() and triton_scan.interpreted()):
+            raise ValueError("scan kernel 'triton' on CPU tensors needs Triton installed and TRITON_INTERPRET=1 "
+                             "(CUDA tensors use Triton by themselves where it is installed)")
+        return name
     if name not in ("avx2", "scalar", "torch"):
-        raise ValueError(f"scan kernel must be 'auto', 'avx2', 'scalar' or 'torch', got {name!r}")
+        raise ValueError(f"scan kernel must be 'auto', 'avx2', 'scalar', 'torch' or 'triton', got {name!r}")
     if name not in available_kernels():
         raise ValueError(f"scan kernel {name!r} is not available here (available: {available_kernels()}); "
                          "'avx2' needs an x86-64 CPU with AVX2, 'avx2' and 'scalar' the compiled extension "
@@ -90,13 +97,14 @@ if _compiled is None:
 
 
 def kernel() -> str:
-    """The scan implementation used for contiguous float32 CPU tensors: 'avx2', 'scalar' or 'torch'."""
+    """The scan implementation used for contiguous float32 CPU tensors: 'avx2', 'scalar', 'torch' or
+    'triton' (Triton's interpreter, for tests). CUDA tensors use Triton where it is installed, else torch."""
     return _kernel
 
 
 @contextlib.contextmanager
 def use_kernel(name: str) -> Iterator[str]:
-    """Use the scan implementation ``name`` ('auto', 'avx2', 'scalar', 'torch') inside the block."""
+    """Use the scan implementation ``name`` ('auto', 'avx2', 'scalar', 'torch', 'triton') inside the block."""
     global _kernel
     previous, _kernel = _kernel, _choose(name)
     try:
@@ -131,6 +139,7 @@ class Scratch:
         self._out_indices = torch.empty(0, dtype=torch.int64)
         self._out_values = torch.empty(0, dtype=torch.float32)
         self._candidates: Scratch | None = None
+        self._triton = triton_scan._Buffers()
 
     @property
     def candidates(self) -> Scratch:
@@ -151,6 +160,8 @@ class Scratch:
         """
         if self._use_compiled(x):
             result = self._scan_compiled(x, floor, expected)
+        elif self.uses_triton(x):
+            result = self._scan_triton(x, floor)
         else:
             a = self.magnitudes(x)
             total = _sum_of_magnitudes(a) if need_total or check_finite else math.nan
@@ -164,11 +175,24 @@ class Scratch:
         """Exact ``#{i : |x_i| >= t}`` (one pass, no indices kept)."""
         if self._use_compiled(x):
             return self._run_compiled(x, t, 0)[0]
+        if self.uses_triton(x):
+            return triton_scan.scan_ge(x, t, self._triton, gather=False)[0]
         return int(torch.count_nonzero(self._mask_ge(self.magnitudes(x), t)))
+
+    def _scan_triton(self, x: Tensor, floor: float) -> ScanResult:
+        """The GPU scan (:func:`.triton_scan.scan_ge`): candidates in increasing index order."""
+        count, total, top, indices, values = triton_scan.scan_ge(x, floor, self._triton)
+        assert indices is not None and values is not None
+        return ScanResult(indices, values, total, top)
+
+    @staticmethod
+    def uses_triton(x: Tensor) -> bool:
+        """Whether scans of ``x`` run the Triton kernels (CUDA tensors where Triton is installed)."""
+        return triton_scan.available(x, on_cpu=_kernel == "triton")
 
     @staticmethod
     def _use_compiled(x: Tensor) -> bool:
-        return (_kernel != "torch" and x.device.type == "cpu" and x.dtype == torch.float32
+        return (_kernel in ("avx2", "scalar") and x.device.type == "cpu" and x.dtype == torch.float32
                 and x.is_contiguous())
 
     def _run_compiled(self, x: Tensor, floor: float, capacity: int) -> tuple:
@@ -275,6 +299,7 @@ class MagnitudeView:
                             need_total=need_mean, expected=count + count // 2)
         self.mean = scan.total / max(1, x.numel())
         self._max = scan.max
+        self._sorted: tuple | None = None
         if floor is None:
             self.indices: Tensor | None = None
             self.values = scratch.magnitudes(x)
@@ -303,6 +328,30 @@ class MagnitudeView:
             return self.scratch.candidates.count_ge(self.values, t)
         return self.scratch.count_ge(self.x, t)
 
+    @property
+    def batched(self) -> bool:
+        """Whether each count costs a device round trip (a GPU): searches then ask :meth:`counts`
+        for many thresholds at once instead of calling :meth:`count` once per step."""
+        return self.scratch.uses_triton(self.values) or self.scratch.uses_triton(self.x)
+
+    def counts(self, thresholds: np.ndarray) -> np.ndarray:
+        """Exact ``#{|x| >= t}`` for every ``t`` of the float64 array ``thresholds`` at or above the
+        floor, from the candidates sorted once by magnitude (one device synchronization); -1 for a
+        threshold below the floor (answer those with :meth:`count_exceeds`). A NaN threshold counts 0."""
+        thresholds = np.asarray(thresholds, dtype=np.float64)
+        result = np.full(thresholds.shape, -1, dtype=np.int64)
+        nan = np.isnan(thresholds)
+        result[nan] = 0
+        covered = ~nan if self.floor is None else (~nan & (thresholds >= self.floor))
+        result[covered] = triton_scan.counts_ge(self._by_magnitude()[0], thresholds[covered])
+        return result
+
+    def _by_magnitude(self) -> tuple:
+        """The candidates' magnitudes in increasing order and their positions (sorted once)."""
+        if self._sorted is None:
+            self._sorted = torch.sort(self.values)
+        return self._sorted
+
     def count_exceeds(self, t: float, m: int) -> tuple:
         """``(count(t) > m, count)``; without a pass when ``t`` is below the floor and the candidates
         alone exceed ``m`` (then the returned count is only the lower bound #candidates)."""
@@ -316,8 +365,15 @@ class MagnitudeView:
         of all of ``x`` when ``t`` is below the floor (the input was checked by the first scan)."""
         if not self._covers(t):
             return self.scratch.scan(self.x, t, name=self.name, check_finite=False, need_total=False)
-        within = self.scratch.candidates.scan(self.values, t, name=self.name, check_finite=False,
-                                              need_total=False)
+        if self.batched and t == t:
+            # on a GPU: the top of the magnitude order, one search and one sort, no scan of the candidates
+            ascending, positions = self._by_magnitude()
+            count = int(triton_scan.counts_ge(ascending, np.array([t]))[0])
+            picked = torch.sort(positions[ascending.numel() - count:]).values
+            within = ScanResult(picked, self.values.index_select(0, picked), math.nan, None)
+        else:
+            within = self.scratch.candidates.scan(self.values, t, name=self.name, check_finite=False,
+                                                  need_total=False)
         if self.indices is None:
             return within
         return within._replace(indices=self.indices.index_select(0, within.indices))

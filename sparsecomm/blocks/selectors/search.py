@@ -9,8 +9,10 @@ algorithms, with fewer passes over memory.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,6 +26,65 @@ __all__ = ["BinarySearch", "SampledBinarySearch", "MSTopK"]
 log = logging.getLogger(__name__)
 
 
+class _Lookahead:
+    """The counts a ratio bisection asks for, taken ``depth`` steps at a time on a GPU.
+
+    A bisection of ``ratio`` over ``[lo, hi]`` visits, in its next ``depth`` steps, only midpoints of
+    the dyadic subintervals of ``[lo, hi]``: ``2**depth - 1`` thresholds ``mean + ratio * (top - mean)``
+    in all. Where each count costs a device round trip (:attr:`MagnitudeView.batched`), all of them
+    are counted in one pass over the candidates and the bisection then replays its decisions from
+    that table; elsewhere (the CPU) each step counts on the candidates as before. The ratios are
+    dyadic, so they and the thresholds are computed exactly as the step-by-step loop computes them:
+    the visited thresholds, counts and results are the same either way.
+    """
+
+    DEPTH = 10
+
+    def __init__(self, view: MagnitudeView, mean: float, top: float) -> None:
+        self.view, self.mean, self.top = view, mean, top
+        self.batched = view.batched
+        self.lo = self.hi = 0.0
+        self.table: np.ndarray | None = None
+
+    def count_exceeds(self, lo: float, hi: float, threshold: float, m: int) -> tuple:
+        """``view.count_exceeds(threshold, m)`` for the step at ``ratio = lo + (hi - lo) / 2``."""
+        if not self.batched:
+            return self.view.count_exceeds(threshold, m)
+        count = self._lookup(lo, hi)
+        if count is None:
+            self._fill(lo, hi)
+            count = self._lookup(lo, hi)
+        if count is None or count < 0:  # below the floor: the view answers (no pass when it can)
+            return self.view.count_exceeds(threshold, m)
+        return count > m, count
+
+    def _fill(self, lo: float, hi: float) -> None:
+        ratios = lo + (hi - lo) * _MIDPOINTS
+        self.lo, self.hi = lo, hi
+        self.table = self.view.counts(self.mean + ratios * (self.top - self.mean))
+
+    def _lookup(self, lo: float, hi: float) -> int | None:
+        if self.table is None or not (self.lo <= lo < hi <= self.hi):
+            return None
+        depth = round(math.log2((self.hi - self.lo) / (hi - lo)))
+        position = round((lo - self.lo) / (hi - lo))
+        if depth >= self.DEPTH:
+            return None
+        return int(self.table[2 ** depth - 1 + position])
+
+
+def _dyadic_midpoints(depth: int) -> np.ndarray:
+    """The midpoints of the dyadic subintervals of [0, 1] down to ``depth`` levels, level by level:
+    position ``2**d - 1 + j`` holds ``(2 j + 1) / 2**(d + 1)``. ``lo + (hi - lo) * m`` is then exactly
+    the value the step-by-step bisection computes (every term is a dyadic fraction of under 53 bits)."""
+    position = np.arange(1, 2 ** depth, dtype=np.int64)
+    level = np.floor(np.log2(position)).astype(np.int64)
+    return (2 * (position - (1 << level)) + 1) / np.exp2(level + 1)
+
+
+_MIDPOINTS = _dyadic_midpoints(_Lookahead.DEPTH)
+
+
 def _band_search(view: MagnitudeView, k: int, eps: float) -> float | None:
     """RedSync Algorithm 3's loop: a threshold whose count lies in [k, 2k], or None if none found.
 
@@ -32,11 +93,12 @@ def _band_search(view: MagnitudeView, k: int, eps: float) -> float | None:
     lowers it. The band is closed, [k, 2k], where the paper's is open.
     """
     mean, top = view.mean, view.max()
+    lookahead = _Lookahead(view, mean, top)
     lo, hi = 0.0, 1.0
     while hi - lo > eps:
         ratio = lo + (hi - lo) / 2
         threshold = mean + ratio * (top - mean)
-        too_many, count = view.count_exceeds(threshold, 2 * k)
+        too_many, count = lookahead.count_exceeds(lo, hi, threshold, 2 * k)
         if too_many:
             lo = ratio
         elif count < k:
@@ -156,12 +218,13 @@ class MSTopK(Selector):
         view = MagnitudeView(x, self._scratch, sample_floor(x, k), name=self.name,
                              check_finite=self.check_finite, count=k)
         mean, top = view.mean, view.max()
+        lookahead = _Lookahead(view, mean, top)
         lo, hi = 0.0, 1.0
         thres1, thres2 = float("inf"), 0.0
         for _ in range(self.samplings):
             ratio = lo + (hi - lo) / 2
             threshold = mean + ratio * (top - mean)
-            too_many, _ = view.count_exceeds(threshold, k)
+            too_many, _ = lookahead.count_exceeds(lo, hi, threshold, k)
             # The visited thresholds rise with lo and fall with hi, so the paper's "keep the count
             # closest to k from each side" is "keep the latest threshold on each side".
             if too_many:

@@ -1,0 +1,187 @@
+"""The CUDA path: selectors, methods, the hook and the synchronizer on CUDA tensors (`make test-gpu`).
+
+Skipped without a CUDA GPU. Every test runs in forked workers (``run_workers``) so that the pytest
+process never initializes CUDA (a forked child of a process that did cannot use the GPU):
+
+* selectors: the same indices on CUDA as on the CPU, with the Triton scan in use;
+* methods at P = 1 (NCCL) and P = 2 (gloo, which reads host memory only: the communicator stages
+  CUDA tensors through host copies; NCCL refuses two ranks on one GPU): the invariants of every
+  method (consistency, conservation, density 1 = dense, meter = formula) and results bit-identical
+  to the CPU run;
+* the DDP hook and the synchronizer train a small model on one GPU (P = 1, NCCL).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # ask without initializing CUDA here
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from sparsecomm import available_methods, run_workers  # noqa: E402
+from sparsecomm.app.testing import (  # noqa: E402
+    assert_conserved,
+    assert_consistent,
+    assert_equals_dense,
+    assert_traffic_matches,
+    make_gradient,
+)
+from sparsecomm.methods import method_class  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")]
+
+#: methods whose CUDA result may differ from the CPU's in the last bits: the count-sketch's table is
+#: built by index_add_, which sums colliding entries with atomics in no fixed order on a GPU (every
+#: rank still gets the same all-reduced table, so the ranks agree bit for bit)
+ATOMIC_SUMS_ON_CUDA = {"s2reducer"}
+SELECTOR_OPTIONS = {"threshold": "threshold", "scaled_threshold": "initial_threshold"}
+N = 1003
+
+
+def _selector(name: str, x: torch.Tensor, k: int):
+    from sparsecomm.blocks import selectors
+
+    option = SELECTOR_OPTIONS.get(name)
+    if option is None:
+        return selectors.make(name)
+    return selectors.make(name, **{option: float(torch.topk(x.abs(), k).values.min())})
+
+
+def _selector_worker(name: str) -> list[tuple]:
+    from sparsecomm.blocks.selectors.scan import Scratch
+
+    results = []
+    for n in (100_003, 2_000_000):
+        for density in (0.001, 0.01):
+            x = make_gradient(n, 0, 0, seed=n, dtype=torch.float32)
+            k = math.ceil(density * n)
+            on_cpu = _selector(name, x, k)(x, k)
+            x_gpu = x.cuda()
+            on_gpu = _selector(name, x, k)(x_gpu, k)
+            results.append((n, density, Scratch.uses_triton(x_gpu), on_gpu.device.type,
+                            torch.sort(on_cpu).values, torch.sort(on_gpu.cpu()).values))
+    return results
+
+
+def _selector_names() -> list[str]:
+    from sparsecomm.blocks import selectors
+
+    return selectors.available()
+
+
+@pytest.mark.parametrize("name", _selector_names())
+def test_selector_on_cuda_selects_what_the_cpu_selects(name):
+    for n, density, triton_used, device, on_cpu, on_gpu in run_workers(1, _selector_worker, name, timeout=240)[0]:
+        assert device == "cuda", f"{name}: result on {device}, not on the input's device"
+        assert triton_used, "the Triton scan is not in use on this GPU (is Triton installed?)"
+        assert torch.equal(on_cpu, on_gpu), (f"{name}, n={n}, density={density}: {on_gpu.numel()} indices on CUDA, "
+                                             f"{on_cpu.numel()} on the CPU, "
+                                             f"{len(set(on_cpu.tolist()) ^ set(on_gpu.tolist()))} differ")
+
+
+def _full_density_options(name: str) -> dict:
+    cls = method_class(name)
+    return {"density": 1.0, **cls.exact_options} if cls.sparse else {}
+
+
+def _sparse_options(name: str) -> dict:
+    return {"density": 0.05} if method_class(name).sparse else {}
+
+
+def _method_worker(name: str, options: dict, device: str, steps: int = 2) -> list[dict]:
+    import torch.distributed as dist
+
+    from sparsecomm.methods import make_method
+
+    rank = dist.get_rank()
+    method = make_method(name, **options)
+    records = []
+    for step in range(steps):
+        grad = make_gradient(N, rank, step)
+        old = None if method.residual is None else method.residual.detach().cpu().clone()
+        out = method(grad.to(device))
+        records.append({"grad": grad, "old_residual": old, "out": out.cpu().clone(), "device": out.device.type,
+                        "new_residual": None if method.residual is None else method.residual.detach().cpu().clone(),
+                        "stats": dict(method.stats)})
+    return records
+
+
+def _check_method(name: str, P: int, backend: str) -> None:
+    for options in (_full_density_options(name), _sparse_options(name)):
+        on_gpu = run_workers(P, _method_worker, name, options, "cuda", backend=backend, timeout=240)
+        on_cpu = run_workers(P, _method_worker, name, options, "cpu", timeout=240)
+        assert all(record["device"] == "cuda" for trace in on_gpu for record in trace), f"{name}: result left the GPU"
+        assert_consistent(on_gpu)
+        if options == _full_density_options(name):  # at density < 1: as on the CPU, checked below
+            assert_equals_dense(on_gpu)
+            if method_class(name).has_residual:
+                assert_conserved(on_gpu)
+        for step, (gpu, cpu) in enumerate(zip(on_gpu[0], on_cpu[0], strict=True)):
+            same = (torch.allclose(gpu["out"], cpu["out"], rtol=1e-5, atol=1e-6) if name in ATOMIC_SUMS_ON_CUDA
+                    else torch.equal(gpu["out"], cpu["out"]))
+            assert same, (
+                f"{name} {options} P={P}, step {step}: CUDA result differs from the CPU's "
+                f"(max {float((gpu['out'] - cpu['out']).abs().max()):g})")
+            assert gpu["stats"]["bytes_sent"] == cpu["stats"]["bytes_sent"], f"{name}: traffic differs from the CPU's"
+
+
+@pytest.mark.parametrize("name", available_methods())
+def test_method_on_cuda_at_P1_matches_the_cpu(name):
+    _check_method(name, 1, "nccl")
+
+
+@pytest.mark.parametrize("name", available_methods())
+def test_method_on_cuda_at_P2_over_gloo_matches_the_cpu(name):
+    _check_method(name, 2, "gloo")
+
+
+@pytest.mark.parametrize("name", ["ring", "rabenseifner"])
+def test_dense_traffic_on_cuda_equals_the_cost_formula(name):
+    traces = run_workers(2, _method_worker, name, {}, "cuda", timeout=120)
+    assert_traffic_matches(traces, name, n=N)
+
+
+def _train_worker(kind: str, method: str) -> list[float]:
+    import torch.distributed as dist
+    from torch import nn
+
+    from sparsecomm import SparseHookState, SparseSynchronizer, hook
+
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).to(device)
+    data = torch.randn(256, 32, device=device)
+    target = (data[:, :4].sum(1) > 0).long() + 2 * (data[:, 4:8].sum(1) > 0).long()
+    losses = []
+    if kind == "hook":
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(SparseHookState(None, method, density=0.1), hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for _ in range(60):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(ddp(data), target)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sync = SparseSynchronizer(model, opt, method, density=0.1)
+        for _ in range(60):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(data), target)
+            loss.backward()
+            sync.step()
+            losses.append(float(loss))
+    assert dist.get_world_size() == 1
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["hook", "synchronizer"])
+@pytest.mark.parametrize("method", ["topka", "spardl", "redsync"])
+def test_training_on_one_gpu_lowers_the_loss(kind, method):
+    losses = run_workers(1, _train_worker, kind, method, backend="nccl", timeout=240)[0]
+    assert losses[-1] < 0.7 * losses[0], f"{kind}/{method}: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
