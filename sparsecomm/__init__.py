@@ -10,13 +10,13 @@ See the README and ``docs/`` for the methods, the DDP hook and the CLI. The pack
 ``app``; this module re-exports the public names.
 """
 
-from .app.datacache import DataCache
-from .app.launcher import WorkerError, run_workers
-from .blocks import selectors
+from . import selectors
+from .integration.datacache import DataCache
 from .integration.hook import SparseHookState, hook
 from .integration.lars import LARS
 from .integration.pto import parallel_apply
 from .integration.synchronizer import SparseSynchronizer
+from .launch.launcher import WorkerError, run_workers
 from .methods import Method, Stats, available_methods, cost, make_method, register_method
 from .transport import Communicator, SparseChunk, TrafficMeter
 

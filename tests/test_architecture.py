@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 import sparsecomm
-from sparsecomm.app.imports import scan_package, violations
+from sparsecomm.devtools.imports import scan_package, violations
 
 PACKAGE = os.path.dirname(sparsecomm.__file__)
 
@@ -29,7 +29,8 @@ def _fake_package(tmp_path, files):
 
 @pytest.mark.parametrize("files, expected", [
     ({"transport/comm.py": "from ..methods import base\n", "methods/base.py": ""}, "a higher layer"),
-    ({"core/cost.py": "def f():\n    from sparsecomm.app import cli\n", "app/cli.py": ""}, "a higher layer"),
+    ({"core/cost.py": "def f():\n    from sparsecomm.experiments import campaign\n", "experiments/campaign.py": ""},
+     "a higher layer"),
     ({"methods/a.py": "from .b import X\nregister_method('a')\n",
       "methods/b.py": "X = 1\nregister_method('b')\n"}, "method module sparsecomm.methods.a imports method module"),
     ({"transport/x.py": "from .y import _hidden\n", "transport/y.py": "_hidden = 1\n"}, "private name _hidden"),
@@ -47,7 +48,7 @@ def test_shared_modules_and_split_methods_are_allowed(tmp_path):
 
 
 def test_the_imports_command_lists_edges_draws_mermaid_and_exits_clean(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     assert main(["imports"]) == 0
     listed = capsys.readouterr().out

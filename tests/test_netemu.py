@@ -13,8 +13,15 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import run_workers
-from sparsecomm.app import netemu
-from sparsecomm.app.netemu import EmulatedNetwork, cleanup_stale, parse_rate, parse_size, parse_time, unavailable_reason
+from sparsecomm.experiments import netemu
+from sparsecomm.launch.netemu import (
+    EmulatedNetwork,
+    cleanup_stale,
+    parse_rate,
+    parse_size,
+    parse_time,
+    unavailable_reason,
+)
 
 
 def needs_net(test):
@@ -199,7 +206,7 @@ def test_sigterm_in_the_owner_tears_down():
 
 @needs_net
 def test_atexit_tears_down_a_network_left_open():
-    code = ("from sparsecomm.app.netemu import EmulatedNetwork\n"
+    code = ("from sparsecomm.launch.netemu import EmulatedNetwork\n"
             "network = EmulatedNetwork(2, '1gbit').__enter__()\n"
             "print(' '.join(network.namespaces()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -249,7 +256,7 @@ def test_every_rank_reaches_every_other_through_the_bridge():
 
 
 def test_bench_net_prints_its_tables(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     emulated = "1gbit" if unavailable_reason() is None else "none"
     assert main(["bench", "net", "--net", f"none,{emulated}", "--size-mb", "1", "--repeats", "1",

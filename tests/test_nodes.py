@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.app.netemu import NetSpec, parse_net, unavailable_reason
-from sparsecomm.app.testing import make_gradient
+from sparsecomm.devtools.testing import make_gradient
+from sparsecomm.launch.netemu import NetSpec, parse_net, unavailable_reason
 from sparsecomm.methods import cost
 
 N = 4001
@@ -215,7 +215,7 @@ def test_hitopk_inter_node_bytes_on_emulated_nodes():
 
 @needs_net
 def test_bench_net_measures_the_node_nic(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     assert main(["bench", "net", "--net", "1gbit", "--nodes", "2x2", "--size-mb", "1", "--repeats", "1",
                  "--ring-size", "0", "--world-sizes", "2", "--setup-repeats", "1"]) == 0
@@ -225,7 +225,7 @@ def test_bench_net_measures_the_node_nic(capsys):
 
 
 def test_bench_net_refuses_a_bad_node_layout(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     assert main(["bench", "net", "--nodes", "1x4"]) == 2
     assert "--nodes='1x4' must be NODESxLOCAL with at least 2 nodes" in capsys.readouterr().err
@@ -233,7 +233,7 @@ def test_bench_net_refuses_a_bad_node_layout(capsys):
 
 @needs_net
 def test_bench_hierarchy_prints_bytes_apart_and_the_winner(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     assert main(["bench", "hierarchy", "--layouts", "2x2", "--size", "4k", "--densities", "0.01",
                  "--methods", "hitopk,topka,tree", "--repeat", "1", "--warmup", "0"]) == 0
@@ -246,7 +246,7 @@ def test_bench_hierarchy_prints_bytes_apart_and_the_winner(capsys):
 
 
 def test_bench_hierarchy_refuses_bad_input(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     for argv, message in ((["--layouts", "2by4"], "--layouts: '2by4' must be NODESxLOCAL"),
                           (["--densities", "2"], "--densities=[2.0] must be numbers in (0, 1]"),

@@ -1,4 +1,4 @@
-"""Selectors: counts, contracts, edge cases and state of every selector in sparsecomm.blocks.selectors."""
+"""Selectors: counts, contracts, edge cases and state of every selector in sparsecomm.selection."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsecomm.blocks import selectors
-from sparsecomm.blocks.selectors import NonFiniteInputError, scan
+from sparsecomm import selectors
+from sparsecomm.selection import NonFiniteInputError, scan
 
 EXACT = ["topk", "trimmed", "mstopk"]
 ALL = ["binary_search", "block_topk", "dgc", "mstopk", "sampled_binary_search", "scaled_threshold",
@@ -264,7 +264,7 @@ def test_stateless_selectors_refuse_state():
 
 
 def test_quality_on_normal_data_and_mlp_gradients():
-    from sparsecomm.app.bench.select import captured_mass, mlp_gradients
+    from sparsecomm.experiments.bench.select import captured_mass, mlp_gradients
 
     inputs = {"normal": torch.randn(1 << 18, generator=torch.Generator().manual_seed(5)),
               "mlp": mlp_gradients(steps=2)[-1]}
@@ -280,7 +280,7 @@ def test_quality_on_normal_data_and_mlp_gradients():
 def test_bench_select_prints_a_row_per_selector(capsys):
     import argparse
 
-    from sparsecomm.app.bench import select
+    from sparsecomm.experiments.bench import select
 
     parser = argparse.ArgumentParser()
     select.add_arguments(parser)

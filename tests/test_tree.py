@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.app.testing import assert_consistent, assert_traffic_matches, make_gradient, trace_method
+from sparsecomm.devtools.testing import assert_consistent, assert_traffic_matches, make_gradient, trace_method
 from sparsecomm.methods import cost
 from sparsecomm.transport.tree import tree_children, tree_parent
 

@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..blocks.sketch import CountSketch
 from ..core.validate import check_choice, check_int, check_number
 from ..methods import Stats
+from ..selection.sketch import CountSketch
 from ..transport.block_aggregate import block_allreduce
 from ..transport.chunk import index_dtype
 from ..transport.collectives import allreduce, ring_cost

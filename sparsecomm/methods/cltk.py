@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..blocks.metrics import SparsificationMetrics
-from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, register_cost
+from ..selection import make as make_selector
+from ..selection.metrics import SparsificationMetrics
 from ..transport.chunk import index_dtype
 from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator

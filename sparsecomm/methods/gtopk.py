@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, register_cost
+from ..selection import make as make_selector
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype
 from .base import Layout, Method, register_method
 

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, chunk_sizes, register_cost
 from ..core.validate import check_int
+from ..selection import make as make_selector
 from ..transport.block_aggregate import block_allreduce, block_allreduce_traffic
 from ..transport.comm import Communicator
 from .base import Layout, Method, register_method

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, ceil_log2, register_cost
+from ..selection import make as make_selector
 from ..transport.chunk import SparseChunk, index_dtype
 from ..transport.comm import Communicator
 from ..transport.sparse_collectives import allgatherv, allgatherv_cost

@@ -31,9 +31,9 @@ from typing import Any
 
 from torch import Tensor
 
-from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_choice
+from ..selection import make as make_selector
 from ..transport.comm import Communicator
 from ..transport.sparse_stream import Stream, dense_switch_count, dsa_allreduce, dsa_cost, split_allreduce, split_cost
 from .base import Layout, Method, register_method
@@ -58,7 +58,7 @@ class TopkDSA(Method):
     Args:
         density: k = ceil(density * n) pairs selected per rank.
         algorithm: ``"auto"`` (default), ``"recursive_doubling"`` or ``"split_allgather"``.
-        selector: an exact-count selector of :mod:`sparsecomm.blocks.selectors` (default ``"topk"``,
+        selector: an exact-count selector of :mod:`sparsecomm.selection` (default ``"topk"``,
             exact top-k, the same as TopkA's).
     """
 
