@@ -105,7 +105,7 @@ def test_advice_at_100mbit_beats_every_dense_method_as_measured(capsys):
 
 def test_measure_checks_the_colocated_advice(monkeypatch, capsys):
     """The measured workers share this machine's cores: --measure predicts them colocated."""
-    from sparsecomm.experiments.commands import advise as advise_command
+    from sparsecomm.cli import advise as advise_command
 
     seen = {}
     real = advise_command.advise

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import run_workers
-from sparsecomm.experiments import netemu
+from sparsecomm.launch import netemu
 from sparsecomm.launch.netemu import (
     EmulatedNetwork,
     cleanup_stale,

@@ -68,7 +68,7 @@ class Advice:
 
 def count_parameters(args) -> int:
     """n from --params, --model (+ --data) or --model-file (ValueError when none or unusable)."""
-    from ..experiments.bench.common import parse_count
+    from .options import parse_count
 
     if args.params:
         return parse_count(args.params)

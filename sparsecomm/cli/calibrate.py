@@ -87,8 +87,8 @@ def _summary(profile, path: str) -> None:
 
 
 def run(args) -> int:
-    from ..experiments.bench.common import parse_count
     from ..simulator.model import UnknownMethodError
+    from .options import parse_count
     from .simulate import fail, method_names
 
     try:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from sparsecomm.devtools.imports import LAYERS, groups_by_layer, layer_edges, scan_package, violations
-
 HELP = "check the layer import rule and print or draw the package import graph"
 
 
@@ -28,6 +26,8 @@ def _package_root() -> str:
 
 def mermaid(edges: dict[tuple[str, str], int]) -> str:
     """A Mermaid flowchart: one subgraph per layer, top layer first, an arrow per importing pair."""
+    from ..devtools.imports import groups_by_layer
+
     lines = ["flowchart TB"]
     for layer, names in reversed(list(groups_by_layer(edges).items())):
         lines.append(f"  subgraph {layer}")
@@ -40,6 +40,8 @@ def mermaid(edges: dict[tuple[str, str], int]) -> str:
 def plot(edges: dict[tuple[str, str], int], path: str) -> None:
     """Draw the layers as rows (core at the bottom) and each import between packages as an arrow."""
     import matplotlib
+
+    from ..devtools.imports import LAYERS, groups_by_layer
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -72,6 +74,8 @@ def plot(edges: dict[tuple[str, str], int], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..devtools.imports import layer_edges, scan_package, violations
+
     modules = scan_package(_package_root())
     breaches = violations(modules)
     edges = layer_edges(modules)

@@ -134,7 +134,7 @@ def fail(command: str, message: str) -> int:
 
 
 def run(args) -> int:
-    from ..experiments.bench.common import parse_count
+    from .options import parse_count
 
     try:
         methods = method_names(args.methods)

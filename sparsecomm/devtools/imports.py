@@ -2,7 +2,8 @@
 
 Layers, bottom to top (``docs/architecture.md``)::
 
-    core < transport < selection < methods < integration < launch < simulator < cli < devtools < experiments
+    library:  core < transport < selection < methods < integration < launch < simulator < cli
+    lab:      devtools < experiments
 
 Rules (:func:`violations` lists every breach; ``tests/test_architecture.py`` requires none):
 
@@ -15,9 +16,13 @@ Rules (:func:`violations` lists every breach; ``tests/test_architecture.py`` req
    share its private parts (``from . import _scan``, the compiled kernel).
 4. The module import graph has no cycle (imports of a package's own ``__init__`` from its
    submodules excepted, since Python resolves those as parent-package imports).
+5. The library never loads the lab (``devtools``, ``experiments``): the one exception to rule 1 is
+   the command line (``cli``), which imports lab modules only inside functions (when it builds its
+   parser or runs a command), so ``import sparsecomm`` loads none of them.
 
-The package root (``sparsecomm/__init__.py``, ``__main__.py``) is the public facade and may import
-from every layer. ``sparsecomm imports`` prints the breaches and draws the layer graph.
+The package facade (``sparsecomm/__init__.py``, ``__main__.py``, ``selectors.py``) may import from
+every library layer, never from the lab. ``sparsecomm imports`` prints the breaches and draws the
+layer graph.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["LAYERS", "ModuleInfo", "scan_package", "layer_of", "violations", "layer_edges"]
+__all__ = ["LAYERS", "LAB_LAYERS", "ModuleInfo", "scan_package", "layer_of", "violations", "layer_edges"]
 
 LAYERS = ("core", "transport", "selection", "methods", "integration", "launch", "simulator", "cli", "devtools",
           "experiments")
+#: the layers a library user never loads: only the command line imports them, inside functions
+LAB_LAYERS = ("devtools", "experiments")
 _SHARED_METHOD_MODULES = {"sparsecomm.methods", "sparsecomm.methods.base", "sparsecomm.methods.stats",
                           "sparsecomm.methods.select_allgather"}
 
@@ -45,6 +52,8 @@ class ModuleInfo:
     registers_method: bool = False
     #: (imported module, imported name or None, line)
     imports: list[tuple[str, str | None, int]] = field(default_factory=list)
+    #: the lines of the imports made inside a function (run only when it is called)
+    lazy_lines: set[int] = field(default_factory=set)
 
 
 def _module_name(root: str, path: str) -> tuple[str, bool]:
@@ -74,6 +83,9 @@ def scan_package(root: str) -> dict[str, ModuleInfo]:
             info = ModuleInfo(name, path, is_package)
             with open(path, encoding="utf-8") as handle:
                 tree = ast.parse(handle.read(), path)
+            info.lazy_lines = {inner.lineno for node in ast.walk(tree)
+                               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                               for inner in ast.walk(node) if isinstance(inner, (ast.Import, ast.ImportFrom))}
             for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom):
                     target = _resolve(info, node.level, node.module) if node.level else (node.module or "")
@@ -100,10 +112,15 @@ def _is_register_method(node: ast.Call) -> bool:
         (isinstance(func, ast.Attribute) and func.attr == "register_method")
 
 
+#: the top-level modules of the package facade besides its ``__init__``
+FACADE_MODULES = ("__main__", "selectors")
+
+
 def layer_of(module: str) -> int | None:
-    """The layer index of a dotted module name, None for the package facade (root, ``__main__``)."""
+    """The layer index of a dotted module name, None for the package facade (root, ``__main__``,
+    ``selectors``) and for a module outside every layer (a breach :func:`violations` reports)."""
     parts = module.split(".")
-    if len(parts) < 2 or parts[1] == "__main__":
+    if len(parts) < 2 or parts[1] in FACADE_MODULES:
         return None
     return LAYERS.index(parts[1]) if parts[1] in LAYERS else None
 
@@ -123,12 +140,21 @@ def violations(modules: dict[str, ModuleInfo]) -> list[str]:
     found: list[str] = []
     for info in modules.values():
         mine = layer_of(info.name)
+        parts = info.name.split(".")
+        if len(parts) > 1 and parts[1] not in LAYERS and parts[1] not in FACADE_MODULES:
+            found.append(f"{os.path.relpath(info.path)}: {info.name} lies in no layer ({', '.join(LAYERS)})")
         for target, name, line in info.imports:
             where = f"{os.path.relpath(info.path)}:{line}"
             theirs = layer_of(target)
-            if mine is not None and theirs is not None and theirs > mine:
+            lab_target = theirs is not None and LAYERS[theirs] in LAB_LAYERS
+            if mine is None and theirs is not None and lab_target:
+                found.append(f"{where}: the package facade {info.name} imports {target} ({LAYERS[theirs]}), "
+                             f"a lab module")
+            elif (mine is not None and theirs is not None and theirs > mine
+                  and not (LAYERS[mine] == "cli" and lab_target and line in info.lazy_lines)):
                 found.append(f"{where}: {info.name} ({LAYERS[mine]}) imports {target} ({LAYERS[theirs]}), "
-                             f"a higher layer")
+                             f"a higher layer" + (" outside a function" if LAYERS[mine] == "cli" and lab_target
+                                                  else ""))
             a, b = _method_unit(info.name, modules), _method_unit(target, modules)
             if a and b and a != b:
                 found.append(f"{where}: method module {info.name} imports method module {target}")

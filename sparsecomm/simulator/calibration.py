@@ -31,7 +31,8 @@ from ..methods.base import selection_count
 from .model import Profile, comm_contention, fit_work, layout_options
 
 __all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_recv_element",
-           "profile_from_records", "refit", "merge_records", "method_runs", "slowest_best", "LINK_SIZES"]
+           "profile_from_records", "refit", "merge_records", "method_runs", "time_method_in_worker", "slowest_best",
+           "LINK_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,40 @@ def calibration_worker(methods: Sequence[str], sizes: Sequence[int], density: fl
     return {"rank": comm.rank, "P": P, "links": links, "dense": dense, "runs": runs}
 
 
+def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: int, warmup: int,
+                          seed: int = 0, layout: Sequence | None = None,
+                          grad_fn=None) -> dict[str, Any]:
+    """Worker function: build the method, run warm-up and timed calls on a fixed gradient.
+
+    Returns this rank's per-call wall times (each call starts after a barrier), and the stats of the
+    last call. The gradient buffer is allocated once; each call gets a fresh copy made before the
+    clock starts.
+    """
+    import torch.distributed as dist
+
+    from ..methods import make_method
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(seed * 7919 + rank)
+    base = torch.randn(n, generator=gen) if grad_fn is None else grad_fn(n, rank)
+    work = torch.empty_like(base)
+    method = make_method(name, **options)
+    times, stats = [], []
+    for i in range(warmup + repeat):
+        work.copy_(base)
+        dist.barrier()
+        start = time.perf_counter()
+        method(work, layout)
+        elapsed = time.perf_counter() - start
+        if i >= warmup:
+            times.append(elapsed)
+            stats.append(method.stats)
+    return {"times": times, "stats": stats}
+
+
 def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, repeat: int,
                 warmup: int = 1) -> list[dict[str, Any]]:
     """Runs in every rank: each method's call times, ``time_comm`` and bytes at each size (this rank)."""
-    from ..experiments.bench.common import time_method_in_worker
-
     runs = []
     for n in sizes:
         for name in methods:

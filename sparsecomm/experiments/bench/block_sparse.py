@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
 from ...launch.netemu import unavailable_reason
-from .common import network_label, parse_count, parse_networks, time_method_in_worker
+from ...simulator.calibration import time_method_in_worker
+from .common import network_label, parse_count, parse_networks
 
 HELP = "S2 Reducer vs AllGather, SparCML, OmniReduce, dense on embedding and block-sparse gradients"
 

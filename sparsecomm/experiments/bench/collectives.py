@@ -5,15 +5,8 @@ from __future__ import annotations
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
 from ...methods import cost
-from .common import (
-    add_common_arguments,
-    check_common,
-    check_methods_option,
-    configurations,
-    network_label,
-    summarize,
-    time_method_in_worker,
-)
+from ...simulator.calibration import time_method_in_worker
+from .common import add_common_arguments, check_common, check_methods_option, configurations, network_label, summarize
 
 HELP = "time and bytes per rank of dense all-reduce methods (dense, ring, rabenseifner) for one P and size"
 

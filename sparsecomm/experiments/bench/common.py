@@ -1,5 +1,6 @@
-"""Shared pieces of the benchmarks: size parsing, networks, option checks, progress, timing of a method
-inside workers.
+"""Shared pieces of the benchmarks: networks, option checks, progress, summaries of a method's timed calls
+(sizes are parsed by :func:`sparsecomm.cli.options.parse_count`, the timing inside workers is
+:func:`sparsecomm.simulator.calibration.time_method_in_worker`).
 
 Every bench module defines ``check(args)``: the CLI calls it before ``run`` and before any worker
 starts, and a ``ValueError`` is one line ``sparsecomm bench NAME: error: ...`` with exit status 2. A
@@ -9,27 +10,11 @@ counts, are derived from it).
 
 from __future__ import annotations
 
-import re
 import statistics
-import time
-from collections.abc import Sequence
 from typing import Any
 
-import torch
-
+from ...cli.options import parse_count
 from ...methods import Stats, available_methods
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
-_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}
-
-
-def parse_count(text: str) -> int:
-    """An element count with a decimal suffix: '25M' -> 25_000_000, '1000' -> 1000, '2.5k' -> 2500.
-    (Byte sizes of the network emulation are :func:`sparsecomm.launch.netemu.parse_size`.)"""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ValueError(f"size {text!r} must be a number with an optional k/M/G suffix, e.g. 25M")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def parse_networks(text: str, workers: int | None = None) -> list[str | None]:
@@ -97,37 +82,6 @@ def configurations(items, bench: str, label=str):
     from ..progress import progress_iter
 
     return progress_iter(items, f"bench {bench}", label)
-
-
-def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: int, warmup: int,
-                          seed: int = 0, layout: Sequence | None = None,
-                          grad_fn=None) -> dict[str, Any]:
-    """Worker function: build the method, run warm-up and timed calls on a fixed gradient.
-
-    Returns this rank's per-call wall times (each call starts after a barrier), and the stats of the
-    last call. The gradient buffer is allocated once; each call gets a fresh copy made before the
-    clock starts.
-    """
-    import torch.distributed as dist
-
-    from ...methods import make_method
-
-    rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(seed * 7919 + rank)
-    base = torch.randn(n, generator=gen) if grad_fn is None else grad_fn(n, rank)
-    work = torch.empty_like(base)
-    method = make_method(name, **options)
-    times, stats = [], []
-    for i in range(warmup + repeat):
-        work.copy_(base)
-        dist.barrier()
-        start = time.perf_counter()
-        method(work, layout)
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            times.append(elapsed)
-            stats.append(method.stats)
-    return {"times": times, "stats": stats}
 
 
 #: the :class:`~sparsecomm.methods.Stats` figures :func:`summarize` reports (medians of rank 0's calls)

@@ -27,7 +27,8 @@ from ...launch.launcher import run_workers
 from ...launch.netemu import parse_net, parse_rate, unavailable_reason
 from ...methods import method_class
 from ...methods.hitopk import paper_bytes
-from .common import parse_count, summarize, time_method_in_worker
+from ...simulator.calibration import time_method_in_worker
+from .common import parse_count, summarize
 
 HELP = "hitopk, torus2d, tree, twolevel, topka, spardl, dense on emulated nodes: NIC and intra-node bytes"
 

@@ -12,6 +12,7 @@ import math
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
 from ...methods import available_costs, cost, method_class
+from ...simulator.calibration import time_method_in_worker
 from .common import (
     add_common_arguments,
     check_common,
@@ -20,7 +21,6 @@ from .common import (
     configurations,
     network_label,
     summarize,
-    time_method_in_worker,
 )
 
 HELP = "compare methods side by side: time split, bytes (meter vs. model), rounds, output density"

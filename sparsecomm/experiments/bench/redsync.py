@@ -9,15 +9,8 @@ import statistics
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
 from ...methods import cost
-from .common import (
-    add_common_arguments,
-    check_common,
-    check_density,
-    configurations,
-    network_label,
-    summarize,
-    time_method_in_worker,
-)
+from ...simulator.calibration import time_method_in_worker
+from .common import add_common_arguments, check_common, check_density, configurations, network_label, summarize
 
 HELP = "RedSync / RedSync+ASQ / TopkA vs dense on VGG-16's layer sizes: time split and bytes vs equation (1)"
 

@@ -19,15 +19,8 @@ from ...launch.launcher import run_workers
 from ...launch.netemu import unavailable_reason
 from ...methods import cost
 from ...methods.spardl import table1_cost, team_candidates
-from .common import (
-    add_common_arguments,
-    check_common,
-    check_density,
-    configurations,
-    network_label,
-    summarize,
-    time_method_in_worker,
-)
+from ...simulator.calibration import time_method_in_worker
+from .common import add_common_arguments, check_common, check_density, configurations, network_label, summarize
 
 HELP = "SparDL (d = 1, 2, 4, auto teams) against dense all-reduce: time and bytes per step"
 

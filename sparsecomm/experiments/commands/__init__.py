@@ -1,1 +1,1 @@
-"""Top-level CLI commands: one module per `sparsecomm NAME`."""
+"""The experiments' commands: one module per `sparsecomm NAME` (the library's own are in :mod:`sparsecomm.cli`)."""
