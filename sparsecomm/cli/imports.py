@@ -39,7 +39,9 @@ def mermaid(edges: dict[tuple[str, str], int]) -> str:
 
 def plot(edges: dict[tuple[str, str], int], path: str) -> None:
     """Draw the layers as rows (core at the bottom) and each import between packages as an arrow."""
-    import matplotlib
+    from ..core.optional import require
+
+    matplotlib = require("matplotlib", "--plot")
 
     from ..devtools.imports import LAYERS, groups_by_layer
 

@@ -341,7 +341,9 @@ def speedups(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _plot_group(records: Sequence[dict[str, Any]], path: str) -> str:
-    import matplotlib
+    from ..core.optional import require
+
+    matplotlib = require("matplotlib", "the campaign's plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

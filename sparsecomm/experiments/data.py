@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.optional import MissingExtraError, require
+
 __all__ = ["Dataset", "load_dataset", "available_datasets", "DatasetUnavailable", "tokenize_words",
            "FASHION_MNIST_DIR", "FORTUNES_DIR"]
 
@@ -86,11 +88,10 @@ def _subset(x: torch.Tensor, y: torch.Tensor, limit: int | None, seed: int):
 def load_digits(seed: int = 0, test_fraction: float = 0.2, **_) -> Dataset:
     """scikit-learn's 8x8 handwritten digits, scaled to [0, 1], shape (N, 1, 8, 8)."""
     try:
-        from sklearn.datasets import load_digits as sk_load_digits
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise DatasetUnavailable("data set 'digits' needs scikit-learn: pip install scikit-learn "
-                                 "(or pip install 'sparsecomm[data]')") from exc
-    bunch = sk_load_digits()
+        sk_datasets = require("sklearn.datasets", "data set 'digits'")
+    except MissingExtraError as exc:
+        raise DatasetUnavailable(str(exc)) from None
+    bunch = sk_datasets.load_digits()
     x = torch.tensor(bunch.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
     y = torch.tensor(bunch.target, dtype=torch.int64)
     train, test = _split(len(x), test_fraction, seed)

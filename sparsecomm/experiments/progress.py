@@ -1,9 +1,10 @@
 """Progress output for the command line's long loops (training steps, benchmark configurations).
 
-On a terminal a :mod:`tqdm` bar is drawn on stderr; otherwise (a log file, a pipe, CI) a plain line
-``DESC: i/total [detail] (elapsed)`` is printed on stderr, at most every ``interval`` seconds and at
-the end, so a long run is never silent and a log stays short. Library code takes a progress callback
-and never prints: the commands create these objects and pass them in.
+On a terminal a :mod:`tqdm` bar is drawn on stderr when tqdm (of ``sparsecomm[data]``) is installed;
+otherwise (no tqdm, a log file, a pipe, CI) a plain line ``DESC: i/total [detail] (elapsed)`` is printed
+on stderr, at most every ``interval`` seconds and at the end, so a long run is never silent and a log
+stays short. Library code takes a progress callback and never prints: the commands create these
+objects and pass them in.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TextIO, TypeVar
+
+from ..core.optional import available, require
 
 __all__ = ["Progress", "progress_iter", "is_terminal"]
 
@@ -41,9 +44,8 @@ class Progress:
         self.started = time.perf_counter()
         self._last_line = -math.inf if math.isfinite(interval) else self.started  # first update: a line
         self._bar: Any = None
-        if is_terminal(self.stream) if bar is None else bar:
-            from tqdm import tqdm
-
+        if (is_terminal(self.stream) and available("tqdm")) if bar is None else bar:
+            tqdm = require("tqdm", "a progress bar").tqdm
             self._bar = tqdm(total=total, desc=desc, file=self.stream, dynamic_ncols=True, leave=False)
 
     def update(self, n: int = 1, detail: str = "") -> None:

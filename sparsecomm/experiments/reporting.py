@@ -108,7 +108,9 @@ def summary_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _plot(records: Sequence[dict[str, Any]], outdir: str) -> list[str]:
-    import matplotlib
+    from ..core.optional import require
+
+    matplotlib = require("matplotlib", "the report's plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

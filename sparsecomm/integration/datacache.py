@@ -48,6 +48,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..core.optional import require
 from ..core.validate import check_int
 
 __all__ = ["DataCache", "CacheStats", "PrefetchLoader", "EpochStats", "shard_epoch", "write_png_dataset",
@@ -246,8 +247,7 @@ class PrefetchLoader:
 def write_png_dataset(images: torch.Tensor, labels: torch.Tensor, directory: str) -> list[str]:
     """Write uint8 grey ``images`` (N, H, W) as ``NNNNNN.png`` files and ``labels.txt`` into
     ``directory``, once (an existing complete set is kept). Returns the file names in index order."""
-    from PIL import Image
-
+    Image = require("PIL.Image", "writing PNG files")
     names = [f"{i:06d}.png" for i in range(len(images))]
     marker = os.path.join(directory, "labels.txt")
     if os.path.exists(marker):
@@ -266,8 +266,7 @@ def write_png_dataset(images: torch.Tensor, labels: torch.Tensor, directory: str
 
 def decode_png(data: bytes, mean: float = FASHION_MNIST_MEAN, std: float = FASHION_MNIST_STD) -> torch.Tensor:
     """PNG bytes -> a normalized float32 tensor (1, H, W): the pre-processing the memory store keeps."""
-    from PIL import Image
-
+    Image = require("PIL.Image", "decoding PNG files")
     with Image.open(io.BytesIO(data)) as image:
         array = np.asarray(image.convert("L"), dtype=np.float32)
     return ((torch.from_numpy(array.copy()) / 255.0 - mean) / std).unsqueeze(0)

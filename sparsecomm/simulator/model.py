@@ -351,7 +351,9 @@ def faster_range(rows: Sequence[dict[str, Any]], method: str, margin: float = 0.
 
 def plot_projection(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
     """PNG: step time (left) and speed-up over dense (right) against P, one line per method."""
-    import matplotlib
+    from ..core.optional import require
+
+    matplotlib = require("matplotlib", "the projection plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -101,7 +101,9 @@ def _row(net: str | None, name: str, per_rank: list[list[dict[str, float]]], war
 
 
 def _plot(path: str, curves: dict[str, list[float]], density: float, title: str) -> None:
-    import matplotlib
+    from ...core.optional import require
+
+    matplotlib = require("matplotlib", "the density plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

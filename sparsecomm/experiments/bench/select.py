@@ -128,9 +128,9 @@ def _speed_rows(args: argparse.Namespace, names: list[str], others: list[str]) -
 
 def mlp_gradients(steps: int = 5, seed: int = 0) -> list[Tensor]:
     """Flat gradients of a 64-256-256-10 MLP on sklearn's digits, one per SGD step (no download)."""
-    from sklearn.datasets import load_digits
+    from ...core.optional import require
 
-    digits = load_digits()
+    digits = require("sklearn.datasets", "the MLP gradients of bench select").load_digits()
     torch.manual_seed(seed)
     data = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     target = torch.tensor(digits.target)
