@@ -258,11 +258,11 @@ def test_every_rank_reaches_every_other_through_the_bridge():
 def test_bench_net_prints_its_tables(capsys):
     from sparsecomm.cli import main
 
-    emulated = "1gbit" if unavailable_reason() is None else "none"
-    assert main(["bench", "net", "--net", f"none,{emulated}", "--size-mb", "1", "--repeats", "1",
+    emulated = "1gbit" if unavailable_reason() is None else "loopback"
+    assert main(["bench", "net", "--net", f"loopback,{emulated}", "--size-mb", "1", "--repeats", "1",
                  "--world-sizes", "2", "--setup-repeats", "1", "--ring-size", "3"]) == 0
     out = capsys.readouterr().out
-    assert "| none | 1 | 1 |" in out and "| none | 3 | 1 | 1 |" in out
+    assert "| loopback | 1 | 1 |" in out and "| loopback | 3 | 1 | 1 |" in out
     if unavailable_reason() is None:
         assert "| 1gbit | 1 | 1 |" in out and "| 2 | 1 |" in out
     assert main(["bench", "net", "--net", "fast"]) == 2

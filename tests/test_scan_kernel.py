@@ -139,7 +139,7 @@ def test_largest_finite_floats_are_not_mistaken_for_inf():
 
 @pytest.mark.parametrize("name", selectors.available())
 def test_every_kernel_makes_the_same_selection(name):
-    options = {"threshold": {"threshold": 1.5}}.get(name, {})
+    options = {"fixed_threshold": {"threshold": 1.5}}.get(name, {})
     gen = torch.Generator().manual_seed(7)
     xs = [torch.randn(1 << 18, generator=gen) for _ in range(3)]
     picks = {}

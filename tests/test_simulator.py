@@ -56,7 +56,7 @@ def _synthetic_profile(P=2, density=0.01, work_per_element=2e-9):
               "seconds": 2 * ALPHA + 4 * m * BETA} for m in (1_000, 1_000_000)]
     records = [{"P": P, "links": _link_record(r, P), "dense": dense, "runs": runs} for r in range(P)]
     return profile_from_records(records, density=density, net="loopback", device="cpu", cores=2, colocated=True,
-                                selectors={"topk": 1e-9}, recv_element_s=5e-9, meta={})
+                                selectors={"exact_topk": 1e-9}, recv_element_s=5e-9, meta={})
 
 
 def test_profile_round_trips_through_json(tmp_path):

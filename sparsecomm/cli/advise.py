@@ -189,9 +189,10 @@ def run(args) -> int:
             raise ValueError(f"--rounds={args.rounds} must be >= 1")
         if args.measure:
             args.colocated = True  # the advice checked is the one for the workers measured here
-        if args.net is not None:
-            from ..launch.netemu import parse_net
+        from ..launch.netemu import emulated_net, parse_net
 
+        args.net = emulated_net(args.net)
+        if args.net is not None:
             parse_net(args.net, args.workers)
         if args.latency and args.alpha:
             raise ValueError("give --latency or --alpha, not both")

@@ -98,9 +98,10 @@ def run(args) -> int:
             raise ValueError(f"--density={args.density} must lie in (0, 1]")
         if args.repeat < 1:
             raise ValueError(f"--repeat={args.repeat} must be >= 1")
-        if args.net is not None:
-            from ..launch.netemu import parse_rate
+        from ..launch.netemu import emulated_net, parse_rate
 
+        args.net = emulated_net(args.net)
+        if args.net is not None:
             parse_rate(args.net)
     except (UnknownMethodError, ValueError) as err:
         return fail("calibrate", str(err))

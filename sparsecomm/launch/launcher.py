@@ -216,7 +216,7 @@ def run_workers(world_size: int, fn: Callable, *args: Any, net: str | None = Non
         fn: called in every worker after ``torch.distributed`` is initialized; read the rank with
             ``torch.distributed.get_rank()`` or build a :class:`~sparsecomm.Communicator`.
             Its return value must pickle.
-        net: ``None`` for loopback, or a tc rate string (``"1gbit"``, ``"100mbit"``) to put each
+        net: ``None`` or ``"loopback"`` for loopback, or a tc rate string (``"1gbit"``, ``"100mbit"``) to put each
             worker in its own network namespace behind a link of that rate, or
             ``"NODESxLOCAL:RATE[/INTRA_RATE]"`` (``"2x4:1gbit"``) for emulated nodes sharing one
             NIC of RATE each (needs root + iproute2; raises ``RuntimeError`` saying why when
@@ -235,6 +235,9 @@ def run_workers(world_size: int, fn: Callable, *args: Any, net: str | None = Non
             result, or the call did not finish within ``timeout``.
     """
     _validate(world_size, fn, timeout, stall_timeout)
+    from .netemu import emulated_net
+
+    net = emulated_net(net)
     local_size = _local_size(world_size, net)
     network_cm: Any = contextlib.nullcontext(None)
     if net is not None:

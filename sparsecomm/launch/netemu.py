@@ -68,8 +68,16 @@ from dataclasses import dataclass
 from ..core.validate import check_int, is_int
 from .netns import NETNS_DIR, run_tool, setns, stale_namespaces
 
-__all__ = ["EmulatedNetwork", "NetSpec", "parse_net", "unavailable_reason", "cleanup_stale", "parse_rate",
-           "parse_size", "parse_time"]
+__all__ = ["EmulatedNetwork", "NetSpec", "LOOPBACK", "emulated_net", "parse_net", "unavailable_reason",
+           "cleanup_stale", "parse_rate", "parse_size", "parse_time"]
+
+#: the one name of the network that is not emulated (the host's loopback) in the API and every command
+LOOPBACK = "loopback"
+
+
+def emulated_net(net: str | None) -> str | None:
+    """The ``net=`` to emulate: ``None`` for the loopback network (``None`` or ``"loopback"``), else ``net``."""
+    return None if net is None or net == LOOPBACK else net
 
 log = logging.getLogger(__name__)
 

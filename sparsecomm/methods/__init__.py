@@ -12,17 +12,20 @@ Method modules never import each other; what several share lives in :mod:`.base`
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 from typing import Any
 
 from ..core.cost import COSTS, Cost, evaluate
+from ..core.validate import check_options, keyword_options
+from ..selection import option_names as selector_option_names
 from ..transport import collectives, sparse_collectives  # noqa: F401  (register the collectives' formulas)
 from ..transport.comm import Communicator
 from .base import METHODS, Layout, Method, register_method
 from .stats import Stats
 
 __all__ = ["Method", "Layout", "Stats", "register_method", "make_method", "available_methods", "method_class",
-           "cost", "available_costs", "load_all"]
+           "check_method_options", "cost", "available_costs", "load_all"]
 
 _SHARED_MODULES = {"base", "stats", "select_allgather"}
 _loaded = False
@@ -55,15 +58,40 @@ def make_method(name: str, comm: Communicator | None = None, **options: Any) -> 
     """Build method ``name`` over ``comm`` (default: all ranks of the default process group).
 
     Every sparse method takes ``density`` (k = ceil(density * n)); see each method's docstring for
-    its other options. Unknown options raise ``TypeError`` naming them. ``nonfinite`` (``"error"``,
-    the default, or ``"skip"``) is every method's policy for NaN/Inf gradients (:attr:`Method.nonfinite`).
-    The options are kept in ``method.options``; every call checks that all ranks built the method alike.
+    its other options. An unknown option raises :class:`~sparsecomm.core.validate.UnknownOptionError`
+    (a ``TypeError``) naming the method and listing its options (:func:`check_method_options`).
+    ``nonfinite`` (``"error"``, the default, or ``"skip"``) is every method's policy for NaN/Inf
+    gradients (:attr:`Method.nonfinite`). The options are kept in ``method.options``; every call checks
+    that all ranks built the method alike.
     """
+    check_method_options(name, options)
     nonfinite = options.pop("nonfinite", "error")
     method = method_class(name)(comm, **options)
     method.nonfinite = nonfinite
     method.options = dict(options)
     return method
+
+
+def check_method_options(name: str, options: dict[str, Any]) -> None:
+    """Raise :class:`~sparsecomm.core.validate.UnknownOptionError` for an option method ``name`` does not
+    take: ``"spardl: unknown option 'x'; valid options: density, teams, sag, selector, nonfinite"``.
+
+    A method that passes further options on to its selector (``**selector_options``) also takes that
+    selector's options, and the message lists them under the selector's name."""
+    names, passes_on = keyword_options(method_class(name).__init__)
+    valid = [*names, "nonfinite"]
+    selector = options.get("selector", _default(method_class(name).__init__, "selector"))
+    if passes_on and isinstance(selector, str):
+        taken = selector_option_names(selector)
+        check_options(name, [option for option in options if option not in taken], valid,
+                      more=f"; and those of its selector {selector!r}: {', '.join(taken) if taken else 'none'}")
+    elif not passes_on:
+        check_options(name, options, valid)
+
+
+def _default(function: Any, parameter: str) -> Any:
+    found = inspect.signature(function).parameters.get(parameter)
+    return None if found is None else found.default
 
 
 def available_costs() -> list[str]:

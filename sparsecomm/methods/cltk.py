@@ -85,7 +85,7 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
         super().__init__(comm, density=density)
         self.allreduce = check_allreduce(allreduce, "cltk")
         self.track_global_error = bool(global_error)
-        self.selector = make_selector("topk")
+        self.selector = make_selector("exact_topk")
 
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         n, P, r = grad.numel(), self.comm.size, self.comm.rank

@@ -59,7 +59,7 @@ class GlobalTopk(Method):
 
     def __init__(self, comm=None, *, density: float) -> None:
         super().__init__(comm, density=density)
-        self.selector = make_selector("topk")  # exact top-k by a sampled floor and one scan
+        self.selector = make_selector("exact_topk")  # exact top-k by a sampled floor and one scan
 
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         comm, n = self.comm, grad.numel()

@@ -108,7 +108,7 @@ class OkTopk(Method):
         self.local_threshold: float | None = None
         self.global_threshold: float | None = None
         self.boundaries: list[int] | None = None
-        self.selector = make_selector("topk")     # exact top-k for the periodic threshold estimation
+        self.selector = make_selector("exact_topk")     # exact top-k for the periodic threshold estimation
 
     # ------------------------------------------------------------------ schedule
     def estimates_threshold(self, step: int) -> bool:

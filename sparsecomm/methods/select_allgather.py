@@ -102,7 +102,7 @@ class SelectAllGather(SelectorStateMixin, Method):
     Args:
         comm: communicator (default: all ranks).
         density: fraction selected per rank, k = ceil(density * n).
-        selector: a name of :mod:`sparsecomm.selection` (default ``"topk"``, exact top-k).
+        selector: a name of :mod:`sparsecomm.selection` (default ``"exact_topk"``, exact top-k).
         cap: the hard cap, at most ``ceil(cap * k)`` entries per rank (default 2.0; ``None``: no cap).
         **selector_options: passed to ``make(selector, ...)``.
 
@@ -118,7 +118,7 @@ class SelectAllGather(SelectorStateMixin, Method):
     tracks_sent = True
     has_residual = True
 
-    def __init__(self, comm: Communicator | None = None, *, density: float, selector: str = "topk",
+    def __init__(self, comm: Communicator | None = None, *, density: float, selector: str = "exact_topk",
                  cap: float | None = 2.0, **selector_options: Any) -> None:
         super().__init__(comm, density=density)
         self.cap = check_cap(cap, self.name)

@@ -146,7 +146,7 @@ class SIDCo(SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
 
     def __init__(self, comm=None, *, density: float, distribution: str = "exponential", stages: int = 2,
                  controller: str = "adaptive", cap: float | None = 2.0, global_error: bool = False) -> None:
-        super().__init__(comm, density=density, selector="threshold", cap=cap, threshold=0.0)
+        super().__init__(comm, density=density, selector="fixed_threshold", cap=cap, threshold=0.0)
         if distribution not in _DISTRIBUTIONS:
             raise ValueError(f"sidco: distribution={distribution!r} must be one of {_DISTRIBUTIONS}")
         if controller not in _CONTROLLERS:

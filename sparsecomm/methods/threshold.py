@@ -55,7 +55,7 @@ class HardThresholdAllGather(SparsificationMetrics, FeedbackStateMixin, SelectAl
 
     def __init__(self, comm=None, *, density: float, threshold: float | None = None,
                  controller: str = "adaptive", cap: float | None = 2.0, global_error: bool = False) -> None:
-        super().__init__(comm, density=density, selector="threshold", cap=cap,
+        super().__init__(comm, density=density, selector="fixed_threshold", cap=cap,
                          threshold=0.0 if threshold is None else threshold)
         if controller not in _CONTROLLERS:
             raise ValueError(f"threshold: controller={controller!r} must be one of {_CONTROLLERS}")

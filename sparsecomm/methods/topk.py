@@ -31,7 +31,7 @@ class TopkComparator(SparsificationMetrics, SelectAllGather):
     """
 
     def __init__(self, comm=None, *, density: float, global_error: bool = False) -> None:
-        super().__init__(comm, density=density, selector="topk")
+        super().__init__(comm, density=density, selector="exact_topk")
         self.track_global_error = bool(global_error)
 
 

@@ -58,7 +58,7 @@ class TopkDSA(Method):
     Args:
         density: k = ceil(density * n) pairs selected per rank.
         algorithm: ``"auto"`` (default), ``"recursive_doubling"`` or ``"split_allgather"``.
-        selector: an exact-count selector of :mod:`sparsecomm.selection` (default ``"topk"``,
+        selector: an exact-count selector of :mod:`sparsecomm.selection` (default ``"exact_topk"``,
             exact top-k, the same as TopkA's).
     """
 
@@ -67,7 +67,7 @@ class TopkDSA(Method):
     tracks_sent = True
 
     def __init__(self, comm: Communicator | None = None, *, density: float, algorithm: str = "auto",
-                 selector: str = "topk") -> None:
+                 selector: str = "exact_topk") -> None:
         super().__init__(comm, density=density)
         self.algorithm = check_choice("algorithm", algorithm, ALGORITHMS)
         self.selector = make_selector(selector)

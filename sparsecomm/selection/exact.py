@@ -1,4 +1,4 @@
-"""Exact-count selectors: ``topk`` (exact top-k) and ``trimmed`` (RedSync trimmed top-k).
+"""Exact-count selectors: ``exact_topk`` (exact top-k) and ``trimmed`` (RedSync trimmed top-k).
 
 Both return exactly ``min(k, n)`` distinct indices.
 """
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 _SAMPLED_MIN_N = 1 << 16
 
 
-@register_selector("topk")
+@register_selector("exact_topk")
 class TopK(Selector):
     """Exact top-k by magnitude: the ``k`` largest ``|x|`` (ties broken arbitrarily).
 

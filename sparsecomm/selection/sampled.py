@@ -22,7 +22,7 @@ from .scan import MagnitudeView, Scratch
 __all__ = ["DGC"]
 
 
-@register_selector("dgc")
+@register_selector("dgc_sampled")
 class DGC(Selector):
     """DGC sampled top-k: count in ``[ceil(lower * k), k]``; the picks are the largest ``|x|``.
 

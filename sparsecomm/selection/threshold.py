@@ -51,7 +51,7 @@ def _check_threshold(name: str, value: Any) -> float:
     return value
 
 
-@register_selector("threshold")
+@register_selector("fixed_threshold")
 class HardThreshold(_ThresholdSelector):
     """A fixed hard threshold: every ``|x_i| >= threshold`` (ExDyna's "hard threshold" baseline).
 

@@ -21,12 +21,12 @@ def parse_networks(text: str, workers: int | None = None) -> list[str | None]:
     """'loopback,1gbit' -> [None, '1gbit']; every other item is checked as a ``net=`` spelling
     (:func:`sparsecomm.launch.netemu.parse_net` at ``workers`` ranks, or as a rate when P is not known):
     ValueError naming the item."""
-    from ...launch.netemu import parse_net, parse_rate
+    from ...launch.netemu import LOOPBACK, parse_net, parse_rate
 
     nets: list[str | None] = []
     for item in text.split(","):
         item = item.strip()
-        if item in ("", "none", "loopback", "lo"):
+        if item == LOOPBACK:
             nets.append(None)
             continue
         if workers is not None:

@@ -5,7 +5,7 @@ Two tables:
 * point to point, per ``--net`` value: rank 0 sends one large message to rank 1, which answers with
   4 bytes (one clock, rank 0's, times both); the achieved rate is ``8 x size / time``. A 4-byte
   ping-pong gives the one-way latency (alpha of the alpha-beta cost model), and the achieved rate
-  gives its beta = 1 / rate. ``none`` is loopback without emulation, for comparison;
+  gives its beta = 1 / rate. ``loopback`` is the network without emulation, for comparison;
 * ring shift, per ``--net`` value: all P ranks at once send a message to rank r+1 and receive one
   from rank r-1, so every link is busy in both directions; on a non-blocking switch each rank still
   gets the link rate (until the CPUs of this machine run out);
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
-from ...launch.netemu import EmulatedNetwork, parse_rate, unavailable_reason
+from ...launch.netemu import LOOPBACK, EmulatedNetwork, emulated_net, parse_rate, unavailable_reason
 
 HELP = "measure the emulated network: point-to-point rate and latency, setup/teardown time"
 
@@ -41,9 +41,9 @@ def _comma_list(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--net", type=_comma_list, default=["none", "100mbit", "1gbit"],
-                        help="comma-separated link rates (tc syntax) to measure, 'none' for loopback "
-                             "(default: none,100mbit,1gbit)")
+    parser.add_argument("--net", type=_comma_list, default=[LOOPBACK, "100mbit", "1gbit"],
+                        help="comma-separated networks to measure: link rates (tc syntax) and loopback "
+                             "(default: loopback,100mbit,1gbit)")
     parser.add_argument("--size-mb", type=float, default=32.0,
                         help="size of the large message in MiB (default: 32)")
     parser.add_argument("--repeats", type=int, default=3,
@@ -86,7 +86,7 @@ def _point_to_point(nbytes: int, repeats: int) -> dict[str, list[float]] | None:
 def _rate_rows(nets: list[str], nbytes: int, repeats: int) -> list[dict]:
     rows = []
     for net in nets:
-        emulated = None if net == "none" else net
+        emulated = emulated_net(net)
         timings = run_workers(2, _point_to_point, nbytes, repeats, net=emulated, timeout=600)[0]
         seconds = statistics.median(timings["transfers"])
         achieved = nbytes * 8 / seconds
@@ -119,7 +119,7 @@ def _ring_shift(nbytes: int, repeats: int) -> list[float]:
 def _ring_rows(nets: list[str], world_size: int, nbytes: int, repeats: int) -> list[dict]:
     rows = []
     for net in nets:
-        emulated = None if net == "none" else net
+        emulated = emulated_net(net)
         per_rank = run_workers(world_size, _ring_shift, nbytes, repeats, net=emulated, timeout=600)
         seconds = statistics.median(max(times) for times in zip(*per_rank, strict=False))
         achieved = nbytes * 8 / seconds
@@ -162,7 +162,7 @@ def _node_rows(nets: list[str], nodes: str, nbytes: int, repeats: int) -> list[d
     count, local = (int(part) for part in nodes.lower().split("x"))
     rows = []
     for net in nets:
-        if net == "none":
+        if emulated_net(net) is None:
             continue
         spec = f"{count}x{local}:{net}"
         for senders, intra in ((1, True), (1, False), (local, False)):
@@ -210,9 +210,9 @@ def check(args: argparse.Namespace) -> None:
     if args.ring_size == 1 or args.ring_size < 0:
         raise ValueError(f"--ring-size={args.ring_size} must be 0 (skip) or at least 2")
     _check_nodes(args.nodes)
-    rates = [parse_rate(net) for net in args.net if net != "none"]
-    if not rates and "none" not in args.net:
-        raise ValueError("--net is empty: give rates such as 100mbit,1gbit or none")
+    rates = [parse_rate(net) for net in args.net if net != LOOPBACK]
+    if not rates and LOOPBACK not in args.net:
+        raise ValueError("--net is empty: give rates such as 100mbit,1gbit or loopback")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     reason = unavailable_reason()
     if reason is not None:
         print(f"Network emulation is unavailable here ({reason}); measuring loopback only.\n")
-        nets = ["none"]
+        nets = [LOOPBACK]
     nbytes = int(args.size_mb * 2**20) // 4 * 4
     print(f"{_machine_load()} at the start; times on a busy machine are noisy (medians, and the "
           f"minimum latency, are the robust figures).\n")

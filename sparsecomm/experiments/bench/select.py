@@ -10,7 +10,7 @@ pure-torch path that CUDA tensors and other dtypes take), and the row "fused sca
 bare pass (sum and max of ``|x|``, no candidates). ``--quality`` instead prints the quality table on
 normal, Laplace, Student-t(3) data and on real gradients of a small MLP.
 
-Threshold selectors are primed as after a previous step: ``threshold`` and ``scaled_threshold`` start at
+Threshold selectors are primed as after a previous step: ``fixed_threshold`` and ``scaled_threshold`` start at
 the exact k-th largest magnitude of the previous input (timing: the same input; quality: an independent
 draw of the same distribution, or the MLP's previous gradient).
 """
@@ -35,7 +35,7 @@ from .common import configurations
 
 HELP = "time and quality of the top-k / threshold selectors (vs torch.topk and one memory pass)"
 
-_PRIMED_WITH_THRESHOLD = {"threshold": "threshold", "scaled_threshold": "initial_threshold"}
+_PRIMED_WITH_THRESHOLD = {"fixed_threshold": "threshold", "scaled_threshold": "initial_threshold"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ import sys
 import time
 
 from ...cli.table import markdown_table
-from ...launch.netemu import unavailable_reason
+from ...launch.netemu import emulated_net, unavailable_reason
 from .. import campaign
 
 HELP = "train the communication-heavy LSTM with DDP, PowerSGD and the best sparse methods; report the speed-up"
@@ -31,7 +31,7 @@ DEMO_SPARSE = ("topka", "hitopk", "cltk")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", "-P", type=int, default=4, help="worker count (default 4)")
-    parser.add_argument("--net", default="1gbit", help="emulated rate, or 'none' for loopback (default 1gbit)")
+    parser.add_argument("--net", default="1gbit", help="emulated rate, or 'loopback' (default 1gbit)")
     parser.add_argument("--workload", default="lstm", choices=sorted(campaign.WORKLOADS),
                         help="campaign workload (default lstm)")
     parser.add_argument("--methods", default=None,
@@ -67,7 +67,7 @@ def run_demo(workload: campaign.Workload, methods: list[str], net: str | None, o
 
 def run(args: argparse.Namespace) -> int:
     methods = args.methods.split(",") if args.methods else ["ddp", "powersgd", *DEMO_SPARSE]
-    net = None if args.net in (None, "none", "loopback") else args.net
+    net = emulated_net(args.net)
     if net is not None and unavailable_reason() is not None:
         print(f"note: cannot emulate {net} here ({unavailable_reason()}); running on loopback")
     out = args.out or os.path.join("runs", "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from ...launch.launcher import STALL_TIMEOUT
+from ...launch.netemu import emulated_net
 from ..data import DatasetUnavailable, available_datasets
 from ..models import MODEL_DATA, available_models
 from ..progress import Progress
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(BASELINES)}")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--net", default=None, help="emulated network: a tc rate in bits per second such as 1gbit "
-                        "or 100mbit, or NODESxLOCAL:RATE (default: loopback)")
+                        "or 100mbit, or NODESxLOCAL:RATE, or loopback (the default)")
     parser.add_argument("--epochs", type=int, default=None, help="default: the model's tuned value (MODEL_DEFAULTS)")
     parser.add_argument("--batch-size", type=int, default=None, help="per worker; default: the model's tuned value")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate; default: the model's tuned value")
@@ -111,7 +112,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=args.model, data=args.data or MODEL_DATA[args.model][0], method=args.method,
         density=args.density, workers=workers, lr_schedule=args.lr_schedule, momentum=args.momentum,
-        seed=args.seed, net=args.net, sync=args.sync,
+        seed=args.seed, net=emulated_net(args.net), sync=args.sync,
         dense_warmup_steps=args.dense_warmup_steps, clip_norm=args.clip_norm,
         momentum_correction=args.momentum_correction, density_warmup=args.density_warmup,
         method_options=parse_method_options(args.method_options, args.method), data_options=data_options,
