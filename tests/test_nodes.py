@@ -12,7 +12,7 @@ import torch.distributed as dist
 from sparsecomm import make_method, run_workers
 from sparsecomm.devtools.testing import make_gradient
 from sparsecomm.launch.netemu import NetSpec, parse_net, unavailable_reason
-from sparsecomm.methods import cost
+from sparsecomm.methods import collective_cost
 
 N = 4001
 DENSITY = 0.01
@@ -100,7 +100,7 @@ def test_hitopk_inter_node_bytes_equal_eq9(monkeypatch):
     hitopk = run_workers(8, run_method, "hitopk", {"density": DENSITY}, timeout=60)
     topka = run_workers(8, run_method, "topka", {"density": DENSITY}, timeout=60)
     for rank in range(8):
-        want = cost("hitopk_inter_node", P=8, n=N, rank=rank, density=DENSITY, local_size=4)
+        want = collective_cost("hitopk_inter_node", P=8, n=N, rank=rank, density=DENSITY, local_size=4)
         for rec in hitopk[rank]:
             assert (rec["inter_node_bytes_sent"], rec["inter_node_bytes_recv"]) == (want.bytes_sent, want.bytes_recv)
             assert rec["bytes_sent"] > rec["inter_node_bytes_sent"] > 0   # stages 1 and 4 are intra-node
@@ -207,7 +207,7 @@ def test_the_intra_node_path_is_fast_or_has_its_own_rate():
 def test_hitopk_inter_node_bytes_on_emulated_nodes():
     records = run_workers(8, run_method, "hitopk", {"density": DENSITY}, 1, net="2x4:1gbit", timeout=120)
     for rank, rec in enumerate(records):
-        want = cost("hitopk_inter_node", P=8, n=N, rank=rank, density=DENSITY, local_size=4)
+        want = collective_cost("hitopk_inter_node", P=8, n=N, rank=rank, density=DENSITY, local_size=4)
         assert rec[0]["inter_node_bytes_sent"] == want.bytes_sent and rec[0]["local_size"] == 4
 
 

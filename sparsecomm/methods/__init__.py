@@ -1,9 +1,10 @@
 """Synchronization methods: one module per method in this package, found automatically.
 
 ``make_method(name, **options)`` builds one inside a worker; ``available_methods()`` lists the
-names; ``cost(name, P, n, k, ...)`` evaluates a method's (or collective's) registered cost formula.
-A module registers its class with ``@register_method("name")`` (:mod:`.base`) and its formula with
-``@register_cost("name")`` (:mod:`sparsecomm.core.cost`), next to the code that sends.
+names; ``cost(name, P, n, k, ...)`` evaluates a method's registered cost formula and
+``collective_cost(name, ...)`` a collective's. A module registers its class with
+``@register_method("name")`` (:mod:`.base`) and its formula with ``@register_cost("name")``
+(:mod:`sparsecomm.core.cost`), next to the code that sends.
 
 Method modules never import each other; what several share lives in :mod:`.base`,
 :mod:`.stats`, :mod:`.select_allgather` or a lower layer.
@@ -16,7 +17,7 @@ import inspect
 import pkgutil
 from typing import Any
 
-from ..core.cost import COSTS, Cost, evaluate
+from ..core.cost import COLLECTIVE_COSTS, METHOD_COSTS, Cost, evaluate
 from ..core.validate import check_options, keyword_options
 from ..selection import option_names as selector_option_names
 from ..transport import collectives, sparse_collectives  # noqa: F401  (register the collectives' formulas)
@@ -25,7 +26,8 @@ from .base import METHODS, Layout, Method, register_method
 from .stats import Stats
 
 __all__ = ["Method", "Layout", "Stats", "register_method", "make_method", "available_methods", "method_class",
-           "check_method_options", "cost", "available_costs", "load_all"]
+           "check_method_options", "cost", "available_costs", "collective_cost", "available_collective_costs",
+           "load_all"]
 
 _SHARED_MODULES = {"base", "stats", "select_allgather"}
 _loaded = False
@@ -95,12 +97,25 @@ def _default(function: Any, parameter: str) -> Any:
 
 
 def available_costs() -> list[str]:
-    """Names with a registered cost formula (methods and collectives)."""
+    """Names of the methods with a registered cost formula (every method has one)."""
     load_all()
-    return COSTS.names()
+    return METHOD_COSTS.names()
 
 
 def cost(name: str, P: int, n: int, k: int = 0, rank: int = 0, itemsize: int = 4, **options: Any) -> Cost:
-    """This rank's cost of method (or collective) ``name`` for P workers, n elements, k selected."""
+    """This rank's cost of method ``name`` for P workers, n elements, k selected."""
     load_all()
     return evaluate(name, P=P, n=n, k=k, rank=rank, itemsize=itemsize, **options)
+
+
+def available_collective_costs() -> list[str]:
+    """Names of the collectives (and other communication parts) with a registered cost formula."""
+    load_all()
+    return COLLECTIVE_COSTS.names()
+
+
+def collective_cost(name: str, P: int, n: int, k: int = 0, rank: int = 0, itemsize: int = 4,
+                    **options: Any) -> Cost:
+    """This rank's cost of collective ``name`` (``ring_allreduce``, ``bruck_allgather``, ...)."""
+    load_all()
+    return evaluate(name, P=P, n=n, k=k, rank=rank, itemsize=itemsize, formulas=COLLECTIVE_COSTS, **options)

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.cost import Cost, chunk_offsets, chunk_sizes, register_cost
+from ..core.cost import Cost, chunk_offsets, chunk_sizes, register_collective_cost, register_cost
 from ..selection import make as make_selector
 from ..transport.chunk import SparseChunk, add_chunks, pair_bytes
 from ..transport.collectives import ring_reduce_scatter
@@ -162,7 +162,7 @@ def _hitopk_cost(P: int, n: int, rank: int, itemsize: int = 4, density: float | 
     return total if exact else total.bound()
 
 
-@register_cost("hitopk_inter_node")
+@register_collective_cost("hitopk_inter_node")
 def _hitopk_inter_node_cost(P: int, n: int, rank: int, itemsize: int = 4, density: float | None = None,
                             local_size: int | None = None, **_: Any) -> Cost:
     """Exact inter-node traffic of one call, eq. (9): the all-gather of k_j pairs among the m ranks

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.cost import COSTS, fit_alpha_beta
+from ..core.cost import METHOD_COSTS, fit_alpha_beta
 from ..methods import available_methods, cost, method_class
 from ..methods.base import selection_count
 
@@ -167,7 +167,7 @@ def layout_options(name: str, P: int, net: str, colocated: bool) -> dict[str, An
     hitopk's first stage is a dense reduce-scatter, twolevel a tree over all ranks); under a plain tc
     rate, and in a projection to a cluster, every rank is its own node (L = 1)."""
     method_class(name)  # loads the formulas
-    if "local_size" not in inspect.signature(COSTS.get(name)).parameters:
+    if "local_size" not in inspect.signature(METHOD_COSTS.get(name)).parameters:
         return {}
     return {"local_size": P if net == "loopback" and colocated else 1}
 
