@@ -5,9 +5,12 @@ Inside a worker (``run_workers`` or torchrun)::
     method = sparsecomm.make_method("spardl", density=0.01)
     averaged = method(flat_grad)          # identical on every rank
 
-See the README and ``docs/`` for the methods, the DDP hook and the CLI. The package is layered
-(``docs/architecture.md``): ``core`` < ``transport`` < ``blocks`` < ``methods`` < ``integration`` <
-``app``; this module re-exports the public names.
+See the README and ``docs/`` for the methods, the DDP hook and the CLI. The library is layered
+(``docs/architecture.md``): ``core`` < ``transport`` < ``selection`` < ``methods`` < ``integration``
+< ``launch`` < ``simulator`` < ``cli``; this module re-exports the public names, and
+``sparsecomm.selectors`` is the selector namespace. The experiments behind the measurements
+(``sparsecomm.experiments``) and the developer tools (``sparsecomm.devtools``) are never imported by
+``import sparsecomm``. Papers are cited by the keys of ``docs/references.md`` ([SparDL], [ShiCloud], ...).
 """
 
 from . import selectors

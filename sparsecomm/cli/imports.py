@@ -43,7 +43,7 @@ def plot(edges: dict[tuple[str, str], int], path: str) -> None:
 
     matplotlib = require("matplotlib", "--plot")
 
-    from ..devtools.imports import LAYERS, groups_by_layer
+    from ..devtools.imports import LAB_LAYERS, LAYERS, groups_by_layer
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -53,7 +53,8 @@ def plot(edges: dict[tuple[str, str], int], path: str) -> None:
     for row, layer in enumerate(LAYERS):
         names = layers[layer]
         for column, name in enumerate(names):
-            position[name] = ((column + 1) / (len(names) + 1), row)
+            # rows zigzag sideways, so that an arrow passing a layer does not run through its box
+            position[name] = ((column + 1) / (len(names) + 1) + 0.12 * (row % 3 - 1) / len(names), row)
     fig, ax = plt.subplots(figsize=(13, 7))
     for (a, b), count in sorted(edges.items()):
         (xa, ya), (xb, yb) = position[a], position[b]
@@ -66,6 +67,10 @@ def plot(edges: dict[tuple[str, str], int], path: str) -> None:
                 bbox={"boxstyle": "round", "fc": "#e8eef7", "ec": "#4a6fa5"})
     for row, layer in enumerate(LAYERS):
         ax.text(-0.02, row, layer, ha="right", va="center", fontsize=11, weight="bold")
+    lab = min(LAYERS.index(layer) for layer in LAB_LAYERS)
+    ax.axhline(lab - 0.5, color="0.3", lw=0.8, ls="--")
+    ax.text(1.0, lab - 0.5, "lab (never loaded by import sparsecomm) above, library below", ha="right",
+            va="bottom", fontsize=8, color="0.3")
     ax.set_xlim(-0.15, 1.02)
     ax.set_ylim(-0.6, len(LAYERS) - 0.4)
     ax.axis("off")

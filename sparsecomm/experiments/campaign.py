@@ -1,4 +1,4 @@
-"""The time-to-accuracy campaign (issue 13): every method against DDP and PowerSGD on the
+"""The time-to-accuracy campaign: every method against DDP and PowerSGD on the
 communication-heavy workloads, each run trained to a target, resumable, with a table and plots.
 
 A campaign is a list of :class:`RunSpec` (:func:`plan`): per workload and emulated network, plain

@@ -9,7 +9,7 @@
 | ``vgg-fc`` | VGG-style: two thin conv blocks, then wide fully connected layers (~14M parameters) | ``fashion-mnist`` |
 | ``word-lstm`` | wide word embedding, 1-layer LSTM, linear decoder (~13M parameters) | ``fortunes-words`` |
 
-The last two are the communication-heavy workloads (issue 13): most of their parameters sit in
+The last two are the communication-heavy workloads of the campaign: most of their parameters sit in
 fully connected or embedding layers, whose gradient is large but cheap to compute, so at
 1 Gbit/s a DDP step spends most of its time moving the gradient, as VGG-16 and the LSTM language
 models of the papers do (SparDL, RedSync: VGG-16, LSTM on PTB; Shi et al.: embeddings).

@@ -1,5 +1,5 @@
 """gTop-k: global top-k by a reduction tree and a broadcast tree (Shi et al., ICDCS 2019), the
-baseline of SparDL's Table I (000_3ae287420a79948f.txt, "gTopk": 2 log P alpha, 4 k log P beta).
+baseline of SparDL's Table I ([SparDL], "gTopk": 2 log P alpha, 4 k log P beta).
 
 Per call, on every rank r:
 

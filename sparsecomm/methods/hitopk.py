@@ -1,5 +1,5 @@
 """HiTopKComm: hierarchical top-k communication for m nodes x L GPUs, Shi et al., "Towards Scalable
-Distributed Training of Deep Learning on Public Cloud Clusters" (003_2fa2388d6a23a217.txt), section
+Distributed Training of Deep Learning on Public Cloud Clusters" ([ShiCloud]), section
 3.2, Algorithm 2, equations (4)-(10).
 
 The P ranks form m = P / L nodes of L consecutive ranks (``local_size`` = L, see

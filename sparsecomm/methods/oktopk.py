@@ -1,5 +1,5 @@
 """Ok-Topk (Li and Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22),
-the "Ok-Topk" baseline of SparDL's evaluation (000_3ae287420a79948f.txt, Table I and Fig. 8).
+the "Ok-Topk" baseline of SparDL's evaluation ([SparDL], Table I and Fig. 8).
 
 Per call t (t counts every call, warm-up included, as the public code's ``_allreduce_counter``):
 
@@ -63,7 +63,7 @@ __all__ = ["OkTopk", "PAPER_DEFAULTS"]
 
 log = logging.getLogger(__name__)
 
-#: the defaults of the public code (Shigangli/Ok-Topk), as recorded in issue 14
+#: the defaults of the authors' public code (github.com/Shigangli/Ok-Topk)
 WARMUP_STEPS, THRESHOLD_INTERVAL, PARTITION_INTERVAL = 512, 32, 64
 LOCAL_SCALE, GLOBAL_SCALE = 1.012, 1.008
 REUSE_SCALE, REUSE_LOOPS = 1.03, 5          # add2residual in the public code's compression.py

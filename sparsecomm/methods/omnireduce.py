@@ -1,5 +1,5 @@
 """OmniReduce: block-sparse aggregation of only the non-zero blocks (Fei et al., SIGCOMM'21), the
-baseline of S2 Reducer's evaluation (004_691b8e40129c73cd.txt, section 4, Fig. 3 and 7).
+baseline of S2 Reducer's evaluation ([S2Reducer], section 4, Fig. 3 and 7).
 
 Per call, on every rank:
 

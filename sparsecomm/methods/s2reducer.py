@@ -1,5 +1,5 @@
 """S2 Reducer (Sparse-Sketch Reducer): block-wise top-K, then a count-sketch of the selected values and
-a bitmap of the selected blocks, both summed by all-reduce (004_691b8e40129c73cd.txt, section 3.1,
+a bitmap of the selected blocks, both summed by all-reduce ([S2Reducer], section 3.1,
 Algorithm 1).
 
 Per call, on every rank:

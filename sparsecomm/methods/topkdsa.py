@@ -1,7 +1,7 @@
 """TopkDSA: local top-k with error feedback, then SparCML's dynamic sparse all-reduce (Renggli et al.,
 "SparCML: High-Performance Sparse Communication for Machine Learning", SC'19, section 4), the
-"TopkDSA" baseline of SparDL's evaluation (000_3ae287420a79948f.txt, Table I and Fig. 8) and the
-"SparCML" baseline of S2 Reducer's (004_691b8e40129c73cd.txt, section 4).
+"TopkDSA" baseline of SparDL's evaluation ([SparDL], Table I and Fig. 8) and the
+"SparCML" baseline of S2 Reducer's ([S2Reducer], section 4).
 
 Per call, on every rank:
 

@@ -44,7 +44,7 @@ class BlockTopK(Selector):
         """Squared L2 norm of each block (float32 for half-precision input, which could overflow).
 
         Computed chunk by chunk through a reused buffer of at most ``_CHUNK`` elements, so the
-        selector keeps no gradient-sized buffer between calls (issue 16, item 6)."""
+        selector keeps no gradient-sized buffer between calls."""
         dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         n, size = x.numel(), self.block_size
         chunk = max(size, _CHUNK // size * size)

@@ -1,4 +1,4 @@
-"""Count-sketch of a sparse vector, the building block of S2 Reducer (004_691b8e40129c73cd.txt,
+"""Count-sketch of a sparse vector, the building block of S2 Reducer ([S2Reducer],
 section 3.1, Algorithm 1).
 
 A :class:`CountSketch` with ``rows`` x ``cols`` buckets over index space ``[0, n)``: row j adds

@@ -6,7 +6,7 @@ Every call of a method first all-reduces a small header and sums the gradient on
 after a barrier: ``with`` is the library's call; ``without`` is the same call with the agreement
 replaced, on that instance only, by the local checks alone (so it is unsafe, and exists only here).
 The table shows rank 0's medians and minima of the whole-call times and the overhead
-(with - without) / without of each; issue 16 asks for < 2 % at n = 1M. ``agreement ms`` is the median
+(with - without) / without of each; the target is < 2 % at n = 1M. ``agreement ms`` is the median
 of ``stats.extra["time_agreement"]``, which also holds the wait for the slowest rank to arrive (a wait
 that the call without agreement spends in its first message instead).
 """

@@ -1,5 +1,5 @@
-"""``sparsecomm bench s2``: S2 Reducer against AllGather (topka), SparCML (topkdsa), OmniReduce and the
-dense all-reduce, on the two workloads of S2's evaluation (004_691b8e40129c73cd.txt, section 4,
+"""``sparsecomm bench block_sparse``: S2 Reducer against AllGather (topka), SparCML (topkdsa), OmniReduce and the
+dense all-reduce, on the two workloads of S2's evaluation ([S2Reducer], section 4,
 Fig. 3 and 7, Appendix B):
 
 * ``embedding``: the gradient of a Zipf-distributed token batch in a large embedding (the analogue of

@@ -1,6 +1,6 @@
 """``sparsecomm bench hierarchy``: sparse and dense methods on emulated nodes, inter-node bytes apart.
 
-Shi et al. (003_2fa2388d6a23a217.txt, section 3.2) build HiTopKComm for m nodes of L GPUs whose
+Shi et al. ([ShiCloud], section 3.2) build HiTopKComm for m nodes of L GPUs whose
 ranks share one NIC per node. Here every layout runs on ``net="MxL:RATE"`` (see
 :mod:`sparsecomm.launch.netemu`): the ranks of a node share a namespace and one rate-limited NIC, and
 talk to each other over its loopback. The hierarchical methods (``hitopk``, ``torus2d``,

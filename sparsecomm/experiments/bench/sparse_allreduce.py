@@ -1,6 +1,6 @@
-"""``sparsecomm bench fig8``: SparDL's Fig. 8 comparison (000_3ae287420a79948f.txt, section V-B,
-Fig. 8 and Table I): spardl, topka, topkdsa, gtopk, oktopk and the dense all-reduce, per worker count
-P and density, on an emulated link.
+"""``sparsecomm bench sparse_allreduce``: time, bytes and rounds of the sparse all-reduce methods of
+SparDL's comparison ([SparDL], section V-B, Fig. 8 and Table I): spardl, topka, topkdsa, gtopk, oktopk
+and the dense all-reduce, per worker count P and density, on an emulated link.
 
 Per (P, density, method): the slowest rank's median seconds per call, its select / communicate /
 decompress split (rank 0), bytes sent per call (rank 0 and the largest rank, from the meter; ``dense``
