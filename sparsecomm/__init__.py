@@ -5,18 +5,21 @@ Inside a worker (``run_workers`` or torchrun)::
     method = sparsecomm.make_method("spardl", density=0.01)
     averaged = method(flat_grad)          # identical on every rank
 
-See the README and ``docs/`` for the methods, the DDP hook and the CLI. The package is layered
-(``docs/architecture.md``): ``core`` < ``transport`` < ``blocks`` < ``methods`` < ``integration`` <
-``app``; this module re-exports the public names.
+See the README and ``docs/`` for the methods, the DDP hook and the CLI. The library is layered
+(``docs/architecture.md``): ``core`` < ``transport`` < ``selection`` < ``methods`` < ``integration``
+< ``launch`` < ``simulator`` < ``cli``; this module re-exports the public names, and
+``sparsecomm.selectors`` is the selector namespace. The experiments behind the measurements
+(``sparsecomm.experiments``) and the developer tools (``sparsecomm.devtools``) are never imported by
+``import sparsecomm``. Papers are cited by the keys of ``docs/references.md`` ([SparDL], [ShiCloud], ...).
 """
 
-from .app.datacache import DataCache
-from .app.launcher import WorkerError, run_workers
-from .blocks import selectors
+from . import selectors
+from .integration.datacache import DataCache
 from .integration.hook import SparseHookState, hook
 from .integration.lars import LARS
 from .integration.pto import parallel_apply
 from .integration.synchronizer import SparseSynchronizer
+from .launch.launcher import WorkerError, run_workers
 from .methods import Method, Stats, available_methods, cost, make_method, register_method
 from .transport import Communicator, SparseChunk, TrafficMeter
 

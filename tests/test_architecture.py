@@ -1,12 +1,14 @@
 """The layer rules of docs/architecture.md, checked by reading the package's imports."""
 
 import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
 import sparsecomm
-from sparsecomm.app.imports import scan_package, violations
+from sparsecomm.devtools.imports import scan_package, violations
 
 PACKAGE = os.path.dirname(sparsecomm.__file__)
 
@@ -29,15 +31,47 @@ def _fake_package(tmp_path, files):
 
 @pytest.mark.parametrize("files, expected", [
     ({"transport/comm.py": "from ..methods import base\n", "methods/base.py": ""}, "a higher layer"),
-    ({"core/cost.py": "def f():\n    from sparsecomm.app import cli\n", "app/cli.py": ""}, "a higher layer"),
+    ({"core/cost.py": "def f():\n    from sparsecomm.experiments import campaign\n", "experiments/campaign.py": ""},
+     "a higher layer"),
     ({"methods/a.py": "from .b import X\nregister_method('a')\n",
       "methods/b.py": "X = 1\nregister_method('b')\n"}, "method module sparsecomm.methods.a imports method module"),
     ({"transport/x.py": "from .y import _hidden\n", "transport/y.py": "_hidden = 1\n"}, "private name _hidden"),
     ({"transport/x.py": "from . import y\n", "transport/y.py": "from . import x\n"}, "import cycle"),
+    ({"cli/x.py": "from ..experiments import campaign\n", "experiments/campaign.py": ""}, "outside a function"),
+    ({"launch/x.py": "def f():\n    from ..experiments import campaign\n", "experiments/campaign.py": ""},
+     "a higher layer"),
+    ({"__init__.py": "from .devtools import testing\n", "devtools/testing.py": ""}, "a lab module"),
+    ({"app/x.py": ""}, "lies in no layer"),
 ])
 def test_the_checker_catches_each_kind_of_breach(tmp_path, files, expected):
     found = violations(scan_package(_fake_package(tmp_path, files)))
     assert any(expected in line for line in found), found
+
+
+def test_the_command_line_may_load_the_lab_inside_functions(tmp_path):
+    files = {"cli/x.py": "def run():\n    from ..experiments import campaign\n    from ..devtools import testing\n",
+             "experiments/campaign.py": "from ..cli import table\n", "cli/table.py": "", "devtools/testing.py": ""}
+    assert violations(scan_package(_fake_package(tmp_path, files))) == []
+
+
+def test_import_sparsecomm_loads_no_lab_module_and_no_optional_dependency():
+    """``import sparsecomm`` (and every public library subpackage) in a fresh interpreter loads no module
+    of the lab (experiments, devtools), not the command line, and neither pillow, tqdm nor matplotlib
+    (counted beyond what ``import torch`` loads itself: torch.hub imports tqdm when it is installed)."""
+    code = textwrap.dedent("""
+        import sys
+        import torch
+        before = set(sys.modules)
+        import sparsecomm, sparsecomm.selectors, sparsecomm.selection, sparsecomm.launch, sparsecomm.simulator
+        import sparsecomm.integration, sparsecomm.methods, sparsecomm.transport, sparsecomm.core
+        sparsecomm.methods.load_all()
+        print("\\n".join(sorted(set(sys.modules) - before)))
+    """)
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "sparsecomm.selectors" in loaded and "sparsecomm.methods.spardl" in loaded
+    unwanted = [m for m in loaded if m.split(".")[0] in ("PIL", "tqdm", "matplotlib")
+                or m.startswith(("sparsecomm.experiments", "sparsecomm.devtools", "sparsecomm.cli"))]
+    assert unwanted == []
 
 
 def test_shared_modules_and_split_methods_are_allowed(tmp_path):
@@ -47,7 +81,7 @@ def test_shared_modules_and_split_methods_are_allowed(tmp_path):
 
 
 def test_the_imports_command_lists_edges_draws_mermaid_and_exits_clean(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     assert main(["imports"]) == 0
     listed = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The time-to-accuracy campaign (sparsecomm.app.campaign) and the demo built on it."""
+"""The time-to-accuracy campaign (sparsecomm.experiments.campaign) and the demo built on it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from sparsecomm.app import campaign
-from sparsecomm.app.campaign import RunSpec
-from sparsecomm.app.data import DatasetUnavailable, load_dataset
+from sparsecomm.experiments import campaign
+from sparsecomm.experiments.campaign import RunSpec
+from sparsecomm.experiments.data import DatasetUnavailable, load_dataset
 from sparsecomm.methods import available_methods, method_class
 
 SPARSE = [m for m in available_methods() if method_class(m).sparse]
@@ -119,7 +119,7 @@ def test_report_writes_the_table_and_one_plot_per_workload_and_network(tmp_path)
 
 def test_demo_pieces_train_and_report_on_a_tiny_config(tmp_path):
     pytest.importorskip("matplotlib")
-    from sparsecomm.app.commands.demo import demo_workload, run_demo
+    from sparsecomm.experiments.commands.demo import demo_workload, run_demo
 
     try:
         load_dataset("fortunes-words", max_vocab=2, test_size=1)

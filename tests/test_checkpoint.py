@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import WorkerError, run_workers
-from sparsecomm.app import checkpoint as ckpt
-from sparsecomm.app.checkpoint import (
+from sparsecomm.experiments import checkpoint as ckpt
+from sparsecomm.experiments.checkpoint import (
     CheckpointError,
     checkpoint_path,
     load_checkpoint,
@@ -97,7 +97,7 @@ def test_a_world_size_change_is_a_clear_error_on_every_rank(tmp_path):
 
 
 def test_training_resume_refuses_checkpoints_of_another_method(tmp_path):
-    from sparsecomm.app.training import TrainConfig, train
+    from sparsecomm.experiments.training import TrainConfig, train
 
     config = TrainConfig(model="mlp", data="digits", method="topk", density=0.1, workers=2, epochs=1,
                          batch_size=64, model_options={"hidden": [16]}, checkpoint_dir=str(tmp_path), timeout=120)

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from sparsecomm.app.bench.common import parse_count, parse_networks
-from sparsecomm.app.cli import build_parser, main
+from sparsecomm.cli import build_parser, main
+from sparsecomm.experiments.bench.common import parse_count, parse_networks
 
 
 def test_bench_collectives_prints_a_table(capsys):

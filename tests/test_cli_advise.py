@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from sparsecomm.app.cli import main
-from sparsecomm.app.commands.advise import Advice, advise, check_against
-from sparsecomm.app.simulator import Prediction, Profile
+from sparsecomm.cli import main
+from sparsecomm.cli.advise import Advice, advise, check_against
+from sparsecomm.simulator.model import Prediction, Profile
 
 METHODS = ["dense", "ring", "topka", "spardl", "cltk"]
 
@@ -88,7 +88,7 @@ def test_advice_at_100mbit_beats_every_dense_method_as_measured(capsys):
     advised sparse method, measured interleaved with all others, is faster than every dense all-reduce.
     (Whether it is within 10% of the fastest sparse method is recorded in docs/advise.md: on this
     loaded 2-core machine it was not.)"""
-    from sparsecomm.app.netemu import unavailable_reason
+    from sparsecomm.launch.netemu import unavailable_reason
 
     if unavailable_reason() is not None:
         pytest.skip(f"network emulation unavailable: {unavailable_reason()}")
@@ -105,7 +105,7 @@ def test_advice_at_100mbit_beats_every_dense_method_as_measured(capsys):
 
 def test_measure_checks_the_colocated_advice(monkeypatch, capsys):
     """The measured workers share this machine's cores: --measure predicts them colocated."""
-    from sparsecomm.app.commands import advise as advise_command
+    from sparsecomm.cli import advise as advise_command
 
     seen = {}
     real = advise_command.advise

@@ -14,12 +14,12 @@ import sys
 
 import pytest
 
-from sparsecomm.app import training
-from sparsecomm.app.cli import _discover, build_parser, main
-from sparsecomm.app.netemu import parse_rate
-from sparsecomm.app.progress import Progress, is_terminal, progress_iter
-from sparsecomm.app.reporting import group_records, write_report
-from sparsecomm.app.training import save_record
+from sparsecomm.cli import _discover, build_parser, main
+from sparsecomm.experiments import training
+from sparsecomm.experiments.progress import Progress, is_terminal, progress_iter
+from sparsecomm.experiments.reporting import group_records, write_report
+from sparsecomm.experiments.training import save_record
+from sparsecomm.launch.netemu import parse_rate
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ def _free_port() -> int:
 
 
 def test_world_size_from_torchrun_environment(monkeypatch):
-    from sparsecomm.app.commands import train as train_command
+    from sparsecomm.experiments.commands import train as train_command
 
     args = build_parser().parse_args(["train", "--model", "mlp", "--data", "digits"])
     assert train_command.config_from_args(args).workers == 4 and train_command.is_rank0()
@@ -245,7 +245,7 @@ def _bench_args(name: str, P: int):
 @pytest.mark.parametrize("P", [2, 3])
 def test_every_bench_accepts_its_defaults_at_any_P(P):
     checked = []
-    for name, module in _discover("sparsecomm.app.bench").items():
+    for name, module in _discover("sparsecomm.experiments.bench").items():
         args, takes_P = _bench_args(name, P)
         if hasattr(module, "check"):
             module.check(args)  # raises ValueError on a default that does not hold at this P

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import run_workers
-from sparsecomm.app.testing import assert_conserved, assert_consistent, make_gradient, trace_method
+from sparsecomm.devtools.testing import assert_conserved, assert_consistent, make_gradient, trace_method
 from sparsecomm.methods import cost, make_method
 from sparsecomm.methods.sidco import sidco_threshold
 
@@ -110,7 +110,7 @@ def test_sidco_multi_stage_fits_a_normal_tail_better_than_one_stage():
 
 
 def test_l2_norm_is_accurate_without_a_float64_copy_or_overflow():
-    from sparsecomm.blocks.metrics import l2_norm
+    from sparsecomm.selection.metrics import l2_norm
 
     x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0))
     assert l2_norm(x) == pytest.approx(float(x.double().norm()), rel=1e-6)

@@ -3,7 +3,7 @@
 import pytest
 
 from sparsecomm.core.cost import Cost, ceil_log2, chunk_sizes, fit_alpha_beta
-from sparsecomm.methods import available_costs, cost
+from sparsecomm.methods import available_collective_costs, available_costs, available_methods, collective_cost, cost
 
 
 def test_helpers():
@@ -18,9 +18,15 @@ def test_ring_formula_matches_textbook_when_divisible():
 
 
 def test_registry_and_errors():
-    assert {"dense", "ring", "rabenseifner", "bruck_allgather"} <= set(available_costs())
-    with pytest.raises(ValueError, match="unknown cost formula 'nope'; available: .*ring"):
+    assert available_costs() == available_methods()  # one formula per method, and only methods
+    assert {"ring_allreduce", "rabenseifner_allreduce", "bruck_allgather", "tree_reduce"} <= set(
+        available_collective_costs())
+    assert set(available_collective_costs()).isdisjoint(available_methods())
+    with pytest.raises(ValueError, match="unknown method cost formula 'nope'; available: .*ring"):
         cost("nope", P=2, n=10)
+    with pytest.raises(ValueError, match="unknown method cost formula 'bruck_allgather'"):
+        cost("bruck_allgather", P=2, n=10)
+    assert collective_cost("ring_allreduce", P=4, n=1000, rank=2) == cost("ring", P=4, n=1000, rank=2)
     with pytest.raises(ValueError, match="invalid P=0"):
         cost("ring", P=0, n=10)
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from sparsecomm import run_workers
-from sparsecomm.app.bench.s2 import ZipfModel, zipf_tokens
+from sparsecomm.experiments.bench.block_sparse import ZipfModel, zipf_tokens
 from sparsecomm.integration.embedding import (
     ROUTES,
     EmbeddingSynchronizer,

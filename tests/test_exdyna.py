@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsecomm import WorkerError, run_workers
-from sparsecomm.app.testing import assert_conserved, assert_consistent, make_gradient, trace_method
+from sparsecomm.devtools.testing import assert_conserved, assert_consistent, make_gradient, trace_method
 from sparsecomm.methods import cost, make_method
 from sparsecomm.methods.exdyna import allocated_partition, block_partition, rebalance
 

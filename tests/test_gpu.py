@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from sparsecomm import available_methods, run_workers  # noqa: E402
-from sparsecomm.app.testing import (  # noqa: E402
+from sparsecomm.devtools.testing import (  # noqa: E402
     assert_conserved,
     assert_consistent,
     assert_equals_dense,
@@ -38,12 +38,12 @@ pytestmark = [pytest.mark.gpu,
 #: built by index_add_, which sums colliding entries with atomics in no fixed order on a GPU (every
 #: rank still gets the same all-reduced table, so the ranks agree bit for bit)
 ATOMIC_SUMS_ON_CUDA = {"s2reducer"}
-SELECTOR_OPTIONS = {"threshold": "threshold", "scaled_threshold": "initial_threshold"}
+SELECTOR_OPTIONS = {"fixed_threshold": "threshold", "scaled_threshold": "initial_threshold"}
 N = 1003
 
 
 def _selector(name: str, x: torch.Tensor, k: int):
-    from sparsecomm.blocks import selectors
+    from sparsecomm import selection as selectors
 
     option = SELECTOR_OPTIONS.get(name)
     if option is None:
@@ -52,7 +52,7 @@ def _selector(name: str, x: torch.Tensor, k: int):
 
 
 def _selector_worker(name: str) -> list[tuple]:
-    from sparsecomm.blocks.selectors.scan import Scratch
+    from sparsecomm.selection.scan import Scratch
 
     results = []
     for n in (100_003, 2_000_000):
@@ -68,7 +68,7 @@ def _selector_worker(name: str) -> list[tuple]:
 
 
 def _selector_names() -> list[str]:
-    from sparsecomm.blocks import selectors
+    from sparsecomm import selection as selectors
 
     return selectors.available()
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from sparsecomm import run_workers
-from sparsecomm.app.testing import assert_conserved, assert_consistent, assert_traffic_matches, trace_method
+from sparsecomm.devtools.testing import assert_conserved, assert_consistent, assert_traffic_matches, trace_method
 from sparsecomm.methods.gtopk import tree_schedule
 
 N = 997

@@ -6,7 +6,7 @@ import torch
 
 import sparsecomm
 from sparsecomm import WorkerError, available_methods, make_method, run_workers
-from sparsecomm.app.testing import (
+from sparsecomm.devtools.testing import (
     assert_conserved,
     assert_consistent,
     assert_equals_dense,
@@ -93,7 +93,7 @@ def test_available_methods_lists_the_dense_baselines():
 
 
 def _checkpoint_roundtrip(name, options):
-    from sparsecomm.app.testing import make_gradient
+    from sparsecomm.devtools.testing import make_gradient
     rank = torch.distributed.get_rank()
     a = make_method(name, **options)
     a(make_gradient(200, rank, 0))

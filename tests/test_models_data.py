@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from sparsecomm.app import data as data_module
-from sparsecomm.app.data import DatasetUnavailable, load_dataset
-from sparsecomm.app.models import MODEL_DATA, make_model
+from sparsecomm.experiments import data as data_module
+from sparsecomm.experiments.data import DatasetUnavailable, load_dataset
+from sparsecomm.experiments.models import MODEL_DATA, make_model
 
 
 def test_digits_split_is_seeded_and_disjoint():

@@ -13,8 +13,15 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import run_workers
-from sparsecomm.app import netemu
-from sparsecomm.app.netemu import EmulatedNetwork, cleanup_stale, parse_rate, parse_size, parse_time, unavailable_reason
+from sparsecomm.launch import netemu
+from sparsecomm.launch.netemu import (
+    EmulatedNetwork,
+    cleanup_stale,
+    parse_rate,
+    parse_size,
+    parse_time,
+    unavailable_reason,
+)
 
 
 def needs_net(test):
@@ -199,7 +206,7 @@ def test_sigterm_in_the_owner_tears_down():
 
 @needs_net
 def test_atexit_tears_down_a_network_left_open():
-    code = ("from sparsecomm.app.netemu import EmulatedNetwork\n"
+    code = ("from sparsecomm.launch.netemu import EmulatedNetwork\n"
             "network = EmulatedNetwork(2, '1gbit').__enter__()\n"
             "print(' '.join(network.namespaces()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -249,13 +256,13 @@ def test_every_rank_reaches_every_other_through_the_bridge():
 
 
 def test_bench_net_prints_its_tables(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
-    emulated = "1gbit" if unavailable_reason() is None else "none"
-    assert main(["bench", "net", "--net", f"none,{emulated}", "--size-mb", "1", "--repeats", "1",
+    emulated = "1gbit" if unavailable_reason() is None else "loopback"
+    assert main(["bench", "net", "--net", f"loopback,{emulated}", "--size-mb", "1", "--repeats", "1",
                  "--world-sizes", "2", "--setup-repeats", "1", "--ring-size", "3"]) == 0
     out = capsys.readouterr().out
-    assert "| none | 1 | 1 |" in out and "| none | 3 | 1 | 1 |" in out
+    assert "| loopback | 1 | 1 |" in out and "| loopback | 3 | 1 | 1 |" in out
     if unavailable_reason() is None:
         assert "| 1gbit | 1 | 1 |" in out and "| 2 | 1 |" in out
     assert main(["bench", "net", "--net", "fast"]) == 2

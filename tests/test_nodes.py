@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.app.netemu import NetSpec, parse_net, unavailable_reason
-from sparsecomm.app.testing import make_gradient
-from sparsecomm.methods import cost
+from sparsecomm.devtools.testing import make_gradient
+from sparsecomm.launch.netemu import NetSpec, parse_net, unavailable_reason
+from sparsecomm.methods import collective_cost
 
 N = 4001
 DENSITY = 0.01
@@ -100,7 +100,7 @@ def test_hitopk_inter_node_bytes_equal_eq9(monkeypatch):
     hitopk = run_workers(8, run_method, "hitopk", {"density": DENSITY}, timeout=60)
     topka = run_workers(8, run_method, "topka", {"density": DENSITY}, timeout=60)
     for rank in range(8):
-        want = cost("hitopk_inter_node", P=8, n=N, rank=rank, density=DENSITY, local_size=4)
+        want = collective_cost("hitopk_inter_node", P=8, n=N, rank=rank, density=DENSITY, local_size=4)
         for rec in hitopk[rank]:
             assert (rec["inter_node_bytes_sent"], rec["inter_node_bytes_recv"]) == (want.bytes_sent, want.bytes_recv)
             assert rec["bytes_sent"] > rec["inter_node_bytes_sent"] > 0   # stages 1 and 4 are intra-node
@@ -207,7 +207,7 @@ def test_the_intra_node_path_is_fast_or_has_its_own_rate():
 def test_hitopk_inter_node_bytes_on_emulated_nodes():
     records = run_workers(8, run_method, "hitopk", {"density": DENSITY}, 1, net="2x4:1gbit", timeout=120)
     for rank, rec in enumerate(records):
-        want = cost("hitopk_inter_node", P=8, n=N, rank=rank, density=DENSITY, local_size=4)
+        want = collective_cost("hitopk_inter_node", P=8, n=N, rank=rank, density=DENSITY, local_size=4)
         assert rec[0]["inter_node_bytes_sent"] == want.bytes_sent and rec[0]["local_size"] == 4
 
 
@@ -215,7 +215,7 @@ def test_hitopk_inter_node_bytes_on_emulated_nodes():
 
 @needs_net
 def test_bench_net_measures_the_node_nic(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     assert main(["bench", "net", "--net", "1gbit", "--nodes", "2x2", "--size-mb", "1", "--repeats", "1",
                  "--ring-size", "0", "--world-sizes", "2", "--setup-repeats", "1"]) == 0
@@ -225,7 +225,7 @@ def test_bench_net_measures_the_node_nic(capsys):
 
 
 def test_bench_net_refuses_a_bad_node_layout(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     assert main(["bench", "net", "--nodes", "1x4"]) == 2
     assert "--nodes='1x4' must be NODESxLOCAL with at least 2 nodes" in capsys.readouterr().err
@@ -233,7 +233,7 @@ def test_bench_net_refuses_a_bad_node_layout(capsys):
 
 @needs_net
 def test_bench_hierarchy_prints_bytes_apart_and_the_winner(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     assert main(["bench", "hierarchy", "--layouts", "2x2", "--size", "4k", "--densities", "0.01",
                  "--methods", "hitopk,topka,tree", "--repeat", "1", "--warmup", "0"]) == 0
@@ -246,7 +246,7 @@ def test_bench_hierarchy_prints_bytes_apart_and_the_winner(capsys):
 
 
 def test_bench_hierarchy_refuses_bad_input(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     for argv, message in ((["--layouts", "2by4"], "--layouts: '2by4' must be NODESxLOCAL"),
                           (["--densities", "2"], "--densities=[2.0] must be numbers in (0, 1]"),

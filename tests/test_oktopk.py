@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.app.testing import (
+from sparsecomm.devtools.testing import (
     assert_conserved,
     assert_consistent,
     assert_equals_dense,

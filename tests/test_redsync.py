@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsecomm import WorkerError, make_method, run_workers
-from sparsecomm.app.testing import (
+from sparsecomm.devtools.testing import (
     assert_conserved,
     assert_consistent,
     assert_traffic_matches,
@@ -40,10 +40,10 @@ def _k(numel):
 
 
 def test_plan_follows_the_hybrid_policy():
-    specs = plan_layers(LAYOUT, small="topk", medium="trimmed", large="binary_search", quantize="asq",
+    specs = plan_layers(LAYOUT, small="exact_topk", medium="trimmed", large="binary_search", quantize="asq",
                         unquantized_layers=(-1,), **POLICY)
     assert [(s.selector, s.quantized) for s in specs] == [
-        ("topk", True), ("binary_search", True), ("trimmed", True), ("topk", False)]
+        ("exact_topk", True), ("binary_search", True), ("trimmed", True), ("exact_topk", False)]
     specs = plan_layers(LAYOUT, small="dense", medium="trimmed", large="sampled_binary_search",
                         quantize=None, unquantized_layers=(-1,), **POLICY)
     assert [(s.selector, s.quantized) for s in specs] == [

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.app.data import load_digits
-from sparsecomm.app.models import MLP
-from sparsecomm.app.report_table import markdown_table
+from sparsecomm.cli.table import markdown_table
+from sparsecomm.experiments.data import load_digits
+from sparsecomm.experiments.models import MLP
 from sparsecomm.integration.dgc import MomentumCorrection, clip_local_gradients, density_schedule
 
 MOMENTUM = 0.9

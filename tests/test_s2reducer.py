@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from sparsecomm import run_workers
-from sparsecomm.app.testing import (
+from sparsecomm.devtools.testing import (
     assert_conserved,
     assert_consistent,
     assert_equals_dense,
     assert_traffic_matches,
     trace_method,
 )
-from sparsecomm.blocks.sketch import CountSketch, index_bits
+from sparsecomm.selection.sketch import CountSketch, index_bits
 
 N = 997
 DENSITY = 0.05

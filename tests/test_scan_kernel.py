@@ -1,4 +1,4 @@
-"""The scan under every selector (sparsecomm.blocks.selectors.scan): the C kernel against a torch reference.
+"""The scan under every selector (sparsecomm.selection.scan): the C kernel against a torch reference.
 
 Each implementation (AVX2, portable C, torch) must give the same candidates ``|x| >= floor`` (indices
 in increasing order and their magnitudes), the same ``max |x|``, and ``sum |x|`` up to rounding, for
@@ -18,13 +18,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsecomm import run_workers
-from sparsecomm.blocks import selectors
-from sparsecomm.blocks.selectors import NonFiniteInputError, scan
+from sparsecomm import run_workers, selectors
+from sparsecomm.selection import NonFiniteInputError, scan
 
 KERNELS = scan.available_kernels()
 COMPILED = [k for k in KERNELS if k != "torch"]
-needs_compiled = pytest.mark.skipif(not COMPILED, reason="sparsecomm.blocks.selectors._scan is not built")
+needs_compiled = pytest.mark.skipif(not COMPILED, reason="sparsecomm.selection._scan is not built")
 
 
 def reference(x, floor):
@@ -46,7 +45,7 @@ def test_kernel_is_built_where_a_compiler_exists():
     """`pip install` builds the kernel optionally: a machine with a C compiler must have it."""
     if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
         pytest.skip("no C compiler here: the torch path is used")
-    assert COMPILED, "a C compiler exists but sparsecomm.blocks.selectors._scan was not built (see setup.py)"
+    assert COMPILED, "a C compiler exists but sparsecomm.selection._scan was not built (see setup.py)"
     assert scan.kernel() == COMPILED[0]
 
 
@@ -79,7 +78,7 @@ def test_thresholds_are_rounded_to_float32_as_torch_does(kernel):
 @pytest.mark.parametrize("kernel", COMPILED)
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100_003])
 def test_raw_kernel_counts_beyond_its_capacity(kernel, n):
-    from sparsecomm.blocks.selectors import _scan
+    from sparsecomm.selection import _scan
 
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
     floor = 1.0
@@ -95,7 +94,7 @@ def test_raw_kernel_counts_beyond_its_capacity(kernel, n):
 
 @needs_compiled
 def test_raw_kernel_refuses_bad_sizes():
-    from sparsecomm.blocks.selectors import _scan
+    from sparsecomm.selection import _scan
 
     x = torch.zeros(10)
     with pytest.raises(ValueError, match="n=-1"):
@@ -140,7 +139,7 @@ def test_largest_finite_floats_are_not_mistaken_for_inf():
 
 @pytest.mark.parametrize("name", selectors.available())
 def test_every_kernel_makes_the_same_selection(name):
-    options = {"threshold": {"threshold": 1.5}}.get(name, {})
+    options = {"fixed_threshold": {"threshold": 1.5}}.get(name, {})
     gen = torch.Generator().manual_seed(7)
     xs = [torch.randn(1 << 18, generator=gen) for _ in range(3)]
     picks = {}
@@ -167,7 +166,7 @@ def test_use_kernel_rejects_unknown_and_unavailable_names():
 
 def _kernel_in_a_fresh_interpreter(value):
     env = {**os.environ, "SPARSECOMM_SCAN": value}
-    return subprocess.run([sys.executable, "-c", "from sparsecomm.blocks.selectors import scan; print(scan.kernel())"],
+    return subprocess.run([sys.executable, "-c", "from sparsecomm.selection import scan; print(scan.kernel())"],
                           env=env, capture_output=True, text=True, timeout=120)
 
 

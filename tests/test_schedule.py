@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsecomm import run_workers
-from sparsecomm.app.training import TrainConfig, train
+from sparsecomm.experiments.training import TrainConfig, train
 from sparsecomm.integration.schedule import MethodSchedule, ResidualCarry
 from sparsecomm.integration.synchronizer import SparseSynchronizer
 
@@ -164,7 +164,7 @@ def test_hook_switch_conserves_every_contribution(P):
 
 
 def test_cli_refuses_a_bad_schedule_before_workers(capsys):
-    from sparsecomm.app.cli import main
+    from sparsecomm.cli import main
 
     assert main(["train", "--method", "topka", "--schedule", "3:nope"]) == 2
     err = capsys.readouterr().err

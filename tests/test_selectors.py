@@ -1,4 +1,4 @@
-"""Selectors: counts, contracts, edge cases and state of every selector in sparsecomm.blocks.selectors."""
+"""Selectors: counts, contracts, edge cases and state of every selector in sparsecomm.selection."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsecomm.blocks import selectors
-from sparsecomm.blocks.selectors import NonFiniteInputError, scan
+from sparsecomm import selectors
+from sparsecomm.selection import NonFiniteInputError, scan
 
-EXACT = ["topk", "trimmed", "mstopk"]
-ALL = ["binary_search", "block_topk", "dgc", "mstopk", "sampled_binary_search", "scaled_threshold",
-       "threshold", "topk", "trimmed"]
-OPTIONS = {"threshold": {"threshold": 0.5}}
+EXACT = ["exact_topk", "trimmed", "mstopk"]
+ALL = ["binary_search", "block_topk", "dgc_sampled", "exact_topk", "fixed_threshold", "mstopk",
+       "sampled_binary_search", "scaled_threshold", "trimmed"]
+OPTIONS = {"fixed_threshold": {"threshold": 0.5}}
 
 
 @pytest.fixture(autouse=True, scope="module", params=scan.available_kernels())
@@ -35,7 +35,7 @@ def count_band(name, k, n, sel=None):
         return k, k
     if name in ("binary_search", "sampled_binary_search"):
         return k, 2 * k
-    if name == "dgc":
+    if name == "dgc_sampled":
         return math.ceil(0.8 * k), k
     if name == "block_topk":
         return k, k + sel.block_size - 1
@@ -69,11 +69,11 @@ def test_registry_lists_every_selector_and_rejects_unknown_names():
     assert selectors.available() == ALL
     with pytest.raises(ValueError, match="unknown selector 'nope'"):
         selectors.make("nope")
-    with pytest.raises(TypeError, match="bad options"):
-        selectors.make("topk", nonsense=1)
+    with pytest.raises(TypeError, match="selector 'exact_topk': unknown option 'nonsense'; valid options: algorithm"):
+        selectors.make("exact_topk", nonsense=1)
 
 
-@pytest.mark.parametrize("name", EXACT + ["binary_search", "sampled_binary_search", "dgc", "block_topk"])
+@pytest.mark.parametrize("name", EXACT + ["binary_search", "sampled_binary_search", "dgc_sampled", "block_topk"])
 @settings(max_examples=60, deadline=None)
 @given(x=inputs, k_frac=st.floats(0.0, 1.2))
 def test_counts_stay_in_documented_band(name, x, k_frac):
@@ -96,7 +96,7 @@ def test_counts_stay_in_documented_band(name, x, k_frac):
 @given(x=inputs, k_frac=st.floats(0.0, 1.0))
 def test_topk_returns_the_largest_magnitudes(algorithm, x, k_frac):
     k = int(k_frac * x.numel())
-    idx = selectors.make("topk", algorithm=algorithm)(x, k)
+    idx = selectors.make("exact_topk", algorithm=algorithm)(x, k)
     expected = torch.topk(x.abs(), k).values
     assert torch.equal(x.abs()[idx].sort(descending=True).values, expected)
 
@@ -130,18 +130,18 @@ def test_large_inputs_take_the_fast_paths_and_keep_contracts(name, data, density
         band = count_band(name, k, n, sel)
         if band is not None:
             assert band[0] <= idx.numel() <= band[1]
-    if name == "topk" or (name == "trimmed"):
+    if name == "exact_topk" or (name == "trimmed"):
         assert torch.equal(x.abs()[idx].sort().values, torch.topk(x.abs(), k).values.sort().values)
-    if name in ("binary_search", "sampled_binary_search", "dgc", "threshold", "scaled_threshold"):
+    if name in ("binary_search", "sampled_binary_search", "dgc_sampled", "fixed_threshold", "scaled_threshold"):
         assert is_top_ordered(x, idx)
 
 
 def test_threshold_selects_exactly_the_magnitudes_at_or_above_it():
     x = torch.tensor([0.1, -0.5, 0.7, -0.49, 0.5, 0.0])
-    idx = selectors.make("threshold", threshold=0.5)(x, 2)
+    idx = selectors.make("fixed_threshold", threshold=0.5)(x, 2)
     assert sorted(idx.tolist()) == [1, 2, 4]
     with pytest.raises(ValueError, match="threshold must be a finite number >= 0"):
-        selectors.make("threshold", threshold=-1.0)
+        selectors.make("fixed_threshold", threshold=-1.0)
 
 
 def test_scaled_threshold_follows_exdyna_algorithm_5():
@@ -210,7 +210,7 @@ def test_other_float_dtypes(name, dtype):
     band = count_band(name, k, x.numel(), sel)
     if band is not None:
         assert band[0] <= idx.numel() <= band[1]
-    if name in ("topk", "trimmed"):
+    if name in ("exact_topk", "trimmed"):
         assert torch.equal(x.abs()[idx].sort().values, torch.topk(x.abs(), k).values.sort().values)
 
 
@@ -232,7 +232,7 @@ def test_large_finite_values_are_not_mistaken_for_inf():
     assert idx.numel() == 10
 
 
-@pytest.mark.parametrize("name", ["sampled_binary_search", "scaled_threshold", "mstopk", "dgc"])
+@pytest.mark.parametrize("name", ["sampled_binary_search", "scaled_threshold", "mstopk", "dgc_sampled"])
 def test_state_dict_round_trip_reproduces_the_next_call(name):
     gen = torch.Generator().manual_seed(3)
     xs = [torch.randn(1 << 17, generator=gen) for _ in range(4)]
@@ -258,19 +258,33 @@ def test_sampled_binary_search_reuses_then_searches_again():
     assert sel.state_dict()["threshold"] != threshold
 
 
+@pytest.mark.parametrize("old, new", sorted(selectors.RENAMED.items()))
+def test_the_old_selector_names_still_work_with_a_deprecation_warning(old, new):
+    with pytest.warns(DeprecationWarning, match=f"selector '{old}' is now called '{new}'"):
+        sel = selectors.make(old, **OPTIONS.get(new, {}))
+    assert type(sel) is type(selectors.make(new, **OPTIONS.get(new, {})))
+    assert old not in selectors.available()
+
+
+def test_no_selector_shares_its_name_with_a_method():
+    from sparsecomm.methods import available_methods
+
+    assert set(selectors.available()).isdisjoint(available_methods())
+
+
 def test_stateless_selectors_refuse_state():
     with pytest.raises(ValueError, match="stateless"):
-        selectors.make("topk").load_state_dict({"threshold": 1.0})
+        selectors.make("exact_topk").load_state_dict({"threshold": 1.0})
 
 
 def test_quality_on_normal_data_and_mlp_gradients():
-    from sparsecomm.app.bench.select import captured_mass, mlp_gradients
+    from sparsecomm.experiments.bench.select import captured_mass, mlp_gradients
 
     inputs = {"normal": torch.randn(1 << 18, generator=torch.Generator().manual_seed(5)),
               "mlp": mlp_gradients(steps=2)[-1]}
     for label, x in inputs.items():
         k = math.ceil(0.01 * x.numel())
-        for name in ("topk", "trimmed", "binary_search", "sampled_binary_search", "dgc"):
+        for name in ("exact_topk", "trimmed", "binary_search", "sampled_binary_search", "dgc_sampled"):
             assert captured_mass(x, make(name)(x, k), k) == pytest.approx(1.0), (label, name)
         assert captured_mass(x, make("mstopk")(x, k), k) > 0.9, label
         random = torch.randperm(x.numel())[:k]
@@ -280,7 +294,7 @@ def test_quality_on_normal_data_and_mlp_gradients():
 def test_bench_select_prints_a_row_per_selector(capsys):
     import argparse
 
-    from sparsecomm.app.bench import select
+    from sparsecomm.experiments.bench import select
 
     parser = argparse.ArgumentParser()
     select.add_arguments(parser)

@@ -6,11 +6,11 @@ import math
 import pytest
 
 from sparsecomm import available_methods
-from sparsecomm.app.calibration import fit_links, profile_from_records
-from sparsecomm.app.cli import main
-from sparsecomm.app.simulator import Profile, UnknownMethodError, check_methods, crossover, fit_work, predict
+from sparsecomm.cli import main
 from sparsecomm.methods import cost, method_class
 from sparsecomm.methods.base import selection_count
+from sparsecomm.simulator.calibration import fit_links, profile_from_records
+from sparsecomm.simulator.model import Profile, UnknownMethodError, check_methods, crossover, fit_work, predict
 
 ALPHA, BETA = 150e-6, 2.5e-9
 
@@ -56,7 +56,7 @@ def _synthetic_profile(P=2, density=0.01, work_per_element=2e-9):
               "seconds": 2 * ALPHA + 4 * m * BETA} for m in (1_000, 1_000_000)]
     records = [{"P": P, "links": _link_record(r, P), "dense": dense, "runs": runs} for r in range(P)]
     return profile_from_records(records, density=density, net="loopback", device="cpu", cores=2, colocated=True,
-                                selectors={"topk": 1e-9}, recv_element_s=5e-9, meta={})
+                                selectors={"exact_topk": 1e-9}, recv_element_s=5e-9, meta={})
 
 
 def test_profile_round_trips_through_json(tmp_path):
@@ -216,9 +216,9 @@ def test_advise_rejects_bad_input_in_one_line(argv, message, capsys):
 def test_advice_is_the_measured_fastest_or_within_10_percent_at_P4_loopback():
     """One configuration measured here (P=4, loopback, n=1M, density 1%; workers share this machine)."""
     from sparsecomm import run_workers
-    from sparsecomm.app.bench.simvalidate import _validate_worker
-    from sparsecomm.app.calibration import calibrate, slowest_best
-    from sparsecomm.app.commands.advise import advise
+    from sparsecomm.cli.advise import advise
+    from sparsecomm.experiments.bench.simvalidate import _validate_worker
+    from sparsecomm.simulator.calibration import calibrate, slowest_best
 
     methods, n, density = ["cltk", "dense", "ring", "spardl", "topka"], 1_000_000, 0.01
     profile = calibrate(2, methods, [n], density, repeat=5)
@@ -229,7 +229,7 @@ def test_advice_is_the_measured_fastest_or_within_10_percent_at_P4_loopback():
 
 
 def test_refit_from_kept_records_reproduces_the_profile():
-    from sparsecomm.app.calibration import refit
+    from sparsecomm.simulator.calibration import refit
 
     profile = _synthetic_profile()
     profile.meta = {"density": 0.01}
@@ -275,7 +275,7 @@ def test_colocated_workers_share_the_cpu_cost_of_rounds_and_of_loopback_bytes():
 
 
 def test_best_of_runs_keeps_the_least_and_reports_the_spread():
-    from sparsecomm.app.bench.simvalidate import best_of_runs
+    from sparsecomm.experiments.bench.simvalidate import best_of_runs
 
     rows = [{"net": "loopback", "n": 1, "P": 2, "method": "dense", "measured_s": s, "run": i}
             for i, s in enumerate((0.03, 0.02, 0.05))]
@@ -284,7 +284,7 @@ def test_best_of_runs_keeps_the_least_and_reports_the_spread():
 
 
 def test_merged_calibrations_take_the_least_over_all_calls():
-    from sparsecomm.app.calibration import merge_records
+    from sparsecomm.simulator.calibration import merge_records
 
     P, n = 2, 100_000
     quiet = [{"P": P, "links": _link_record(r, P), "dense": [{"n": n, "rounds": 2, "bytes": 4 * n, "seconds": 0.01}],
@@ -302,7 +302,7 @@ def test_merged_calibrations_take_the_least_over_all_calls():
 
 
 def test_faster_range_names_where_a_method_beats_dense():
-    from sparsecomm.app.simulator import faster_range
+    from sparsecomm.simulator.model import faster_range
 
     def rows(speedups):
         return [{"method": "x", "P": P, "speedup": s} for P, s in zip((8, 16, 32, 64), speedups, strict=True)]

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import run_workers
-from sparsecomm.app.testing import (
+from sparsecomm.core.cost import ceil_log2
+from sparsecomm.devtools.testing import (
     assert_conserved,
     assert_consistent,
     assert_equals_dense,
@@ -22,7 +23,6 @@ from sparsecomm.app.testing import (
     make_gradient,
     trace_method,
 )
-from sparsecomm.core.cost import ceil_log2
 from sparsecomm.methods import cost, make_method
 from sparsecomm.methods.spardl import table1_cost, team_candidates
 from sparsecomm.methods.spardl.sag import HAdjuster

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import run_workers
-from sparsecomm.app.testing import (
+from sparsecomm.devtools.testing import (
     assert_conserved,
     assert_consistent,
     assert_traffic_matches,

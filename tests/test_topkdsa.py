@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.app.testing import assert_conserved, assert_consistent, assert_traffic_matches, trace_method
+from sparsecomm.devtools.testing import assert_conserved, assert_consistent, assert_traffic_matches, trace_method
 from sparsecomm.methods import cost
 from sparsecomm.transport.sparse_stream import dense_switch_count, dense_switch_step
 

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.app.testing import assert_consistent, assert_traffic_matches, make_gradient, trace_method
-from sparsecomm.methods import cost
+from sparsecomm.devtools.testing import assert_consistent, assert_traffic_matches, make_gradient, trace_method
+from sparsecomm.methods import collective_cost, cost
 from sparsecomm.transport.tree import tree_children, tree_parent
 
 N = 1003
@@ -72,9 +72,9 @@ def test_only_the_leaders_cross_nodes():
     ring = cost("ring", P=2, n=N, rank=0)
     leader = cost("twolevel", P=8, n=N, rank=4, local_size=4)
     member = cost("twolevel", P=8, n=N, rank=5, local_size=4)
-    assert leader.bytes_sent - ring.bytes_sent == cost("tree_broadcast", P=4, n=N, rank=0).bytes_sent
-    assert member.bytes_sent == cost("tree_reduce", P=4, n=N, rank=1).bytes_sent + \
-        cost("tree_broadcast", P=4, n=N, rank=1).bytes_sent
+    assert leader.bytes_sent - ring.bytes_sent == collective_cost("tree_broadcast", P=4, n=N, rank=0).bytes_sent
+    assert member.bytes_sent == collective_cost("tree_reduce", P=4, n=N, rank=1).bytes_sent + \
+        collective_cost("tree_broadcast", P=4, n=N, rank=1).bytes_sent
 
 
 def test_twolevel_refuses_a_bad_allreduce():

@@ -21,8 +21,8 @@ _SCRIPT = textwrap.dedent("""
     import math
     import numpy as np
     import torch
-    from sparsecomm.blocks import selectors
-    from sparsecomm.blocks.selectors import scan, triton_scan
+    from sparsecomm import selection as selectors
+    from sparsecomm.selection import scan, triton_scan
 
     assert scan.kernel() == "triton", scan.kernel()
     gen = torch.Generator().manual_seed(0)
@@ -42,7 +42,7 @@ _SCRIPT = textwrap.dedent("""
     assert triton_scan.counts_ge(a, thresholds).tolist() == [int((a >= float(np.float32(t))).sum())
                                                              for t in thresholds]
     # every selector selects the same indices through the Triton path as through the C kernel
-    options = {"threshold": "threshold", "scaled_threshold": "initial_threshold"}
+    options = {"fixed_threshold": "threshold", "scaled_threshold": "initial_threshold"}
     for name in selectors.available():
         for n, density in ((40_000, 0.01), (70_001, 0.002)):
             x = torch.randn(n, generator=gen)

@@ -1,16 +1,20 @@
-"""Alpha-beta cost model: rounds and bytes per rank, the time they imply, and the formula registry.
+"""Alpha-beta cost model: rounds and bytes per rank, the time they imply, and the formula registries.
 
-Each collective and each method registers its formula next to its communication code with
-:func:`register_cost`; the formula returns this rank's :class:`Cost` as a function of the worker
-count P, the gradient length n, the number of selected elements k, the rank and the method's options.
-Time is ``rounds * alpha + bytes_sent * beta`` (Hockney's model, as used by all five papers).
+Each method registers its formula next to its communication code with :func:`register_cost`
+(:data:`METHOD_COSTS`, one per method, under the method's name); each collective, and each other
+communication part a method or technique is built from, with :func:`register_collective_cost`
+(:data:`COLLECTIVE_COSTS`: ``ring_allreduce``, ``bruck_allgather``, ``pto``, ...). The formula returns
+this rank's :class:`Cost` as a function of the worker count P, the gradient length n, the number of
+selected elements k, the rank and the method's options. Time is ``rounds * alpha + bytes_sent * beta``
+(Hockney's model, as used by all five papers).
 
 ``Cost.exact`` says whether the bytes must equal the meter to the byte (deterministic traffic, e.g.
 dense collectives) or are an upper bound (data-dependent sparse traffic); ``Cost.rounds_exact`` says
 the same of the rounds (exact for most sparse methods too, e.g. SparDL's 2 ceil(log2 P)).
 
 This module is a leaf: it imports nothing of the library. The lookup that first imports every
-method, so that all formulas are registered, is :func:`sparsecomm.methods.cost`.
+method, so that all formulas are registered, is :func:`sparsecomm.methods.cost` (and
+:func:`sparsecomm.methods.collective_cost`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import numpy as np
 
 from .registry import Registry
 
-__all__ = ["Cost", "ZERO", "COSTS", "register_cost", "evaluate", "ceil_log2", "is_power_of_two",
+__all__ = ["Cost", "ZERO", "METHOD_COSTS", "COLLECTIVE_COSTS", "register_cost", "register_collective_cost",
+           "evaluate", "ceil_log2", "is_power_of_two",
            "chunk_sizes", "chunk_offsets", "fit_alpha_beta"]
 
 
@@ -58,18 +63,27 @@ class Cost:
 ZERO = Cost(0, 0, 0)
 
 CostFormula = Callable[..., Cost]
-#: ``fn(P, n, k, rank, itemsize=4, **options) -> Cost`` per method or collective name.
-COSTS: Registry[CostFormula] = Registry("cost formula")
+#: ``fn(P, n, k, rank, itemsize=4, **options) -> Cost`` per method name.
+METHOD_COSTS: Registry[CostFormula] = Registry("method cost formula")
+#: ``fn(P, n, k, rank, itemsize=4, **options) -> Cost`` per collective (or other communication part).
+COLLECTIVE_COSTS: Registry[CostFormula] = Registry("collective cost formula")
 
 
 def register_cost(name: str) -> Callable[[CostFormula], CostFormula]:
-    """Decorator: register ``fn(P, n, k, rank, itemsize=4, **options) -> Cost`` under ``name``."""
-    return COSTS.register(name)
+    """Decorator: register method ``name``'s ``fn(P, n, k, rank, itemsize=4, **options) -> Cost``."""
+    return METHOD_COSTS.register(name)
 
 
-def evaluate(name: str, P: int, n: int, k: int = 0, rank: int = 0, itemsize: int = 4, **options) -> Cost:
-    """This rank's cost of the registered formula ``name`` (see :func:`sparsecomm.methods.cost`)."""
-    formula = COSTS.get(name)
+def register_collective_cost(name: str) -> Callable[[CostFormula], CostFormula]:
+    """Decorator: register collective ``name``'s ``fn(P, n, k, rank, itemsize=4, **options) -> Cost``."""
+    return COLLECTIVE_COSTS.register(name)
+
+
+def evaluate(name: str, P: int, n: int, k: int = 0, rank: int = 0, itemsize: int = 4, *,
+             formulas: Registry[CostFormula] = METHOD_COSTS, **options) -> Cost:
+    """This rank's cost of the formula registered as ``name`` in ``formulas`` (the methods' by default;
+    see :func:`sparsecomm.methods.cost`)."""
+    formula = formulas.get(name)
     if P < 1 or n < 0 or not 0 <= rank < P:
         raise ValueError(f"invalid P={P}, n={n}, rank={rank}: need P >= 1, n >= 0, 0 <= rank < P")
     return formula(P=P, n=n, k=k, rank=rank, itemsize=itemsize, **options)

@@ -1,12 +1,16 @@
 """Argument checks shared by every layer: each raises ``ValueError`` naming the argument, the value
-and the rule it broke, e.g. ``teams=0 must be an integer >= 1``."""
+and the rule it broke, e.g. ``teams=0 must be an integer >= 1``; an option a component does not take
+raises :class:`UnknownOptionError` naming the component and listing the options it takes."""
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["is_int", "is_number", "check_int", "check_number", "check_fraction", "check_choice"]
+__all__ = ["is_int", "is_number", "check_int", "check_number", "check_fraction", "check_choice",
+           "UnknownOptionError", "check_options", "keyword_options"]
 
 
 def is_int(value: Any) -> bool:
@@ -69,3 +73,27 @@ def _int_rule(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f"an integer <= {maximum}"
     return "an integer"
+
+
+class UnknownOptionError(TypeError):
+    """An option a component does not take (a ``TypeError``, as Python's unexpected keyword argument)."""
+
+
+def check_options(component: str, given: Iterable[str], valid: Iterable[str], *, more: str = "") -> None:
+    """Raise :class:`UnknownOptionError` ``"spardl: unknown option 'x'; valid options: density, teams, sag"``
+    when ``given`` holds a name outside ``valid``; ``more`` follows the list (e.g. a selector's options)."""
+    valid = list(valid)
+    unknown = [name for name in given if name not in valid]
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        raise UnknownOptionError(f"{component}: unknown option{plural} {', '.join(map(repr, unknown))}; "
+                                 f"valid options: {', '.join(valid) if valid else 'none'}{more}")
+
+
+def keyword_options(function: Callable[..., Any], skip: Iterable[str] = ("self", "comm")) -> tuple[list[str], bool]:
+    """The names ``function`` takes as keywords (in order, ``skip`` left out) and whether it takes
+    ``**more`` besides."""
+    parameters = inspect.signature(function).parameters.values()
+    names = [p.name for p in parameters if p.name not in skip
+             and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    return names, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

@@ -1,5 +1,5 @@
 """Sparse embedding gradients, averaged row by row without ever building the dense n-vector: the
-workload S2 Reducer is built for (004_691b8e40129c73cd.txt, section 4: the embedding layers of GNMT
+workload S2 Reducer is built for ([S2Reducer], section 4: the embedding layers of GNMT
 and LSTM language models, whose gradients touch only the rows of the tokens in the batch).
 
 An embedding gradient is *row-sparse*: m touched rows (ids in ``[0, num_rows)``) of ``dim`` values.
@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..blocks.sketch import CountSketch
 from ..core.validate import check_choice, check_int, check_number
 from ..methods import Stats
+from ..selection.sketch import CountSketch
 from ..transport.block_aggregate import block_allreduce
 from ..transport.chunk import index_dtype
 from ..transport.collectives import allreduce, ring_cost

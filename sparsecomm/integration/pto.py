@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.cost import Cost, register_cost
+from ..core.cost import Cost, register_collective_cost
 from ..core.validate import check_int
 from ..transport.comm import Communicator
 from ..transport.sparse_collectives import allgatherv, allgatherv_cost
@@ -145,7 +145,7 @@ def parallel_apply(op: Callable[[Item], torch.Tensor], tensors: Sequence[Item], 
     return results
 
 
-@register_cost("pto")
+@register_collective_cost("pto")
 def pto_cost(P: int, n: int, rank: int, itemsize: int = 4, costs: Sequence[int] | None = None,
              result_shape: Sequence[int] = (), **_) -> Cost:
     """Cost of :func:`parallel_apply`'s all-gather: ``n`` items of ``costs`` (default equal), each

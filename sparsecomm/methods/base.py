@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ..blocks.selectors import NonFiniteInputError
 from ..core.registry import Registry
 from ..core.validate import check_fraction
+from ..selection import NonFiniteInputError
 from ..transport.agreement import Agreement, AgreementError, agree
 from ..transport.comm import Communicator
 from .stats import PHASES, Stats

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..blocks.metrics import SparsificationMetrics
-from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, register_cost
+from ..selection import make as make_selector
+from ..selection.metrics import SparsificationMetrics
 from ..transport.chunk import index_dtype
 from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator
@@ -85,7 +85,7 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
         super().__init__(comm, density=density)
         self.allreduce = check_allreduce(allreduce, "cltk")
         self.track_global_error = bool(global_error)
-        self.selector = make_selector("topk")
+        self.selector = make_selector("exact_topk")
 
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         n, P, r = grad.numel(), self.comm.size, self.comm.rank

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..core.cost import Cost, register_cost
-from ..transport.collectives import rabenseifner_allreduce, ring_allreduce, ring_cost
+from ..transport.collectives import rabenseifner_allreduce, rabenseifner_cost, ring_allreduce, ring_cost
 from .base import Layout, Method, register_method
 
 
@@ -58,3 +58,8 @@ class RabenseifnerAllReduce(Method):
         with self.timer("decompress"):
             out.div_(self.comm.size)
         return out
+
+
+# ring and rabenseifner send what the transport's collectives send: their formulas are the collectives'
+register_cost("ring")(ring_cost)
+register_cost("rabenseifner")(rabenseifner_cost)

@@ -25,10 +25,10 @@ One step on rank r (Algorithm 1):
    hence sorted), divided by P. ``allreduce="rabenseifner"`` (default) or ``"ring"``.
 6. ``acc`` is zeroed at the union on every rank and becomes the new residual.
 7. Threshold update from the *global* count k' (identical on every rank). ``controller="paper"``:
-   online threshold scaling (Algorithm 5, :class:`~sparsecomm.blocks.selectors.threshold.ScaledThreshold`'s
+   online threshold scaling (Algorithm 5, :class:`~sparsecomm.selection.threshold.ScaledThreshold`'s
    factor) from k' / k; x (1 + gamma) above ``threshold_band``, x (1 + gamma/4) inside
    (1/band, band], x (1 - gamma) below. ``controller="adaptive"`` (default): log-space feedback
-   (:class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`), which corrects a factor-2
+   (:class:`~sparsecomm.selection.threshold.ThresholdController`), which corrects a factor-2
    error per step instead of 0.5% and follows a drifting gradient scale.
 
 The threshold from the gradient. The paper's first threshold 1 / (2 sqrt(k)) does not depend on the
@@ -36,7 +36,7 @@ gradient's scale (on unit-scale gradients at density 0.001 it selects almost eve
 hundreds of steps), and Algorithm 5's 0.5% steps cannot follow the growth of the residual over the
 first 1/d steps. With ``controller="adaptive"`` every rank estimates, at every step, the k-th largest
 ``|acc|`` of its whole ``acc`` from a sample (about 1024/k of it;
-:func:`~sparsecomm.blocks.selectors.threshold.estimate_kth_magnitude`), k corrected by feedback on
+:func:`~sparsecomm.selection.threshold.estimate_kth_magnitude`), k corrected by feedback on
 the global count k' (identical on every rank), and selects with that in its partition.
 The ranks' thresholds then differ by their samples' noise (a few percent), not in kind: each is an
 estimate of the same global threshold. ``controller="paper"`` restores every constant of the paper
@@ -74,16 +74,16 @@ from typing import Any
 
 import torch
 
-from ..blocks.metrics import SparsificationMetrics
-from ..blocks.selectors.scan import Scratch
-from ..blocks.selectors.threshold import (
+from ..core.cost import Cost, chunk_sizes, register_cost
+from ..core.validate import check_int
+from ..selection.metrics import SparsificationMetrics
+from ..selection.scan import Scratch
+from ..selection.threshold import (
     ScaledThreshold,
     ThresholdController,
     cap_selection,
     estimate_kth_magnitude,
 )
-from ..core.cost import Cost, chunk_sizes, register_cost
-from ..core.validate import check_int
 from ..transport.chunk import index_dtype
 from ..transport.collectives import (
     allreduce,

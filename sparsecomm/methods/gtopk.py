@@ -1,5 +1,5 @@
 """gTop-k: global top-k by a reduction tree and a broadcast tree (Shi et al., ICDCS 2019), the
-baseline of SparDL's Table I (000_3ae287420a79948f.txt, "gTopk": 2 log P alpha, 4 k log P beta).
+baseline of SparDL's Table I ([SparDL], "gTopk": 2 log P alpha, 4 k log P beta).
 
 Per call, on every rank r:
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, register_cost
+from ..selection import make as make_selector
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype
 from .base import Layout, Method, register_method
 
@@ -59,7 +59,7 @@ class GlobalTopk(Method):
 
     def __init__(self, comm=None, *, density: float) -> None:
         super().__init__(comm, density=density)
-        self.selector = make_selector("topk")  # exact top-k by a sampled floor and one scan
+        self.selector = make_selector("exact_topk")  # exact top-k by a sampled floor and one scan
 
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         comm, n = self.comm, grad.numel()

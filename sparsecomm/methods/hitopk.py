@@ -1,5 +1,5 @@
 """HiTopKComm: hierarchical top-k communication for m nodes x L GPUs, Shi et al., "Towards Scalable
-Distributed Training of Deep Learning on Public Cloud Clusters" (003_2fa2388d6a23a217.txt), section
+Distributed Training of Deep Learning on Public Cloud Clusters" ([ShiCloud]), section
 3.2, Algorithm 2, equations (4)-(10).
 
 The P ranks form m = P / L nodes of L consecutive ranks (``local_size`` = L, see
@@ -52,8 +52,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blocks.selectors import make as make_selector
-from ..core.cost import Cost, chunk_offsets, chunk_sizes, register_cost
+from ..core.cost import Cost, chunk_offsets, chunk_sizes, register_collective_cost, register_cost
+from ..selection import make as make_selector
 from ..transport.chunk import SparseChunk, add_chunks, pair_bytes
 from ..transport.collectives import ring_reduce_scatter
 from ..transport.comm import Communicator
@@ -76,8 +76,8 @@ class HiTopKComm(SelectorStateMixin, Method):
         local_size: ranks per node L (consecutive ranks share a node); must divide P. Default:
             ``LOCAL_WORLD_SIZE`` from the environment (``torchrun`` sets it), else 1: every rank is
             its own node and the method is MSTopK + the flat all-gather of equation (3).
-        selector: a name of :mod:`sparsecomm.blocks.selectors` (default ``"mstopk"``, Algorithm 1).
-        **selector_options: passed to ``sparsecomm.blocks.selectors.make(selector, ...)``.
+        selector: a name of :mod:`sparsecomm.selection` (default ``"mstopk"``, Algorithm 1).
+        **selector_options: passed to ``sparsecomm.selection.make(selector, ...)``.
 
     Stats beyond the base class: ``union_nnz`` (the size of this rank's shard union after the
     inter-node sum, u_j), ``local_size``.
@@ -162,7 +162,7 @@ def _hitopk_cost(P: int, n: int, rank: int, itemsize: int = 4, density: float | 
     return total if exact else total.bound()
 
 
-@register_cost("hitopk_inter_node")
+@register_collective_cost("hitopk_inter_node")
 def _hitopk_inter_node_cost(P: int, n: int, rank: int, itemsize: int = 4, density: float | None = None,
                             local_size: int | None = None, **_: Any) -> Cost:
     """Exact inter-node traffic of one call, eq. (9): the all-gather of k_j pairs among the m ranks

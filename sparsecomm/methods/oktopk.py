@@ -1,5 +1,5 @@
 """Ok-Topk (Li and Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22),
-the "Ok-Topk" baseline of SparDL's evaluation (000_3ae287420a79948f.txt, Table I and Fig. 8).
+the "Ok-Topk" baseline of SparDL's evaluation ([SparDL], Table I and Fig. 8).
 
 Per call t (t counts every call, warm-up included, as the public code's ``_allreduce_counter``):
 
@@ -49,9 +49,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_int, check_number
+from ..selection import make as make_selector
 from ..transport.alltoallv import alltoallv, alltoallv_traffic
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype, pair_bytes
 from ..transport.collectives import allreduce, allreduce_cost
@@ -63,7 +63,7 @@ __all__ = ["OkTopk", "PAPER_DEFAULTS"]
 
 log = logging.getLogger(__name__)
 
-#: the defaults of the public code (Shigangli/Ok-Topk), as recorded in issue 14
+#: the defaults of the authors' public code (github.com/Shigangli/Ok-Topk)
 WARMUP_STEPS, THRESHOLD_INTERVAL, PARTITION_INTERVAL = 512, 32, 64
 LOCAL_SCALE, GLOBAL_SCALE = 1.012, 1.008
 REUSE_SCALE, REUSE_LOOPS = 1.03, 5          # add2residual in the public code's compression.py
@@ -108,7 +108,7 @@ class OkTopk(Method):
         self.local_threshold: float | None = None
         self.global_threshold: float | None = None
         self.boundaries: list[int] | None = None
-        self.selector = make_selector("topk")     # exact top-k for the periodic threshold estimation
+        self.selector = make_selector("exact_topk")     # exact top-k for the periodic threshold estimation
 
     # ------------------------------------------------------------------ schedule
     def estimates_threshold(self, step: int) -> bool:

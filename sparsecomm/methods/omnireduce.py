@@ -1,5 +1,5 @@
 """OmniReduce: block-sparse aggregation of only the non-zero blocks (Fei et al., SIGCOMM'21), the
-baseline of S2 Reducer's evaluation (004_691b8e40129c73cd.txt, section 4, Fig. 3 and 7).
+baseline of S2 Reducer's evaluation ([S2Reducer], section 4, Fig. 3 and 7).
 
 Per call, on every rank:
 
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, chunk_sizes, register_cost
 from ..core.validate import check_int
+from ..selection import make as make_selector
 from ..transport.block_aggregate import block_allreduce, block_allreduce_traffic
 from ..transport.comm import Communicator
 from .base import Layout, Method, register_method

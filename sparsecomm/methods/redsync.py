@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, ceil_log2, register_cost
+from ..selection import current_name as current_selector_name
+from ..selection import make as make_selector
 from ..transport.chunk import SparseChunk, index_dtype
 from ..transport.comm import Communicator
 from ..transport.sparse_collectives import allgatherv, allgatherv_cost
@@ -48,7 +49,7 @@ __all__ = ["RedSync", "LayerSpec", "LayerPart", "plan_layers", "pack_message", "
 log = logging.getLogger(__name__)
 
 #: selectors whose count is exactly k (the others return a count in a band, e.g. [k, 2k])
-_EXACT_COUNT = {"topk", "trimmed", "mstopk"}
+_EXACT_COUNT = {"exact_topk", "trimmed", "mstopk"}
 _COUNT_DTYPE = torch.int32
 
 
@@ -72,7 +73,7 @@ def plan_layers(spans: Sequence[tuple[int, int]], *, small_limit: int, large_lim
                 unquantized_layers: Sequence[int]) -> list[LayerSpec]:
     """RedSync's hybrid policy (section 2.1): the selector and quantization of every layer.
 
-    ``numel <= small_limit``: ``small`` (``"topk"`` or ``"dense"``); ``numel > large_limit``:
+    ``numel <= small_limit``: ``small`` (``"exact_topk"`` or ``"dense"``); ``numel > large_limit``:
     ``large``; otherwise ``medium``. With ``quantize="asq"`` every non-dense layer is quantized except
     those whose position (negative counts from the end) is in ``unquantized_layers``.
     """
@@ -167,7 +168,7 @@ class RedSync(Method):
         small_limit: layers with at most this many elements are "small" (default 32768: the paper's
             128 KB of float32, section 3.1).
         large_limit: layers with more elements are "large" (default 4194304 = 16 MB of float32).
-        small: ``"topk"`` (exact top-k, the default) or ``"dense"`` (sent uncompressed).
+        small: ``"exact_topk"`` (exact top-k, the default) or ``"dense"`` (sent uncompressed).
         medium: selector for medium layers (default ``"trimmed"``, Algorithm 2).
         large: selector for large layers (default ``"sampled_binary_search"``, or ``"binary_search"``
             with ASQ: the paper notes the sampled variant cannot be used with quantization).
@@ -182,7 +183,7 @@ class RedSync(Method):
     has_residual = True
 
     def __init__(self, comm: Communicator | None = None, *, density: float, quantize: str | None = None,
-                 small_limit: int = 32768, large_limit: int = 4194304, small: str = "topk",
+                 small_limit: int = 32768, large_limit: int = 4194304, small: str = "exact_topk",
                  medium: str = "trimmed", large: str | None = None,
                  unquantized_layers: Sequence[int] = (-1,),
                  selector_options: dict[str, dict[str, Any]] | None = None) -> None:
@@ -191,6 +192,8 @@ class RedSync(Method):
             raise ValueError(f"quantize={quantize!r} must be None or 'asq'")
         if large is None:
             large = "binary_search" if quantize else "sampled_binary_search"
+        small, medium, large = (name if name == "dense" else current_selector_name(name)
+                                for name in (small, medium, large))
         if quantize and large == "sampled_binary_search":
             raise ValueError("large='sampled_binary_search' cannot be used with quantize='asq' (RedSync "
                              "section 2.2: the reused threshold does not survive the alternating signs); "
@@ -343,7 +346,7 @@ def _redsync_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, layout: 
 
 def _planned_message_bytes(n: int, layout: Layout, density: float, itemsize: int,
                            policy: dict[str, Any]) -> tuple[int, bool]:
-    defaults = dict(small_limit=32768, large_limit=4194304, small="topk", medium="trimmed", large=None,
+    defaults = dict(small_limit=32768, large_limit=4194304, small="exact_topk", medium="trimmed", large=None,
                     quantize=None, unquantized_layers=(-1,))
     unknown = set(policy) - set(defaults)
     if unknown:
@@ -351,6 +354,8 @@ def _planned_message_bytes(n: int, layout: Layout, density: float, itemsize: int
     opts = {**defaults, **policy}
     if opts["large"] is None:
         opts["large"] = "binary_search" if opts["quantize"] else "sampled_binary_search"
+    for size in ("small", "medium", "large"):
+        opts[size] = opts[size] if opts[size] == "dense" else current_selector_name(opts[size])
     spans = [(0, n)] if layout is None else [(int(o), int(m)) for o, m in layout]
     index_size = index_dtype(n).itemsize
     total, exact = _COUNT_DTYPE.itemsize * len(spans), True

@@ -1,5 +1,5 @@
 """S2 Reducer (Sparse-Sketch Reducer): block-wise top-K, then a count-sketch of the selected values and
-a bitmap of the selected blocks, both summed by all-reduce (004_691b8e40129c73cd.txt, section 3.1,
+a bitmap of the selected blocks, both summed by all-reduce ([S2Reducer], section 3.1,
 Algorithm 1).
 
 Per call, on every rank:
@@ -7,7 +7,7 @@ Per call, on every rank:
 1. ``acc = grad + residual``; block-wise top-K by L2 norm (``selectors.make("block_topk")``, section
    2.2) picks whole blocks of ``block_size`` elements, at least k = ceil(density * n) elements; the
    rest of ``acc`` stays in the residual (error feedback).
-2. Insert the selected values into a ``rows`` x ``cols`` count-sketch (:mod:`sparsecomm.blocks.sketch`)
+2. Insert the selected values into a ``rows`` x ``cols`` count-sketch (:mod:`sparsecomm.selection.sketch`)
    with ``rows * cols ~= sketch_ratio * k`` (the paper's lambda, 0.5 its best setting); mark the
    selected blocks in the bitmap (Algorithm 1 lines 2-7). The hashes are seeded by ``(seed, step)``,
    the same on every rank.
@@ -45,10 +45,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blocks.selectors import make as make_selector
-from ..blocks.sketch import CountSketch
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_int, is_number
+from ..selection import make as make_selector
+from ..selection.sketch import CountSketch
 from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator
 from .base import Layout, Method, register_method

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..blocks.selectors import make as make_selector
-from ..blocks.selectors.threshold import cap_selection
 from ..core.cost import Cost
+from ..selection import make as make_selector
+from ..selection.threshold import cap_selection
 from ..transport.chunk import SparseChunk, pair_bytes
 from ..transport.comm import Communicator
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_cost
@@ -84,7 +84,7 @@ class SelectorStateMixin:
 
 
 class FeedbackStateMixin:
-    """Checkpoints ``self._feedback`` (a :class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`,
+    """Checkpoints ``self._feedback`` (a :class:`~sparsecomm.selection.threshold.ThresholdController`,
     the density controller of threshold methods) beside the other extra state."""
 
     def extra_state(self) -> dict[str, Any]:
@@ -102,7 +102,7 @@ class SelectAllGather(SelectorStateMixin, Method):
     Args:
         comm: communicator (default: all ranks).
         density: fraction selected per rank, k = ceil(density * n).
-        selector: a name of :mod:`sparsecomm.blocks.selectors` (default ``"topk"``, exact top-k).
+        selector: a name of :mod:`sparsecomm.selection` (default ``"exact_topk"``, exact top-k).
         cap: the hard cap, at most ``ceil(cap * k)`` entries per rank (default 2.0; ``None``: no cap).
         **selector_options: passed to ``make(selector, ...)``.
 
@@ -118,7 +118,7 @@ class SelectAllGather(SelectorStateMixin, Method):
     tracks_sent = True
     has_residual = True
 
-    def __init__(self, comm: Communicator | None = None, *, density: float, selector: str = "topk",
+    def __init__(self, comm: Communicator | None = None, *, density: float, selector: str = "exact_topk",
                  cap: float | None = 2.0, **selector_options: Any) -> None:
         super().__init__(comm, density=density)
         self.cap = check_cap(cap, self.name)

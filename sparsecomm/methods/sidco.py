@@ -14,7 +14,7 @@ number of stages is not reproduced (``stages`` is fixed).
 Holding the density. A fitted distribution that is not the data's (an exponential fitted to normal
 magnitudes, say) misses the density by a factor that persists. By default (``controller="adaptive"``)
 the fitted threshold is divided by a correction that log-space feedback on this rank's count
-moves (:class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`, steps scaled by the
+moves (:class:`~sparsecomm.selection.threshold.ThresholdController`, steps scaled by the
 count's elasticity measured on the selected magnitudes), so the count settles on k within a few
 calls; ``controller="paper"`` uses the fit alone. The fit scales with the gradient, so
 SIDCo starts right at any scale. The hard cap (``cap``, default 2: at most 2k entries per rank)
@@ -36,11 +36,11 @@ import math
 import torch
 from torch import Tensor
 
-from ..blocks.metrics import SparsificationMetrics
-from ..blocks.selectors.scan import Scratch
-from ..blocks.selectors.threshold import HardThreshold, ThresholdController, local_elasticity
 from ..core.cost import register_cost
 from ..core.validate import check_int
+from ..selection.metrics import SparsificationMetrics
+from ..selection.scan import Scratch
+from ..selection.threshold import HardThreshold, ThresholdController, local_elasticity
 from .base import register_method
 from .select_allgather import FeedbackStateMixin, SelectAllGather, data_dependent_cost
 
@@ -109,7 +109,7 @@ def sidco_threshold(x: Tensor, density: float, distribution: str = "exponential"
 
     The exponential first stage needs only the mean of ``|x|`` and each later stage the exceedances
     ``|x| > threshold``: both come from the selectors' one-pass scan
-    (:meth:`~sparsecomm.blocks.selectors.scan.Scratch.scan`; pass a ``scratch`` to reuse its buffers), so no
+    (:meth:`~sparsecomm.selection.scan.Scratch.scan`; pass a ``scratch`` to reuse its buffers), so no
     copy of ``|x|`` is made. The gamma and GPD first stages fit all of ``|x|`` (in float64).
     """
     if distribution not in _DISTRIBUTIONS:
@@ -146,7 +146,7 @@ class SIDCo(SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
 
     def __init__(self, comm=None, *, density: float, distribution: str = "exponential", stages: int = 2,
                  controller: str = "adaptive", cap: float | None = 2.0, global_error: bool = False) -> None:
-        super().__init__(comm, density=density, selector="threshold", cap=cap, threshold=0.0)
+        super().__init__(comm, density=density, selector="fixed_threshold", cap=cap, threshold=0.0)
         if distribution not in _DISTRIBUTIONS:
             raise ValueError(f"sidco: distribution={distribution!r} must be one of {_DISTRIBUTIONS}")
         if controller not in _CONTROLLERS:

@@ -10,9 +10,9 @@ the largest count; ours is sized per message, f(t) is reported as a metric).
 The threshold. The paper tunes a fixed threshold before training. ``threshold=<value>`` is that
 fixed threshold. By default (``controller="adaptive"``) the threshold holds the density instead:
 every call estimates the k-th largest ``|acc|`` from a sample of ``acc``
-(:func:`~sparsecomm.blocks.selectors.threshold.estimate_kth_magnitude`, about 1024/k of the
+(:func:`~sparsecomm.selection.threshold.estimate_kth_magnitude`, about 1024/k of the
 gradient read), k corrected by log-space feedback on this rank's count
-(:class:`~sparsecomm.blocks.selectors.threshold.ThresholdController`), so any gradient scale gives
+(:class:`~sparsecomm.selection.threshold.ThresholdController`), so any gradient scale gives
 the density from the first call and a drifting one keeps it. ``controller="paper"`` is the previous
 default, ExDyna's fixed initial threshold 1 / (2 sqrt(k)), which does not depend on the gradient's
 scale. The hard cap
@@ -28,9 +28,9 @@ import math
 
 from torch import Tensor
 
-from ..blocks.metrics import SparsificationMetrics
-from ..blocks.selectors.threshold import HardThreshold, ThresholdController, estimate_kth_magnitude
 from ..core.cost import register_cost
+from ..selection.metrics import SparsificationMetrics
+from ..selection.threshold import HardThreshold, ThresholdController, estimate_kth_magnitude
 from .base import register_method
 from .select_allgather import FeedbackStateMixin, SelectAllGather, data_dependent_cost
 
@@ -55,7 +55,7 @@ class HardThresholdAllGather(SparsificationMetrics, FeedbackStateMixin, SelectAl
 
     def __init__(self, comm=None, *, density: float, threshold: float | None = None,
                  controller: str = "adaptive", cap: float | None = 2.0, global_error: bool = False) -> None:
-        super().__init__(comm, density=density, selector="threshold", cap=cap,
+        super().__init__(comm, density=density, selector="fixed_threshold", cap=cap,
                          threshold=0.0 if threshold is None else threshold)
         if controller not in _CONTROLLERS:
             raise ValueError(f"threshold: controller={controller!r} must be one of {_CONTROLLERS}")

@@ -4,7 +4,7 @@ Like every select-then-all-gather scheme (:class:`~.select_allgather.SelectAllGa
 picks entries of its own ``acc = grad + residual`` over the WHOLE gradient, so the ranks' picks
 overlap only by chance and the union grows with P (*gradient build-up*: up to P k non-zeros in the
 result). This is TopkA with ExDyna's metrics (actual density, padding overhead f(t), global
-error; :class:`~sparsecomm.blocks.metrics.SparsificationMetrics`).
+error; :class:`~sparsecomm.selection.metrics.SparsificationMetrics`).
 
 Cost: TopkA's, (P-1) k (s_idx + s_val) bytes per rank in ceil(log2 P) rounds.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..blocks.metrics import SparsificationMetrics
 from ..core.cost import Cost, register_cost
+from ..selection.metrics import SparsificationMetrics
 from .base import register_method
 from .select_allgather import SelectAllGather, select_allgather_cost
 
@@ -31,7 +31,7 @@ class TopkComparator(SparsificationMetrics, SelectAllGather):
     """
 
     def __init__(self, comm=None, *, density: float, global_error: bool = False) -> None:
-        super().__init__(comm, density=density, selector="topk")
+        super().__init__(comm, density=density, selector="exact_topk")
         self.track_global_error = bool(global_error)
 
 

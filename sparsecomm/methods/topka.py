@@ -31,7 +31,7 @@ class TopkAllGather(SelectAllGather):
     Args:
         comm: communicator (default: all ranks).
         density: fraction selected per rank, k = ceil(density * n).
-        selector: a name of :mod:`sparsecomm.blocks.selectors` (default ``"topk"``, exact top-k).
+        selector: a name of :mod:`sparsecomm.selection` (default ``"exact_topk"``, exact top-k).
         **selector_options: passed to ``make(selector, ...)``.
     """
 

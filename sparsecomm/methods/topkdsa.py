@@ -1,7 +1,7 @@
 """TopkDSA: local top-k with error feedback, then SparCML's dynamic sparse all-reduce (Renggli et al.,
 "SparCML: High-Performance Sparse Communication for Machine Learning", SC'19, section 4), the
-"TopkDSA" baseline of SparDL's evaluation (000_3ae287420a79948f.txt, Table I and Fig. 8) and the
-"SparCML" baseline of S2 Reducer's (004_691b8e40129c73cd.txt, section 4).
+"TopkDSA" baseline of SparDL's evaluation ([SparDL], Table I and Fig. 8) and the
+"SparCML" baseline of S2 Reducer's ([S2Reducer], section 4).
 
 Per call, on every rank:
 
@@ -31,9 +31,9 @@ from typing import Any
 
 from torch import Tensor
 
-from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_choice
+from ..selection import make as make_selector
 from ..transport.comm import Communicator
 from ..transport.sparse_stream import Stream, dense_switch_count, dsa_allreduce, dsa_cost, split_allreduce, split_cost
 from .base import Layout, Method, register_method
@@ -58,7 +58,7 @@ class TopkDSA(Method):
     Args:
         density: k = ceil(density * n) pairs selected per rank.
         algorithm: ``"auto"`` (default), ``"recursive_doubling"`` or ``"split_allgather"``.
-        selector: an exact-count selector of :mod:`sparsecomm.blocks.selectors` (default ``"topk"``,
+        selector: an exact-count selector of :mod:`sparsecomm.selection` (default ``"exact_topk"``,
             exact top-k, the same as TopkA's).
     """
 
@@ -67,7 +67,7 @@ class TopkDSA(Method):
     tracks_sent = True
 
     def __init__(self, comm: Communicator | None = None, *, density: float, algorithm: str = "auto",
-                 selector: str = "topk") -> None:
+                 selector: str = "exact_topk") -> None:
         super().__init__(comm, density=density)
         self.algorithm = check_choice("algorithm", algorithm, ALGORITHMS)
         self.selector = make_selector(selector)

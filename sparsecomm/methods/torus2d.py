@@ -1,6 +1,6 @@
 """2D-torus all-reduce (Mikami et al. 2018; Cho et al. 2019), the dense hierarchical baseline "2DTAR"
 of Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud Clusters"
-(003_2fa2388d6a23a217.txt, section 5.3, Fig. 7).
+([ShiCloud], section 5.3, Fig. 7).
 
 The P ranks form m nodes of L consecutive ranks (``local_size`` = L, see :func:`resolve_local_size`).
 Per call, on rank (node i, local rank j):

@@ -1,5 +1,5 @@
 """Tree all-reduce (NCCL's double binary tree), the dense baseline "TreeAR" that Shi et al., "Towards
-Scalable Distributed Training of Deep Learning on Public Cloud Clusters" (003_2fa2388d6a23a217.txt,
+Scalable Distributed Training of Deep Learning on Public Cloud Clusters" ([ShiCloud],
 section 5) train with and compare against.
 
 The collective is :func:`~sparsecomm.transport.tree.double_tree_allreduce`: the gradient's first half

@@ -1,7 +1,7 @@
 """Two-level dense all-reduce for m nodes of L ranks: reduce inside each node, all-reduce across the
 nodes, broadcast inside each node. The hierarchical dense baseline beside the 2D-torus all-reduce in
 Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud Clusters"
-(003_2fa2388d6a23a217.txt, sections 3.2 and 5: the node-aware dense schemes HiTopKComm is measured
+([ShiCloud], sections 3.2 and 5: the node-aware dense schemes HiTopKComm is measured
 against; the reduce / inter-node all-reduce / broadcast scheme of Horovod's hierarchical all-reduce).
 
 Per call, on rank (node i, local rank j), with ``local_size`` = L (see

@@ -1,6 +1,6 @@
 """Block-sparse all-reduce through per-shard aggregators: OmniReduce's aggregation (Fei et al.,
 "Efficient Sparse Collective Communication and its application to Accelerate Distributed Deep
-Learning", SIGCOMM'21, section 3), as S2 Reducer compares with it (004_691b8e40129c73cd.txt, section 4).
+Learning", SIGCOMM'21, section 3), as S2 Reducer compares with it ([S2Reducer], section 4).
 
 A vector of ``num_blocks`` blocks of ``block`` values; each rank holds some of them (``ids``, sorted
 unique, and their values, (m, block)). The block index space is cut into P near-equal shards; rank q

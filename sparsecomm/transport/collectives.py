@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.cost import ZERO, Cost, chunk_offsets, chunk_sizes, register_cost
+from ..core.cost import ZERO, Cost, chunk_offsets, chunk_sizes, register_collective_cost
 from .comm import Communicator
 
 __all__ = ["ring_reduce_scatter", "ring_allgather_into", "ring_allreduce", "ring_cost",
@@ -71,7 +71,7 @@ def ring_allreduce(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@register_cost("ring")
+@register_collective_cost("ring_allreduce")
 def ring_cost(P: int, n: int, rank: int, itemsize: int = 4, **_) -> Cost:
     if P == 1:
         return ZERO
@@ -155,7 +155,7 @@ def rabenseifner_allreduce(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@register_cost("rabenseifner")
+@register_collective_cost("rabenseifner_allreduce")
 def rabenseifner_cost(P: int, n: int, rank: int, itemsize: int = 4, **_) -> Cost:
     if P == 1:
         return ZERO
@@ -225,7 +225,7 @@ def _held_ranks(new_rank: int, mask: int, rem: int) -> list[int]:
     return list(range(lo, hi + 1))
 
 
-@register_cost("recursive_doubling_allgather")
+@register_collective_cost("recursive_doubling_allgather")
 def recursive_doubling_cost(P: int, n: int, rank: int, itemsize: int = 4, **_) -> Cost:
     """n here is the per-rank block size m."""
     if P == 1:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ..core.cost import Cost, ceil_log2, is_power_of_two, register_cost
+from ..core.cost import Cost, ceil_log2, is_power_of_two, register_collective_cost
 from .chunk import SparseChunk
 from .comm import Communicator
 
@@ -145,7 +145,7 @@ def allgatherv_cost(message_bytes: Sequence[int], P: int, rank: int, exact: bool
     return Cost(*allgatherv_traffic(list(message_bytes), rank), exact=exact)
 
 
-@register_cost("bruck_allgather")
+@register_collective_cost("bruck_allgather")
 def _bruck_cost(P: int, n: int, rank: int, itemsize: int = 4, **_) -> Cost:
     """n here is the per-rank block size (equal on all ranks)."""
     return Cost(*bruck_traffic([n * itemsize] * P, rank))

@@ -1,6 +1,6 @@
 """The node layout of a job: which ranks share a machine (a node) and which talk across nodes.
 
-Shi et al.'s hierarchical methods (HiTopKComm, 2D-torus all-reduce; 003_2fa2388d6a23a217.txt,
+Shi et al.'s hierarchical methods (HiTopKComm, 2D-torus all-reduce; [ShiCloud],
 section 3.2) treat P ranks as m nodes of L consecutive ranks: fast links inside a node, a slower
 shared NIC between nodes. :func:`split_nodes` builds the node and cross-node communicators.
 """

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.cost import ZERO, Cost, chunk_offsets, register_cost
+from ..core.cost import ZERO, Cost, chunk_offsets, register_collective_cost
 from .comm import Communicator
 
 __all__ = ["tree_children", "tree_parent", "tree_reduce", "tree_broadcast", "double_tree_allreduce",
@@ -107,7 +107,7 @@ def _counts(P: int, rank: int, mirror: bool) -> tuple[int, int]:
     return len(tree_children(me, P)), int(tree_parent(me) is not None)
 
 
-@register_cost("tree_reduce")
+@register_collective_cost("tree_reduce")
 def tree_reduce_cost(P: int, n: int, rank: int, itemsize: int = 4, mirror: bool = False, **_) -> Cost:
     if P == 1 or n == 0:
         return ZERO
@@ -115,7 +115,7 @@ def tree_reduce_cost(P: int, n: int, rank: int, itemsize: int = 4, mirror: bool 
     return Cost(children + up, up * n * itemsize, children * n * itemsize)
 
 
-@register_cost("tree_broadcast")
+@register_collective_cost("tree_broadcast")
 def tree_broadcast_cost(P: int, n: int, rank: int, itemsize: int = 4, mirror: bool = False, **_) -> Cost:
     if P == 1 or n == 0:
         return ZERO
@@ -123,7 +123,7 @@ def tree_broadcast_cost(P: int, n: int, rank: int, itemsize: int = 4, mirror: bo
     return Cost(children + up, children * n * itemsize, up * n * itemsize)
 
 
-@register_cost("double_tree")
+@register_collective_cost("double_tree")
 def double_tree_cost(P: int, n: int, rank: int, itemsize: int = 4, **_) -> Cost:
     total = ZERO
     for (_start, size), mirror in zip(chunk_offsets(n, 2), (False, True), strict=True):

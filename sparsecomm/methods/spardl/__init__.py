@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from ...blocks.selectors import make as make_selector
 from ...core.cost import Cost, ceil_log2, chunk_offsets, chunk_sizes, is_power_of_two, register_cost
 from ...core.validate import check_int, is_int, is_number
+from ...selection import make as make_selector
 from ...transport.chunk import pair_bytes
 from ...transport.comm import Communicator
 from ...transport.sparse_collectives import allgather_chunks, bruck_traffic
@@ -101,7 +101,7 @@ class SparDL(Method):
             ``stats["teams"]``.
         sag: ``"auto"`` (R-SAG when d is a power of 2, else B-SAG), ``"recursive"`` or ``"bruck"``.
         selector: the per-block selection of Spar-Reduce-Scatter: a name for
-            ``sparsecomm.blocks.selectors.make`` (default ``"topk"``, exact top-k), ``None`` (plain
+            ``sparsecomm.selection.make`` (default ``"exact_topk"``, exact top-k), ``None`` (plain
             ``torch.topk``) or a callable ``(x, k) -> indices``. The traffic bounds assume it
             returns at most k indices. Spar-All-Gather always uses exact top-k: its ranks select
             from identical sums and must keep identical entries, and its chunks are small.
@@ -113,7 +113,7 @@ class SparDL(Method):
     has_residual = True
 
     def __init__(self, comm: Communicator | None = None, *, density: float, teams: int | str = 1,
-                 sag: str = "auto", selector: None | str | Callable = "topk",
+                 sag: str = "auto", selector: None | str | Callable = "exact_topk",
                  alpha: float | None = None, beta: float | None = None, auto_trials: int = 2) -> None:
         super().__init__(comm, density=density)
         P = self.comm.size

@@ -71,7 +71,7 @@ class BlockSelector:
     """Top-c of a slice of the dense accumulator, taken out of it.
 
     ``selector=None`` is exact top-k by magnitude (``torch.topk``) through a reused scratch buffer;
-    otherwise a callable ``selector(x, c) -> indices`` (the ``sparsecomm.blocks.selectors`` contract). The
+    otherwise a callable ``selector(x, c) -> indices`` (the ``sparsecomm.selection`` contract). The
     selection must be deterministic: in Spar-All-Gather several ranks select from identical sums and
     must keep identical entries.
     """

@@ -1,2 +1,0 @@
-"""The application layer: the local launcher and network emulation, training, models and data,
-benchmarks, reports and the ``sparsecomm`` command line."""

@@ -1,1 +1,0 @@
-"""Top-level CLI commands: one module per `sparsecomm NAME`."""

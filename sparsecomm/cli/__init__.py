@@ -1,0 +1,90 @@
+"""The ``sparsecomm`` command line.
+
+Sub-commands are discovered when the parser is built (never by ``import sparsecomm``): every command
+module ``sparsecomm/cli/NAME.py`` (the library's commands: simulate, advise, calibrate, imports) and
+``sparsecomm/experiments/commands/NAME.py`` (the experiments': train, demo, report) is ``sparsecomm NAME``,
+and every module ``sparsecomm/experiments/bench/NAME.py`` is ``sparsecomm bench NAME``. Each defines ``HELP``,
+``add_arguments(parser)`` and ``run(args) -> int``, and may define ``check(args)``: it validates every
+option before any worker starts, and a ``ValueError`` it raises is printed as one line
+``sparsecomm COMMAND: error: MESSAGE`` with exit status 2 (argparse's own errors have status 2 too).
+``--help`` shows every option's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import pkgutil
+import sys
+from types import ModuleType
+
+
+def _discover(package: str) -> dict[str, ModuleType]:
+    pkg = importlib.import_module(package)
+    found = {}
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package}.{info.name}")
+        if hasattr(module, "run") and hasattr(module, "add_arguments"):
+            found[info.name] = module
+    return found
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already speaks of its default or
+    the default is None or False (nothing to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.default is None
+                or action.default is False or action.default is argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _add(group, name: str, module: ModuleType) -> None:
+    sub = group.add_parser(name, help=module.HELP, description=module.HELP, formatter_class=DefaultsHelpFormatter)
+    module.add_arguments(sub)
+    for action in sub._actions:  # argparse prints no help line for an option without help text
+        if action.help is None and action.option_strings and action.default not in (None, False):
+            action.help = "(default: %(default)s)"
+    sub.set_defaults(_run=module.run, _check=getattr(module, "check", None))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparsecomm", formatter_class=DefaultsHelpFormatter,
+                                     description="Sparse gradient communication for data-parallel PyTorch "
+                                     "training: benchmarks, training, reports.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    bench = commands.add_parser("bench", help="run a benchmark and print a markdown table")
+    targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
+    for name, module in _discover("sparsecomm.experiments.bench").items():
+        _add(targets, name, module)
+    for name, module in sorted({**_discover("sparsecomm.cli"), **_discover("sparsecomm.experiments.commands")}.items()):
+        _add(commands, name, module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Workers are forked: keep this parent single-threaded in torch before any tensor work.
+    import torch
+
+    torch.set_num_threads(1)
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if args._check is not None:
+        try:
+            args._check(args)
+        except ValueError as err:
+            command = args.command + (f" {args.target}" if args.command == "bench" else "")
+            print(f"sparsecomm {command}: error: {err}", file=sys.stderr)
+            return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""`sparsecomm calibrate`: measure this machine and network (or a torchrun cluster) into a JSON profile.
+
+The profile holds alpha and beta per link kind, the native all-reduce's fitted alpha/beta and rate,
+each selector's time per element, the time per received sparse element, and each method's per-step
+work and traffic measured at ``-P`` workers; ``sparsecomm simulate --profile`` and ``sparsecomm advise``
+read it. See :mod:`sparsecomm.simulator.calibration`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+HELP = "measure alpha/beta, the dense all-reduce, selectors and each method's work into a JSON profile"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", "-o", default="profile.json", help="profile file to write (default: %(default)s)")
+    parser.add_argument("--workers", "-P", type=int, default=2,
+                        help="forked workers (ignored under torchrun, which sets the world size) "
+                        "(default: %(default)s)")
+    parser.add_argument("--net", default=None, help="emulated link rate for the forked workers, e.g. 1gbit or "
+                        "100mbit (tc, needs root; default: loopback)")
+    parser.add_argument("--size", "-n", default="1M", help="comma-separated gradient sizes for the methods' work "
+                        "(default: %(default)s)")
+    parser.add_argument("--density", type=float, default=0.01, help="density of the sparse methods "
+                        "(default: %(default)s)")
+    parser.add_argument("--methods", default="all", help="comma-separated methods or 'all' (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls per measurement (default: %(default)s)")
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _torchrun(args, methods, sizes) -> int:
+    """This process is one rank of a torchrun job: measure, gather to rank 0, rank 0 writes."""
+    import torch
+    import torch.distributed as dist
+
+    from ..methods.base import selection_count
+    from ..simulator.calibration import (
+        available_cores,
+        calibration_worker,
+        measure_recv_element,
+        measure_selectors,
+        profile_from_records,
+    )
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
+        record = calibration_worker(methods, sizes, args.density, args.repeat,
+                                    link_kind="intra" if one_node else "inter")
+        records: list = [None] * dist.get_world_size()
+        dist.all_gather_object(records, record)
+        if dist.get_rank() == 0:
+            n = max(sizes)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            profile = profile_from_records(
+                records, density=args.density, net=f"torchrun ({dist.get_world_size()} ranks)", device=device,
+                cores=available_cores(), colocated=False, selectors=measure_selectors(min(n, 4_000_000), args.density),
+                recv_element_s=measure_recv_element(min(n, 4_000_000), selection_count(args.density, n)),
+                meta={"P": dist.get_world_size(), "sizes": sizes, "density": args.density,
+                      "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
+            profile.save(args.out)
+            _summary(profile, args.out)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _summary(profile, path: str) -> None:
+    for kind, link in profile.links.items():
+        print(f"{kind}: alpha = {link['alpha'] * 1e6:.1f} us, beta = {link['beta'] * 1e9:.3f} ns/byte "
+              f"({8 / link['beta'] / 1e9 if link['beta'] else float('inf'):.2f} Gbit/s)")
+    d = profile.dense_allreduce
+    print(f"native all-reduce: {d['rate_gbit']:.2f} Gbit/s of gradient at n={d['at_n']}")
+    print(json.dumps({name: f"{m['w1'] * 1e9:.2f} ns/elem, traffic x{m['traffic_factor']:.2f}"
+                      for name, m in profile.methods.items()}, indent=1))
+    print(f"profile written to {path}")
+
+
+def run(args) -> int:
+    from ..simulator.model import UnknownMethodError
+    from .options import parse_count
+    from .simulate import fail, method_names
+
+    try:
+        methods = method_names(args.methods)
+        sizes = [parse_count(s) for s in args.size.split(",")]
+        if not 0 < args.density <= 1:
+            raise ValueError(f"--density={args.density} must lie in (0, 1]")
+        if args.repeat < 1:
+            raise ValueError(f"--repeat={args.repeat} must be >= 1")
+        from ..launch.netemu import emulated_net, parse_rate
+
+        args.net = emulated_net(args.net)
+        if args.net is not None:
+            parse_rate(args.net)
+    except (UnknownMethodError, ValueError) as err:
+        return fail("calibrate", str(err))
+    if _under_torchrun():
+        return _torchrun(args, methods, sizes)
+    from ..simulator.calibration import calibrate
+
+    print(f"calibrating {len(methods)} methods at P={args.workers} on {args.net or 'loopback'}, sizes "
+          f"{', '.join(map(str, sizes))}, {args.repeat} timed calls each (minutes on a small machine)",
+          file=sys.stderr, flush=True)
+    try:
+        profile = calibrate(args.workers, methods, sizes, args.density, net=args.net, repeat=args.repeat)
+    except ValueError as err:
+        return fail("calibrate", str(err))
+    profile.save(args.out)
+    _summary(profile, args.out)
+    print(f"measured on {profile.cores} cores with P={args.workers} forked workers", file=sys.stderr)
+    return 0

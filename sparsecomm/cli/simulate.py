@@ -1,0 +1,173 @@
+"""`sparsecomm simulate`: predict each method's step time at worker counts one machine cannot hold.
+
+Communication comes from each method's registered alpha-beta cost formula (the slowest of a few
+ranks; for data-dependent sparse methods the formula's upper bound, or the traffic measured by
+``calibrate``). With ``--profile`` (written by ``sparsecomm calibrate``) alpha and beta are the
+fitted ones and the per-step work (selection, residual, decompression) measured on that device is
+added; without it the prediction is the cost formula's time with the alpha and bandwidth given.
+See :mod:`sparsecomm.simulator.model` for the model and docs/simulator.md for its validation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+from ..simulator.model import Profile, UnknownMethodError, check_methods, faster_range, plot_projection, speedup_table
+from .table import markdown_table
+
+HELP = "predict per-step time of each method at large P (cost formulas + a calibrated profile)"
+
+_TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|ms|us|ns)?\s*$")
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)bit\s*$", re.I)
+DEFAULT_METHODS = "dense,ring,rabenseifner,spardl,topka,exdyna"
+
+
+def parse_seconds(text: str) -> float:
+    match = _TIME.match(text)
+    if not match:
+        raise ValueError(f"alpha={text!r} must be a time such as 50us, 1.5ms or 0.002")
+    scale = {"s": 1.0, None: 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}[match.group(2)]
+    return float(match.group(1)) * scale
+
+
+def parse_bandwidth(text: str) -> float:
+    """'10gbit' -> seconds per byte."""
+    match = _RATE.match(text)
+    if not match:
+        raise ValueError(f"bandwidth={text!r} must be a rate in bits per second such as 1gbit or 100mbit")
+    bits = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2).lower()]
+    return 8.0 / bits
+
+
+def parse_workers(text: str) -> list[int]:
+    try:
+        workers = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--workers={text!r} must be comma-separated integers such as 8,16,32") from None
+    if any(P < 1 for P in workers):
+        raise ValueError(f"--workers={text!r}: every worker count must be >= 1")
+    return workers
+
+
+def add_model_arguments(parser, *, methods: str | None = DEFAULT_METHODS) -> None:
+    """The options `simulate` and `advise` share."""
+    if methods is not None:
+        parser.add_argument("--methods", default=methods,
+                            help="comma-separated methods, or 'all' (default: %(default)s)")
+    parser.add_argument("--profile", default=None,
+                        help="JSON profile from `sparsecomm calibrate` (fitted alpha/beta and measured work)")
+    parser.add_argument("--alpha", default=None, help="latency per round, e.g. 50us (default: the profile's, "
+                        "else 50us)")
+    parser.add_argument("--bandwidth", default=None, help="link rate, e.g. 10gbit (default: the profile's, "
+                        "else 10gbit)")
+    parser.add_argument("--compute-scale", type=float, default=1.0,
+                        help="ASSUMPTION: the workers compute this many times faster than the profiled device "
+                        "(e.g. a GPU's memory bandwidth over this CPU's); divides the work term (default 1)")
+    parser.add_argument("--overlap", type=float, default=0.0,
+                        help="fraction of communication that can hide behind backward (0..1, default 0)")
+    parser.add_argument("--backward", default="0", help="backward time per step that can hide communication, "
+                        "e.g. 80ms (default 0)")
+    parser.add_argument("--formula-comm", action="store_true",
+                        help="communication from the formulas alone at the target density: ignore the "
+                        "profile's measured traffic and comm factors")
+    parser.add_argument("--colocated", action="store_true",
+                        help="the P workers share this machine's cores (as in the validation); default: "
+                        "one device per worker")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--workers", "-P", default="8,16,32,64,128", help="comma-separated worker counts "
+                        "(default: %(default)s)")
+    parser.add_argument("--size", "-n", default="25M", help="gradient elements n (default: %(default)s)")
+    parser.add_argument("--density", type=float, default=0.01, help="k = ceil(density * n) (default: %(default)s)")
+    add_model_arguments(parser)
+    parser.add_argument("--plot", default=None, help="write a PNG of step time and speed-up over dense against P")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    parser.add_argument("--long", action="store_true", help="one row per method and P (comm, work, step) instead "
+                        "of one row per method")
+
+
+def model_kwargs(args) -> dict:
+    """predict()'s keyword arguments from the shared options (ValueError on a bad one)."""
+    profile = Profile.load(args.profile) if args.profile else None
+    alpha = parse_seconds(args.alpha) if args.alpha else None
+    beta = parse_bandwidth(args.bandwidth) if args.bandwidth else None
+    if profile is None:
+        alpha = parse_seconds("50us") if alpha is None else alpha
+        beta = parse_bandwidth("10gbit") if beta is None else beta
+    if not 0 <= args.overlap <= 1:
+        raise ValueError(f"--overlap={args.overlap} must lie in [0, 1]")
+    if args.compute_scale <= 0:
+        raise ValueError(f"--compute-scale={args.compute_scale} must be positive")
+    backward = parse_seconds(args.backward)
+    return dict(profile=profile, alpha=alpha, beta=beta, colocated=args.colocated,
+                compute_scale=args.compute_scale, overlap=args.overlap, backward_s=backward,
+                use_comm_factor=not args.formula_comm)
+
+
+def method_names(text: str) -> list[str]:
+    from ..methods import available_methods
+
+    return available_methods() if text.strip() == "all" else check_methods(text.split(","))
+
+
+def pivot(rows: list[dict], methods: list[str], workers: list[int]) -> list[dict]:
+    """One row per method: predicted step (ms) at each P, speed-up over dense at each P, crossover."""
+    out = []
+    for name in methods:
+        mine = {r["P"]: r for r in rows if r["method"] == name}
+        row: dict = {"method": name}
+        for P in workers:
+            row[f"P={P} ms"] = 1e3 * mine[P]["time_s"]
+        for P in workers:
+            row[f"P={P} x"] = f"{mine[P]['speedup']:.2f}"
+        row["faster than dense (by >5%) at"] = "-" if name == "dense" else faster_range(rows, name)
+        out.append(row)
+    return out
+
+
+def fail(command: str, message: str) -> int:
+    print(f"sparsecomm {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args) -> int:
+    from .options import parse_count
+
+    try:
+        methods = method_names(args.methods)
+        workers = parse_workers(args.workers)
+        n = parse_count(args.size)
+        if not 0 < args.density <= 1:
+            raise ValueError(f"--density={args.density} must lie in (0, 1]")
+        kwargs = model_kwargs(args)
+        rows = speedup_table(methods, workers, n, args.density, **kwargs)
+    except (UnknownMethodError, ValueError) as err:
+        return fail("simulate", str(err))
+    if args.long:
+        table = [{"method": r["method"], "P": r["P"], "comm (ms)": 1e3 * r["comm_s"], "work (ms)": 1e3 * r["work_s"],
+                  "step (ms)": 1e3 * r["time_s"], "speed-up vs dense": r["speedup"]} for r in rows]
+    else:
+        table = pivot(rows, methods, workers)
+    print(markdown_table(table, list(table[0])))
+    profile = kwargs["profile"]
+    source = f"profile {args.profile} ({profile.net})" if profile else "given"
+    alpha = kwargs["alpha"] if kwargs["alpha"] is not None else profile.alpha
+    beta = kwargs["beta"] if kwargs["beta"] is not None else profile.beta
+    print(f"\nn={n}, density={args.density:g}, alpha={alpha * 1e6:.1f} us, "
+          f"beta={beta * 1e9:.3f} ns/byte ({source})")
+    if args.compute_scale != 1.0:
+        print(f"ASSUMPTION: compute {args.compute_scale:g}x faster than the profiled device")
+    parts = dict.fromkeys(part for r in rows for part in r["rests_on"].split("; "))
+    print("rests on: " + "; ".join(parts))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        where = "colocated on this machine" if args.colocated else "one device per worker"
+        plot_projection(rows, args.plot, title=f"n={n}, density={args.density:g}, alpha={alpha * 1e6:.0f} us, "
+                        f"{8 / beta / 1e9:g} Gbit/s, {where}, compute x{args.compute_scale:g} ({source})")
+        print(f"plot: {args.plot}")
+    return 0

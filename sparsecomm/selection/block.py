@@ -1,0 +1,79 @@
+"""Block-wise top-K by L2 norm, S2 Reducer (Sparse-Sketch Reducer) section 2.2.
+
+The vector is cut into consecutive blocks of ``block_size`` elements (the last may be shorter); the
+blocks with the largest L2 norm are selected whole. ``ceil(k / block_size)`` blocks are taken, one
+more if the short last block is among them and the count fell below ``k``, so the count lies in
+``[k, k + block_size - 1]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..core.validate import check_int
+from .base import Selector, assert_finite
+from .exact import TopK
+from .registry import register_selector
+
+__all__ = ["BlockTopK"]
+
+
+#: elements squared at a time by :meth:`BlockTopK.block_energies` (on a GPU a chunk of 64K elements
+#: is a few microseconds of work against tens of launch overhead: there it takes 4M at a time)
+_CHUNK = 1 << 16
+_CHUNK_CUDA = 1 << 22
+
+
+@register_selector("block_topk")
+class BlockTopK(Selector):
+    """Whole blocks with the largest L2 norm: count in ``[k, k + block_size - 1]``.
+
+    Args:
+        block_size: elements per block (default 32).
+    """
+
+    def __init__(self, *, block_size: int = 32, check_finite: bool = True) -> None:
+        super().__init__(check_finite=check_finite)
+        check_int("block_topk: block_size", block_size, minimum=1)
+        self.block_size = block_size
+        self._squares: Tensor | None = None
+        self._block_topk = TopK(check_finite=False)
+
+    def block_energies(self, x: Tensor) -> Tensor:
+        """Squared L2 norm of each block (float32 for half-precision input, which could overflow).
+
+        Computed chunk by chunk through a reused buffer of at most ``_CHUNK`` elements, so the
+        selector keeps no gradient-sized buffer between calls."""
+        dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        n, size = x.numel(), self.block_size
+        chunk = max(size, (_CHUNK_CUDA if x.is_cuda else _CHUNK) // size * size)
+        buf = self._squares
+        if buf is None or buf.numel() < min(chunk, n) or buf.dtype != dtype or buf.device != x.device:
+            self._squares = buf = torch.empty(min(chunk, n), dtype=dtype, device=x.device)
+        energies = torch.empty(math.ceil(n / size), dtype=dtype, device=x.device)
+        for start in range(0, n, chunk):
+            part = x[start:start + chunk]
+            squares = torch.square(part.to(dtype), out=buf[:part.numel()])
+            full = part.numel() // size
+            first = start // size
+            energies[first:first + full] = squares[:full * size].view(full, size).sum(1)
+            if full * size < part.numel():
+                energies[first + full] = squares[full * size:].sum()
+        return energies
+
+    def select(self, x: Tensor, k: int) -> Tensor:
+        n, size = x.numel(), self.block_size
+        energies = self.block_energies(x)
+        if self.check_finite and not math.isfinite(float(energies.sum())):
+            assert_finite(x, self.name)  # raises on NaN/Inf; a finite input only overflowed the sum
+        n_blocks = math.ceil(k / size)
+        blocks = self._block_topk(energies, n_blocks)
+        short = (size - n % size) % size  # elements the last block lacks
+        if short and n_blocks * size - short < k and bool((blocks == energies.numel() - 1).any()):
+            blocks = self._block_topk(energies, n_blocks + 1)
+        offsets = torch.arange(size, dtype=torch.int64, device=x.device)
+        indices = (blocks.unsqueeze(1) * size + offsets).flatten()
+        return indices[indices < n] if n % size else indices

@@ -1,0 +1,399 @@
+"""Passes over ``|x|`` shared by the selectors: the building blocks that make them fast on CPU.
+
+On CPU a selector's time is its number of passes over the input, so every selector is written as few
+passes as possible:
+
+1. a threshold *floor* estimated from a strided sample of ``|x|`` (:func:`sample_floor`), placed so
+   that more than the wanted count of elements lie above it with high probability;
+2. one *scan* (:meth:`Scratch.scan`) giving, together, ``sum |x|`` (the mean of RedSync and MSTopK,
+   and the finiteness check), ``max |x|`` and the *candidates* ``|x| >= floor`` (indices and
+   magnitudes), wrapped in a :class:`MagnitudeView`.
+
+After that, the threshold searches of the papers (RedSync Algorithms 2 and 3, MSTopK) run on the
+candidates only: a count at a threshold at or above the floor is exact and costs O(#candidates); at a
+threshold below the floor the count is at least #candidates, which is all those searches need to know
+as long as #candidates exceeds their target, and otherwise a full scan gives the exact count. The
+results are therefore exactly those of the algorithms as written, only cheaper.
+
+The scan has two implementations with the same results:
+
+* the fused C kernel ``sparsecomm.selection._scan`` (built at install, optional): one read of ``x``,
+  AVX2 where the CPU has it, else portable C, on the calling thread; used for contiguous float32
+  tensors on the CPU;
+* torch operations for everything else (CUDA tensors, other dtypes, or no compiled kernel):
+  ``|x|`` into a reused buffer (:class:`Scratch`; fresh 100 MB buffers would page-fault every call),
+  a sum, a compare into a reused mask, and index extraction by a word trick (the boolean mask viewed
+  as int64 words, ``nonzero`` on the 8x shorter word array, only the words holding a hit expanded).
+
+``SPARSECOMM_SCAN=auto|avx2|scalar|torch`` (environment, read at import) or :func:`use_kernel` picks the
+implementation; ``auto`` (default) takes the fastest available. :func:`kernel` tells which is in use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import triton_scan
+from .base import assert_finite
+
+__all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "kernel", "available_kernels",
+           "use_kernel"]
+
+log = logging.getLogger(__name__)
+
+try:
+    from . import _scan as _compiled  # type: ignore[attr-defined]  # the optional C extension
+except ImportError:  # built optionally (setup.py): no compiler at install time
+    _compiled = None
+
+#: the kernel's output buffers keep at most this many candidates (or 4x the expected count) between
+#: calls, so that a rare scan at a low threshold does not leave a gradient-sized buffer behind
+_KEEP_CAPACITY = 1 << 18
+
+#: a sample is at most this fraction of the input, and at most _MAX_SAMPLE elements
+_MAX_SAMPLE_FRACTION = 1 / 8
+_MAX_SAMPLE = 1 << 16
+
+
+def available_kernels() -> list:
+    """The scan implementations this installation can run, fastest first; ``"torch"`` is always there."""
+    names = []
+    if _compiled is not None:
+        if _compiled.has_avx2():
+            names.append("avx2")
+        names.append("scalar")
+    return names + ["torch"]
+
+
+def _choose(name: str) -> str:
+    if name == "auto":
+        return available_kernels()[0]
+    if name == "triton":  # CUDA tensors use it whenever it is installed; this forces it on CPU tensors too
+        if not (triton_scan.installed() and triton_scan.interpreted()):
+            raise ValueError("scan kernel 'triton' on CPU tensors needs Triton installed and TRITON_INTERPRET=1 "
+                             "(CUDA tensors use Triton by themselves where it is installed)")
+        return name
+    if name not in ("avx2", "scalar", "torch"):
+        raise ValueError(f"scan kernel must be 'auto', 'avx2', 'scalar', 'torch' or 'triton', got {name!r}")
+    if name not in available_kernels():
+        raise ValueError(f"scan kernel {name!r} is not available here (available: {available_kernels()}); "
+                         "'avx2' needs an x86-64 CPU with AVX2, 'avx2' and 'scalar' the compiled extension "
+                         "sparsecomm.selection._scan (reinstall with a C compiler)")
+    return name
+
+
+_kernel = _choose(os.environ.get("SPARSECOMM_SCAN", "auto"))
+if _compiled is None:
+    log.info("sparsecomm.selection._scan is not built: selectors use torch passes (slower on CPU)")
+
+
+def kernel() -> str:
+    """The scan implementation used for contiguous float32 CPU tensors: 'avx2', 'scalar', 'torch' or
+    'triton' (Triton's interpreter, for tests). CUDA tensors use Triton where it is installed, else torch."""
+    return _kernel
+
+
+@contextlib.contextmanager
+def use_kernel(name: str) -> Iterator[str]:
+    """Use the scan implementation ``name`` ('auto', 'avx2', 'scalar', 'torch', 'triton') inside the block."""
+    global _kernel
+    previous, _kernel = _kernel, _choose(name)
+    try:
+        yield _kernel
+    finally:
+        _kernel = previous
+
+
+class ScanResult(NamedTuple):
+    """What one scan of ``x`` gives: the candidates ``|x| >= floor`` and statistics of ``|x|``."""
+
+    #: increasing int64 indices of the candidates (a fresh tensor)
+    indices: Tensor
+    #: ``|x|`` at those indices, in x's dtype
+    values: Tensor
+    #: ``sum |x|``: ``nan`` when the torch path was not asked for it, else non-finite only for NaN/Inf input
+    total: float
+    #: ``max |x|``, or ``None`` when the torch path did not compute it
+    max: float | None
+
+
+class Scratch:
+    """Reusable buffers for one selector: ``|x|`` and a bool mask (torch path), the kernel's output.
+
+    Buffers are reallocated only when the input's size, dtype or device changes (or, for the kernel's
+    output, when more candidates come than fit).
+    """
+
+    def __init__(self) -> None:
+        self._abs: Tensor | None = None
+        self._mask: Tensor | None = None  # length rounded up to a multiple of 8, tail always False
+        self._out_indices = torch.empty(0, dtype=torch.int64)
+        self._out_values = torch.empty(0, dtype=torch.float32)
+        self._candidates: Scratch | None = None
+        self._triton = triton_scan._Buffers()
+
+    @property
+    def candidates(self) -> Scratch:
+        """A second scratch, for scans of the candidates that a scan of this one gathered."""
+        if self._candidates is None:
+            self._candidates = Scratch()
+        return self._candidates
+
+    # -- the scan ---------------------------------------------------------------------------------------
+    def scan(self, x: Tensor, floor: float, *, name: str, check_finite: bool, need_total: bool = True,
+             expected: int = 0) -> ScanResult:
+        """Candidates ``|x| >= floor`` with ``sum |x|`` and ``max |x|``, in one pass where possible.
+
+        With ``check_finite``, NaN or Inf in ``x`` raises :class:`~sparsecomm.selection.NonFiniteInputError`
+        (naming the selector ``name``). ``expected`` sizes the kernel's output buffer (a guess; more
+        candidates cost a second pass). ``need_total=False`` lets the torch path skip the sum when the
+        caller needs neither the mean nor the check.
+        """
+        if self._use_compiled(x):
+            result = self._scan_compiled(x, floor, expected)
+        elif self.uses_triton(x):
+            result = self._scan_triton(x, floor)
+        else:
+            a = self.magnitudes(x)
+            total = _sum_of_magnitudes(a) if need_total or check_finite else math.nan
+            indices = self.indices_ge(a, floor)
+            result = ScanResult(indices, a.index_select(0, indices), total, None)
+        if check_finite and not math.isfinite(result.total):
+            assert_finite(x, name)  # raises: with finite input the sums above cannot overflow
+        return result
+
+    def count_ge(self, x: Tensor, t: float) -> int:
+        """Exact ``#{i : |x_i| >= t}`` (one pass, no indices kept)."""
+        if self._use_compiled(x):
+            return self._run_compiled(x, t, 0)[0]
+        if self.uses_triton(x):
+            return triton_scan.scan_ge(x, t, self._triton, gather=False)[0]
+        return int(torch.count_nonzero(self._mask_ge(self.magnitudes(x), t)))
+
+    def _scan_triton(self, x: Tensor, floor: float) -> ScanResult:
+        """The GPU scan (:func:`.triton_scan.scan_ge`): candidates in increasing index order."""
+        count, total, top, indices, values = triton_scan.scan_ge(x, floor, self._triton)
+        assert indices is not None and values is not None
+        return ScanResult(indices, values, total, top)
+
+    @staticmethod
+    def uses_triton(x: Tensor) -> bool:
+        """Whether scans of ``x`` run the Triton kernels (CUDA tensors where Triton is installed)."""
+        return triton_scan.available(x, on_cpu=_kernel == "triton")
+
+    @staticmethod
+    def _use_compiled(x: Tensor) -> bool:
+        return (_kernel in ("avx2", "scalar") and x.device.type == "cpu" and x.dtype == torch.float32
+                and x.is_contiguous())
+
+    def _run_compiled(self, x: Tensor, floor: float, capacity: int) -> tuple:
+        """(count, total, max) of one kernel call writing up to ``capacity`` candidates."""
+        idx_ptr = val_ptr = 0
+        if capacity:
+            idx_ptr, val_ptr = self._out_indices.data_ptr(), self._out_values.data_ptr()
+        return _compiled.scan_ge(x.data_ptr(), x.numel(), float(floor), idx_ptr, val_ptr, capacity,
+                                 _kernel == "avx2")
+
+    def _scan_compiled(self, x: Tensor, floor: float, expected: int) -> ScanResult:
+        if self._out_indices.numel() < expected:
+            self._grow(max(expected, 1024))
+        count, total, top = self._run_compiled(x, floor, self._out_indices.numel())
+        if count > self._out_indices.numel():  # more candidates than fit: grow and scan again
+            log.debug("scan: %d candidates overflowed a buffer of %d; scanning again", count,
+                      self._out_indices.numel())
+            self._grow(count + count // 4)
+            count, total, top = self._run_compiled(x, floor, self._out_indices.numel())
+        result = ScanResult(self._out_indices[:count].clone(), self._out_values[:count].clone(), total, top)
+        if self._out_indices.numel() > max(4 * expected, _KEEP_CAPACITY):
+            self._grow(max(expected, 1024))  # a rare large gather: do not keep 12 bytes per element of it
+        return result
+
+    def _grow(self, capacity: int) -> None:
+        self._out_indices = torch.empty(capacity, dtype=torch.int64)
+        self._out_values = torch.empty(capacity, dtype=torch.float32)
+
+    # -- torch path -------------------------------------------------------------------------------------
+    def magnitudes(self, x: Tensor) -> Tensor:
+        """``|x|`` written into the reused buffer (valid until the next call)."""
+        n = x.numel()
+        buf = self._abs
+        if buf is None or buf.numel() != n or buf.dtype != x.dtype or buf.device != x.device:
+            self._abs = buf = torch.empty(n, dtype=x.dtype, device=x.device)
+            self._mask = torch.zeros(-(-n // 8) * 8, dtype=torch.bool, device=x.device)
+        return torch.abs(x, out=buf)
+
+    def _mask_ge(self, a: Tensor, t: float) -> Tensor:
+        mask = self._mask
+        assert mask is not None, "magnitudes() sizes the mask first"
+        torch.ge(a, t, out=mask[: a.numel()])
+        return mask
+
+    def indices_ge(self, a: Tensor, t: float) -> Tensor:
+        """Increasing int64 indices of ``a >= t`` for ``a`` returned by :meth:`magnitudes` (one compare
+        pass, then ``nonzero`` on int64 words)."""
+        mask = self._mask_ge(a, t)
+        words = torch.nonzero(mask.view(torch.int64)).squeeze(1)
+        row, col = torch.nonzero(mask.view(-1, 8).index_select(0, words), as_tuple=True)
+        return words.index_select(0, row).mul_(8).add_(col)
+
+
+def _sum_of_magnitudes(a: Tensor) -> float:
+    """``sum a`` for ``a = |x|``; a float32 sum that overflows with finite input is redone in float64."""
+    acc = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
+    total = float(a.sum(dtype=acc))
+    if math.isfinite(total) or not bool(torch.isfinite(a).all()):
+        return total
+    return float(a.sum(dtype=torch.float64))
+
+
+def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 4.0) -> float | None:
+    """A threshold with more than ``count`` elements of ``|x|`` at or above it, with high probability.
+
+    Takes a strided sample of ``|x|`` large enough to hold about ``min_hits`` elements above the
+    ``count``-th largest value, and returns the sample's order statistic ``sigmas`` standard deviations
+    (binomial) below that. The sample holds at most ``_MAX_SAMPLE`` elements and 1/8 of ``x``: where
+    ``count`` would need more, the floor is placed for the larger count such a sample resolves (more
+    candidates than asked for, which the kernel gathers cheaply, instead of a large ``torch.topk``).
+    Returns ``None`` when that count is not much below ``n`` (small inputs: the caller then scans ``x``
+    whole). The answer is a guess: callers check the real count.
+    """
+    n = x.numel()
+    if count <= 0 or count >= n:
+        return None
+    size = min(math.ceil(min_hits * n / count), _MAX_SAMPLE, int(n * _MAX_SAMPLE_FRACTION))
+    if size < min_hits:
+        return None
+    count = max(count, math.ceil(min_hits * n / size))
+    if count > n * _MAX_SAMPLE_FRACTION:
+        return None
+    sample = x[:: n // size].abs()
+    hits = count * sample.numel() / n
+    rank = min(sample.numel(), int(hits + sigmas * math.sqrt(hits)) + 2)
+    return float(torch.topk(sample, rank, sorted=False).values.min())
+
+
+class MagnitudeView:
+    """Exact counts and index sets of ``|x| >= t``, cheap at thresholds above a floor.
+
+    Built with one scan (:meth:`Scratch.scan`) gathering the candidates ``|x| >= floor`` and the sum
+    and max of ``|x|``; with ``floor=None`` every element is a candidate. ``count`` is the number of
+    elements the floor was placed above (it sizes the scan's output buffer).
+    """
+
+    def __init__(self, x: Tensor, scratch: Scratch, floor: float | None, *, name: str, check_finite: bool,
+                 count: int = 0, need_mean: bool = True) -> None:
+        self.x = x
+        self.scratch = scratch
+        self.floor = floor
+        self.name = name
+        scan = scratch.scan(x, math.inf if floor is None else floor, name=name, check_finite=check_finite,
+                            need_total=need_mean, expected=count + count // 2)
+        self.mean = scan.total / max(1, x.numel())
+        self._max = scan.max
+        self._sorted: tuple | None = None
+        if floor is None:
+            self.indices: Tensor | None = None
+            self.values = scratch.magnitudes(x)
+        else:
+            self.indices = scan.indices
+            self.values = scan.values
+
+    @property
+    def n_candidates(self) -> int:
+        return self.values.numel()
+
+    def _covers(self, t: float) -> bool:
+        """Whether the candidates answer for threshold ``t``: at or above the floor, or NaN (a NaN
+        threshold, from NaN/Inf input under ``check_finite=False``, selects nothing anywhere)."""
+        return self.floor is None or not t < self.floor
+
+    def max(self) -> float:
+        """max |x| (from the scan, or from the candidates, which hold it, when there are any)."""
+        if self._max is None:
+            self._max = float(self.values.max() if self.n_candidates else self.x.abs().max())
+        return self._max
+
+    def count(self, t: float) -> int:
+        """Exact #{|x| >= t}: a scan of the candidates, or of all of ``x`` when ``t`` is below the floor."""
+        if self._covers(t):
+            return self.scratch.candidates.count_ge(self.values, t)
+        return self.scratch.count_ge(self.x, t)
+
+    @property
+    def batched(self) -> bool:
+        """Whether each count costs a device round trip (a GPU): searches then ask :meth:`counts`
+        for many thresholds at once instead of calling :meth:`count` once per step."""
+        return self.scratch.uses_triton(self.values) or self.scratch.uses_triton(self.x)
+
+    def counts(self, thresholds: np.ndarray) -> np.ndarray:
+        """Exact ``#{|x| >= t}`` for every ``t`` of the float64 array ``thresholds`` at or above the
+        floor, from the candidates sorted once by magnitude (one device synchronization); -1 for a
+        threshold below the floor (answer those with :meth:`count_exceeds`). A NaN threshold counts 0."""
+        thresholds = np.asarray(thresholds, dtype=np.float64)
+        result = np.full(thresholds.shape, -1, dtype=np.int64)
+        nan = np.isnan(thresholds)
+        result[nan] = 0
+        covered = ~nan if self.floor is None else (~nan & (thresholds >= self.floor))
+        result[covered] = triton_scan.counts_ge(self._by_magnitude()[0], thresholds[covered])
+        return result
+
+    def _by_magnitude(self) -> tuple:
+        """The candidates' magnitudes in increasing order and their positions (sorted once)."""
+        if self._sorted is None:
+            self._sorted = torch.sort(self.values)
+        return self._sorted
+
+    def count_exceeds(self, t: float, m: int) -> tuple:
+        """``(count(t) > m, count)``; without a pass when ``t`` is below the floor and the candidates
+        alone exceed ``m`` (then the returned count is only the lower bound #candidates)."""
+        if not self._covers(t) and self.n_candidates > m:
+            return True, self.n_candidates
+        c = self.count(t)
+        return c > m, c
+
+    def _at_or_above(self, t: float) -> ScanResult:
+        """Increasing indices into ``x`` and magnitudes of ``|x| >= t``: a scan of the candidates, or
+        of all of ``x`` when ``t`` is below the floor (the input was checked by the first scan)."""
+        if not self._covers(t):
+            return self.scratch.scan(self.x, t, name=self.name, check_finite=False, need_total=False)
+        if self.batched and t == t:
+            # on a GPU: the top of the magnitude order, one search and one sort, no scan of the candidates
+            ascending, positions = self._by_magnitude()
+            count = int(triton_scan.counts_ge(ascending, np.array([t]))[0])
+            picked = torch.sort(positions[ascending.numel() - count:]).values
+            within = ScanResult(picked, self.values.index_select(0, picked), math.nan, None)
+        else:
+            within = self.scratch.candidates.scan(self.values, t, name=self.name, check_finite=False,
+                                                  need_total=False)
+        if self.indices is None:
+            return within
+        return within._replace(indices=self.indices.index_select(0, within.indices))
+
+    def indices_ge(self, t: float) -> Tensor:
+        """Increasing indices of ``|x| >= t``."""
+        return self._at_or_above(t).indices
+
+    def indices_between(self, lo: float, hi: float) -> Tensor:
+        """Increasing indices of ``lo <= |x| < hi``."""
+        above = self._at_or_above(lo)
+        return above.indices[above.values < hi]
+
+    def topk_at_or_above(self, t: float, k: int) -> Tensor:
+        """Indices of the ``k`` largest elements among ``|x| >= t`` (needs ``count(t) >= k``).
+
+        When ``t`` is at or below the floor and the candidates number at least ``k``, the candidates
+        hold the ``k`` largest elements of all of ``|x|``, so they answer without a pass.
+        """
+        if self.indices is not None and self.floor is not None and t <= self.floor and self.n_candidates >= k:
+            return self.indices.index_select(0, torch.topk(self.values, k, sorted=False).indices)
+        above = self._at_or_above(t)
+        return above.indices.index_select(0, torch.topk(above.values, k, sorted=False).indices)

@@ -1,0 +1,383 @@
+"""Step-time simulator: communication from each method's cost formula plus measured per-step work.
+
+A method's predicted time for one call on a flat gradient of ``n`` elements at ``P`` workers is
+
+    T = comm + work
+    comm = f * (rounds * alpha * c_r + link_contention(P) * traffic_factor * bytes_sent * beta) + rounds * o * c_r
+           (rounds, bytes_sent: the slowest of a few sampled ranks)
+    work = (w1 * n + w0) * contention(P) / contention(P_cal) + g * (received(P) - received(P_cal))
+
+* ``rounds`` and ``bytes_sent`` come from the formula registered with the method
+  (:func:`sparsecomm.methods.cost`). The dense method (the backend's own all-reduce) uses the
+  profile's fitted alpha and beta of that all-reduce instead of the point-to-point ones.
+* ``traffic_factor`` is the measured bytes over the formula's bytes in the calibration run: 1 for
+  exact formulas, below 1 where the formula is an upper bound (threshold counts, unions, ExDyna's
+  density, B-SAG's h). Without a profile it is 1 (the documented bound).
+* ``w1``, ``w0`` are the method's non-communication time (selection, residual, decompression:
+  the call's wall time minus its ``time_comm``), fitted per element over the calibrated sizes.
+  ``g`` is the time per received sparse element (scatter-add), which grows with P.
+* ``contention(P)`` is ``max(1, P / cores)`` when the P workers share one machine of ``cores``
+  cores (as in this repository's validation), 1 for a cluster with a device per worker.
+* ``compute_scale`` (an assumption the user gives, e.g. a GPU's memory bandwidth over this
+  machine's) divides the work term.
+* ``o`` and ``f`` compare the method's measured communication time at the calibration P with the
+  formula's there. Where the measurement is longer, the difference is what the formula's rounds
+  leave out, a cost per message (a round's size header, index and value messages sent apart, a
+  peer process's wake-up): ``o`` = difference / rounds at P_cal, f = 1. Where it is shorter (the
+  formula over-estimates), o = 0 and f = measured / formula (the profile's ``comm_factor``). Only
+  on the profile's own network: with a given alpha and beta, o = 0 and f = 1 (the traffic factor
+  still applies).
+* ``link_contention(P)`` (:func:`comm_contention`) is ``P / cores`` on loopback with colocated
+  workers (moving a byte over loopback is a kernel copy: CPU work the P processes share), 1 under a
+  rate limit.
+* ``c_r = contention(P) / contention(P_cal)``: a round's fixed cost is mostly CPU time (gloo spends
+  about a millisecond of CPU per message here, and a waiting peer must be scheduled), which P
+  colocated processes share on any network, emulated rates included. Without it the validation
+  under-predicted every sparse method at P >= 4 by a median 31-47% (docs/simulator.md).
+* ``overlap`` in [0, 1] with a backward time ``backward_s``: the fraction of communication that can
+  run behind backward, hidden up to the backward time (the overlapped DDP hook).
+  ``T = work + comm - min(overlap * comm, backward_s)``.
+
+The :class:`Profile` is the JSON that ``sparsecomm calibrate`` writes; :mod:`.calibration` measures it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core.cost import METHOD_COSTS, fit_alpha_beta
+from ..methods import available_methods, cost, method_class
+from ..methods.base import selection_count
+
+__all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", "UnknownMethodError",
+           "fit_work", "comm_contention", "layout_options", "PROFILE_VERSION", "speedup_table", "crossover",
+           "faster_range", "plot_projection"]
+
+PROFILE_VERSION = 1
+
+class UnknownMethodError(ValueError):
+    """A method name that is not in :func:`available_methods`."""
+
+
+def check_methods(names: Iterable[str]) -> list[str]:
+    """The names, or :class:`UnknownMethodError` naming the first unknown one and the valid names."""
+    known = available_methods()
+    out = []
+    for name in names:
+        name = name.strip()
+        if name not in known:
+            raise UnknownMethodError(f"unknown method {name!r}; valid names: {', '.join(known)}")
+        out.append(name)
+    return out
+
+
+@dataclass
+class Profile:
+    """What ``sparsecomm calibrate`` measured on one machine and network (JSON round trip)."""
+
+    net: str = "loopback"
+    device: str = "cpu"
+    cores: int = 1
+    colocated: bool = True
+    #: link kind ("intra", "inter") -> {"alpha": s per round, "beta": s per byte}
+    links: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: the backend's own all-reduce (dense): alpha, beta fitted on the ring formula, and its rate
+    dense_allreduce: dict[str, float] = field(default_factory=dict)
+    #: selector name -> seconds per element (one process, this device)
+    selectors: dict[str, float] = field(default_factory=dict)
+    #: seconds per received sparse element (scatter-add into the output)
+    recv_element_s: float = 0.0
+    #: method -> {"w1": s per element, "w0": s, "traffic_factor": f, "P": P_cal, "density": d, ...}
+    methods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    #: every rank's raw calibration timings (links, native all-reduce, method calls): a refit source
+    records: list[dict[str, Any]] = field(default_factory=list)
+    version: int = PROFILE_VERSION
+
+    @property
+    def alpha(self) -> float:
+        return self._link()["alpha"]
+
+    @property
+    def beta(self) -> float:
+        return self._link()["beta"]
+
+    def _link(self) -> dict[str, float]:
+        if not self.links:
+            raise ValueError("profile has no link measurements")
+        return self.links.get("inter", self.links.get("intra", next(iter(self.links.values()))))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"profile {str(path)!r} cannot be read as JSON: {err}") from None
+        if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile {str(path)!r} is not a version-{PROFILE_VERSION} sparsecomm profile "
+                             "(make one with `sparsecomm calibrate`)")
+        names = set(cls.__dataclass_fields__)
+        return cls(**{key: value for key, value in data.items() if key in names})
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One method's predicted call time at (P, n), its parts, and what it rests on."""
+
+    method: str
+    P: int
+    n: int
+    density: float
+    comm_s: float
+    work_s: float
+    hidden_s: float
+    rounds: int
+    bytes_sent: float
+    exact: bool
+    rests_on: str
+
+    @property
+    def total_s(self) -> float:
+        return self.comm_s + self.work_s - self.hidden_s
+
+
+def comm_contention(P: int, cores: int, colocated: bool, net: str) -> float:
+    """How many times slower the links get when P colocated workers share ``cores`` cores on loopback.
+
+    On loopback a "link" is a copy through the kernel by the sending and the receiving process: CPU
+    work, so P processes on ``cores`` cores each get ``cores / P`` of a core (factor ``P / cores``).
+    Under an emulated rate (``net`` a tc rate) or on a cluster the link's rate bounds it instead (1).
+    """
+    return max(1.0, P / cores) if colocated and net == "loopback" else 1.0
+
+
+def layout_options(name: str, P: int, net: str, colocated: bool) -> dict[str, Any]:
+    """The node layout the workers run in, for the formulas that depend on it (``local_size``).
+
+    :func:`~sparsecomm.launch.launcher.run_workers` on loopback puts all P workers on one node (L = P:
+    hitopk's first stage is a dense reduce-scatter, twolevel a tree over all ranks); under a plain tc
+    rate, and in a projection to a cluster, every rank is its own node (L = 1)."""
+    method_class(name)  # loads the formulas
+    if "local_size" not in inspect.signature(METHOD_COSTS.get(name)).parameters:
+        return {}
+    return {"local_size": P if net == "loopback" and colocated else 1}
+
+
+def _sample_ranks(P: int) -> list[int]:
+    return sorted({0, 1 % P, P // 2, P - 1})
+
+
+def _received_elements(name: str, P: int, n: int, k: int, density: float, options: dict[str, Any]) -> float:
+    """Sparse (index, value) pairs one rank receives per call, from the formula (0 for dense methods)."""
+    if not method_class(name).sparse or P == 1:
+        return 0.0
+    c = cost(name, P=P, n=n, k=k, rank=0, density=density, **options)
+    pair = 8 if n < 2 ** 31 else 12
+    return c.bytes_recv / pair
+
+
+def predict_comm(name: str, P: int, n: int, density: float, alpha: float, beta: float,
+                 options: dict[str, Any] | None = None, traffic_factor: float = 1.0,
+                 ) -> tuple[float, int, float, bool]:
+    """(seconds, rounds, bytes sent, exact) of the slowest sampled rank's communication."""
+    options = options or {}
+    k = selection_count(density, n) if method_class(name).sparse else 0
+    worst: tuple[float, int, float, bool] = (0.0, 0, 0.0, True)
+    for rank in _sample_ranks(P):
+        c = cost(name, P=P, n=n, k=k, rank=rank, density=density, **options)
+        sent = traffic_factor * c.bytes_sent
+        seconds = c.rounds * alpha + sent * beta
+        if seconds >= worst[0]:
+            worst = (seconds, c.rounds, sent, c.exact)
+    return worst
+
+
+def predict(name: str, P: int, n: int, density: float, *, profile: Profile | None = None,
+            alpha: float | None = None, beta: float | None = None, options: dict[str, Any] | None = None,
+            colocated: bool | None = None, compute_scale: float = 1.0, overlap: float = 0.0,
+            backward_s: float = 0.0, use_comm_factor: bool = True) -> Prediction:
+    """Predicted call time of method ``name`` (see the module docstring for the model).
+
+    alpha/beta override the profile's; without a profile they are required and the work is zero
+    (the prediction is then exactly the cost formula's time). ``use_comm_factor=False`` drops the
+    profile's measured traffic and comm factors (the formula's time under the fitted alpha and beta).
+    """
+    options = options or {}
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"overlap={overlap} must lie in [0, 1]")
+    if compute_scale <= 0:
+        raise ValueError(f"compute_scale={compute_scale} must be positive")
+    rests: list[str] = []
+    contention_comm = contention_rounds = 1.0
+    if profile is None:
+        if alpha is None or beta is None:
+            raise ValueError("predict needs a profile or both alpha and beta")
+        a, b, factor, work, comm_factor = alpha, beta, 1.0, 0.0, 1.0
+        rests.append("cost formula only (no profile: no selection/decompression time)")
+    else:
+        calib = profile.methods.get(name)
+        share = profile.colocated if colocated is None else colocated
+        given = alpha is not None or beta is not None
+        user_options = options
+        options = {**layout_options(name, P, profile.net, share), **user_options}
+        calib_options = {**layout_options(name, calib["P"], profile.net, profile.colocated),
+                         **user_options} if calib else options
+        factor = float(calib.get("traffic_factor", 1.0)) if calib and use_comm_factor else 1.0
+        # the comm factor is this machine's and network's (relative to its fitted links): it does not
+        # carry to a network given by alpha/beta; the traffic factor (the data's density) does
+        comm_factor = float(calib.get("comm_factor", 1.0)) if calib and use_comm_factor and not given else 1.0
+        if name == "dense" and "alpha" in profile.dense_allreduce and not given:
+            a, b = profile.dense_allreduce["alpha"], profile.dense_allreduce["beta"]
+            rests.append("fitted native all-reduce alpha/beta")
+        else:
+            a = profile.alpha if alpha is None else alpha
+            b = profile.beta if beta is None else beta
+            rests.append("given alpha/beta" if given else f"fitted alpha/beta ({profile.net})")
+        if not given:
+            contention_comm = comm_contention(P, profile.cores, share, profile.net)
+            if contention_comm > 1:
+                rests.append(f"loopback links slowed {contention_comm:g}x (P workers on {profile.cores} cores)")
+        work = 0.0
+        if calib:
+            contention = max(1.0, P / profile.cores) if share else 1.0
+            calib_contention = max(1.0, calib["P"] / profile.cores) if profile.colocated else 1.0
+            if not given:
+                contention_rounds = contention / calib_contention
+                if contention_rounds > 1:
+                    rests.append(f"rounds' CPU cost {contention_rounds:g}x (P workers on {profile.cores} cores)")
+            base = (calib["w1"] * n + calib["w0"]) / calib_contention
+            k = selection_count(density, n) if method_class(name).sparse else 0
+            extra = profile.recv_element_s * (
+                _received_elements(name, P, n, k, density, options)
+                - _received_elements(name, calib["P"], n, selection_count(density, n), density, calib_options))
+            work = max(0.0, base * contention / compute_scale + max(0.0, extra) / compute_scale)
+            rests.append(f"work measured at P={calib['P']}, density={calib['density']:g}")
+            if factor != 1.0:
+                rests.append(f"traffic {factor:.2f} x formula (measured)")
+            if comm_factor != 1.0:
+                rests.append(f"comm time {comm_factor:.2f} x formula (measured at P={calib['P']})")
+        else:
+            rests.append("no measured work for this method (formula only)")
+        if compute_scale != 1.0:
+            rests.append(f"ASSUMED compute {compute_scale:g}x this device")
+    comm, rounds, sent, exact = predict_comm(name, P, n, density, a, b, options, factor)
+    per_round = 0.0
+    if profile is not None and calib and comm_factor != 1.0 and calib.get("comm_s"):
+        # the measured comm at the calibration P against the formula's there: what the formula leaves
+        # out is a cost per message (a round's size header, separate index and value messages, the
+        # peer's wake-up), added per round; a formula that over-estimates is scaled down
+        n_cal = max(int(size) for size in calib["comm_s"])
+        measured = float(calib["comm_s"][str(n_cal)])
+        formula, rounds_cal, _, _ = predict_comm(name, calib["P"], n_cal, density, a, b, calib_options, factor)
+        if measured >= formula and rounds_cal:
+            per_round, comm_factor = (measured - formula) / rounds_cal, 1.0
+        elif formula > 0:
+            comm_factor = measured / formula
+    comm = (comm_factor * (rounds * a * contention_rounds + contention_comm * (comm - rounds * a))
+            + rounds * per_round * contention_rounds)
+    hidden = min(overlap * comm, backward_s)
+    if overlap:
+        rests.append(f"overlap {overlap:g} of comm behind {backward_s * 1e3:.0f} ms backward")
+    if not exact and factor == 1.0:
+        rests.append("traffic is the formula's upper bound")
+    return Prediction(name, P, n, density, comm, work, hidden, rounds, sent, exact, "; ".join(rests))
+
+
+def fit_work(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(w1, w0): per-element and fixed seconds from ``(n, seconds)`` samples (one size: w0 = 0)."""
+    sizes = {n for n, _ in samples}
+    if not samples:
+        raise ValueError("fit_work needs at least one (n, seconds) sample")
+    if len(sizes) == 1:
+        n = samples[0][0]
+        return sum(t for _, t in samples) / len(samples) / n, 0.0
+    # the same least-squares solver as alpha/beta: seconds = w1 * n + w0 * 1
+    w1, w0 = fit_alpha_beta([(n, 1.0, t) for n, t in samples])
+    return w1, w0
+
+
+def speedup_table(methods: Sequence[str], workers: Sequence[int], n: int, density: float,
+                  **kwargs: Any) -> list[dict[str, Any]]:
+    """Rows of (method, P, predicted ms, speed-up over dense) for every method and worker count."""
+    rows = []
+    for P in workers:
+        dense = predict("dense", P, n, density, **kwargs).total_s
+        for name in methods:
+            p = predict(name, P, n, density, **kwargs)
+            rows.append({"method": name, "P": P, "time_s": p.total_s, "comm_s": p.comm_s, "work_s": p.work_s,
+                         "speedup": dense / p.total_s if p.total_s > 0 else math.inf, "rests_on": p.rests_on})
+    return rows
+
+
+def crossover(rows: Sequence[dict[str, Any]], method: str) -> int | None:
+    """The smallest P of ``rows`` at which ``method`` is not faster than dense (None: faster at every P)."""
+    for row in sorted((r for r in rows if r["method"] == method), key=lambda r: r["P"]):
+        if row["speedup"] <= 1.0 + 1e-9:
+            return int(row["P"])
+    return None
+
+
+def faster_range(rows: Sequence[dict[str, Any]], method: str, margin: float = 0.05) -> str:
+    """Where in ``rows`` ``method`` beats dense by more than ``margin`` (a speed-up above 1 + margin;
+    smaller differences are below what the model can tell): "all P", "never", or the P ranges
+    ("P <= 64", "P >= 128", "16 <= P <= 256", joined by ", " when there are several)."""
+    mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["P"])
+    Ps = [int(r["P"]) for r in mine]
+    wins = [r["speedup"] > 1.0 + margin for r in mine]
+    if all(wins):
+        return "all P"
+    if not any(wins):
+        return "never"
+    spans, start = [], None
+    for i, win in enumerate(wins + [False]):
+        if win and start is None:
+            start = i
+        elif not win and start is not None:
+            lo, hi = Ps[start], Ps[i - 1]
+            spans.append(f"P <= {hi}" if start == 0 else f"P >= {lo}" if i == len(Ps) else
+                         f"P = {lo}" if lo == hi else f"{lo} <= P <= {hi}")
+            start = None
+    return ", ".join(spans)
+
+
+def plot_projection(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> None:
+    """PNG: step time (left) and speed-up over dense (right) against P, one line per method."""
+    from ..core.optional import require
+
+    matplotlib = require("matplotlib", "the projection plot")
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = [plt.get_cmap("tab20")(j) for j in range(20)]
+    for i, name in enumerate(dict.fromkeys(r["method"] for r in rows)):
+        mine = sorted((r for r in rows if r["method"] == name), key=lambda r: r["P"])
+        Ps = [r["P"] for r in mine]
+        style = dict(marker=".", label=name, color=colors[(2 * i) % 20 + (i // 10) % 2],
+                     linestyle=("-", "--", ":")[i % 3], linewidth=2.2 if name == "dense" else 1.3)
+        ax_t.plot(Ps, [1e3 * r["time_s"] for r in mine], **style)
+        ax_s.plot(Ps, [r["speedup"] for r in mine], **style)
+    for ax in (ax_t, ax_s):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("workers P")
+        ax.grid(True, alpha=0.3)
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("predicted step time (ms)")
+    ax_s.set_yscale("log")
+    ax_s.axhline(1.0, color="black", linewidth=0.8)
+    ax_s.set_ylabel("speed-up over dense all-reduce")
+    ax_s.legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
