@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: time the selectors on the GPU")
     parser.add_argument("--sizes", type=_size_list, default=None,
                         help="with --device cuda: comma-separated sizes (default 256K,1M,4M,16M,25M,64M,128M)")
+    parser.add_argument("--summarize", metavar="FILE", default=None,
+                        help="print, from the saved markdown output of a --device cuda run, each selector's "
+                             "speed-up over torch.topk and its memory passes at the sizes of --sizes (a pivot "
+                             "of the saved table; nothing is timed)")
     parser.add_argument("--quality", action="store_true",
                         help="print the quality table (normal, Laplace, Student-t(3), MLP gradients) instead")
 
@@ -104,7 +108,7 @@ def _gpu_rows(args: argparse.Namespace, names: list[str]) -> list[dict[str, obje
             t_topk = _device_median_seconds(functools.partial(torch.topk, x.abs(), k, sorted=False), args.repeat,
                                             device)
             base = {"n": n, "density": density, "k": k}
-            rows.append({**base, "selector": "torch.topk(|x|)", "us": 1e6 * t_topk, "speed-up vs topk": 1.0,
+            rows.append({**base, "selector": "torch.topk(x.abs())", "us": 1e6 * t_topk, "speed-up vs topk": 1.0,
                          "passes": t_topk / t_pass, "count": k, "quality": 1.0})
             rows.append({**base, "selector": "one memory pass", "us": 1e6 * t_pass,
                          "speed-up vs topk": t_topk / t_pass, "passes": 1.0, "count": "", "quality": ""})
@@ -119,6 +123,30 @@ def _gpu_rows(args: argparse.Namespace, names: list[str]) -> list[dict[str, obje
         del x, copy
         torch.cuda.empty_cache()
     return rows
+
+
+def summarize(path: str, sizes: list[int]) -> list[dict[str, object]]:
+    """Pivot of a saved ``--device cuda`` table: per selector, "speed-up (passes)" per size and density."""
+    columns: list[str] = []
+    table: dict[str, dict[str, str]] = {}
+    header: list[str] | None = None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.startswith("| ") or line.startswith("| ---"):
+                continue
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if header is None or cells[0] == "selector":
+                header = cells
+                continue
+            row = dict(zip(header, cells, strict=True))
+            if int(row["n"]) not in sizes:
+                continue
+            column = f"n={int(row['n']):,}, {float(row['density']):g}"
+            if column not in columns:
+                columns.append(column)
+            speedup, passes = float(row["speed-up vs topk"]), float(row["passes"])
+            table.setdefault(row["selector"], {})[column] = f"{speedup:.2f}x ({passes:.1f})"
+    return [{"selector": name, **cells} for name, cells in table.items()]
 
 
 def captured_mass(x: Tensor, indices: Tensor, k: int) -> float:
@@ -261,6 +289,10 @@ def run(args: argparse.Namespace) -> int:
     check(args)
     torch.set_num_threads(args.threads)
     names = args.selectors or selectors.available()
+    if args.summarize:
+        print(f"speed-up over torch.topk (memory passes), from {args.summarize}")
+        print(markdown_table(summarize(args.summarize, args.sizes or [25_000_000, 64_000_000])))
+        return 0
     if args.device != "cpu":
         if not torch.cuda.is_available() or torch.device(args.device).type != "cuda":
             raise ValueError(f"--device={args.device!r}: only 'cpu' and 'cuda' are supported, and 'cuda' needs a "
