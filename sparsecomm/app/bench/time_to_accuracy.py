@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if args.epochs is not None:
         overrides["epochs"] = args.epochs
     try:
+        if not all(s.strip().isdigit() for s in args.seeds.split(",") if s.strip()):
+            raise ValueError(f"--seeds {args.seeds!r} must be comma-separated integers >= 0, e.g. 0,1,2")
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         quiet = None if args.max_load_per_core == 0 else campaign.QuietPolicy(
             max_load_per_core=args.max_load_per_core, max_wait_s=args.max_wait, redo=args.redo)
