@@ -88,3 +88,19 @@ def test_advise_ranks_by_time_to_accuracy_with_the_tolerance():
     assert result.time_to_accuracy(result.best) == pytest.approx(2 * result.best.total_s)
     loose = advise(["topka", "cltk", "dense"], 16, 3_000_000, [0.01], accuracy_table=table, tolerance=5.0, **kwargs)
     assert loose.best.method == "cltk" and not loose.passed_over
+
+
+def test_a_density_the_campaign_did_not_run_is_judged_from_the_methods_other_densities():
+    entry = {"seeds": 1, "megabytes_per_step": 1.0, "ran_dense": False}
+    runs = {"ddp": {**entry, "label": "ddp", "method": "ddp", "density": None, "loss": 0.0, "reached": True,
+                    "epochs_to_target": 1.0},
+            "topk@0.01": {**entry, "label": "topk@0.01", "method": "topk", "density": 0.01, "loss": 0.3,
+                          "reached": True, "epochs_to_target": 1.5},
+            "cltk@0.01": {**entry, "label": "cltk@0.01", "method": "cltk", "density": 0.01, "loss": 3.0,
+                          "reached": True, "epochs_to_target": 1.0}}
+    table = {"source": "synthetic", "workloads": {"w": {"metric": "accuracy", "runs": runs}}}
+    lower = accuracy.assess(table, "cltk", 0.001)
+    assert lower.ok is False and "presumed worse" in lower.note
+    higher = accuracy.assess(table, "topk", 0.1)
+    assert higher.ok is True and higher.epochs_factor == pytest.approx(1.5)
+    assert accuracy.assess(table, "topk", 0.001).ok is None and accuracy.assess(table, "cltk", 0.1).ok is None

@@ -147,9 +147,23 @@ def _unit(metric: str) -> str:
     return " points" if metric == "accuracy" else "% perplexity"
 
 
+def _verdict(runs: dict[str, dict[str, Any]], entry: dict[str, Any], allowed: float) -> tuple[bool, float]:
+    """(within ``allowed`` and reached the target, epochs to the target over DDP's) of one run entry."""
+    ok = entry["loss"] is not None and entry["loss"] <= allowed + 1e-9 and entry["reached"]
+    ddp = runs.get("ddp", {}).get("epochs_to_target")
+    if not entry["reached"]:
+        return ok, math.inf
+    return ok, entry["epochs_to_target"] / ddp if ddp and entry["epochs_to_target"] else 1.0
+
+
 def assess(table: dict[str, Any], method: str, density: float | None, tolerance: float = 0.5,
            reference: str = "powersgd") -> Assessment:
-    """How ``method`` at ``density`` (None: a dense method) did in the campaign (module docstring)."""
+    """How ``method`` at ``density`` (None: a dense method) did in the campaign (module docstring).
+
+    A density the campaign did not run is judged from the method's other densities there, on the
+    assumption that accuracy does not improve as the density falls: below a density that lost more
+    than allowed it is presumed to lose more; above one within tolerance, to be within it too (with
+    that density's epochs to the target, an upper bound); otherwise it is unknown."""
     if reference not in ("powersgd", "ddp"):
         raise ValueError(f"reference={reference!r} must be 'powersgd' or 'ddp'")
     if not tolerance >= 0:
@@ -158,25 +172,41 @@ def assess(table: dict[str, Any], method: str, density: float | None, tolerance:
     verdicts, factors, notes = [], [], []
     for workload, entry in table["workloads"].items():
         runs = entry["runs"]
+        powersgd = [r["loss"] for r in runs.values() if r["method"] == "powersgd" and r["loss"] is not None]
+        allowed = (max(0.0, min(powersgd)) if reference == "powersgd" and powersgd else 0.0) + tolerance
+        unit = _unit(entry["metric"])
         mine = runs.get(label)
+        if mine is None and density is not None:
+            measured = [r for r in runs.values() if r["method"] == method and r["density"] is not None
+                        and not r.get("ran_dense")]
+            denser_bad = [r for r in measured if r["density"] >= density and not _verdict(runs, r, allowed)[0]]
+            sparser_ok = [r for r in measured if r["density"] <= density and _verdict(runs, r, allowed)[0]]
+            if denser_bad:
+                r = min(denser_bad, key=lambda r: r["density"])
+                verdicts.append(False)
+                factors.append(math.inf)
+                notes.append(f"{workload}: not run at {density:g}; at {r['density']:g} it already lost "
+                             f"{r['loss']:+.1f}{unit} (allowed {allowed:.1f}), a lower density is presumed worse")
+            elif sparser_ok:
+                r = max(sparser_ok, key=lambda r: r["density"])
+                verdicts.append(True)
+                factors.append(_verdict(runs, r, allowed)[1])
+                notes.append(f"{workload}: not run at {density:g}; within tolerance at {r['density']:g}, a "
+                             f"higher density is presumed no worse")
+            elif any(r["method"] == method and r.get("ran_dense") for r in runs.values()):
+                notes.append(f"{workload}: not run at {density:g}, and its campaign run ran dense (its traffic)")
+            continue
         if mine is None:
             continue
         if mine.get("ran_dense"):
             notes.append(f"{workload}: ran dense in the campaign (its traffic), its sparse accuracy unknown")
             continue
-        powersgd = [r["loss"] for r in runs.values() if r["method"] == "powersgd" and r["loss"] is not None]
-        base = max(0.0, min(powersgd)) if reference == "powersgd" and powersgd else 0.0
-        allowed = base + tolerance
-        lost = mine["loss"]
-        ok = lost is not None and lost <= allowed + 1e-9 and mine["reached"]
+        ok, factor = _verdict(runs, mine, allowed)
         verdicts.append(ok)
-        ddp = runs.get("ddp", {}).get("epochs_to_target")
-        factors.append(mine["epochs_to_target"] / ddp if mine["reached"] and ddp and mine["epochs_to_target"]
-                       else math.inf if not mine["reached"] else 1.0)
-        unit = _unit(entry["metric"])
+        factors.append(factor)
         what = "did not reach the target, " if not mine["reached"] else ""
-        notes.append(f"{workload}: {what}lost {lost:+.1f}{unit} vs DDP (allowed {allowed:.1f})"
-                     if lost is not None else f"{workload}: {what}no loss figure")
+        notes.append(f"{workload}: {what}lost {mine['loss']:+.1f}{unit} vs DDP (allowed {allowed:.1f})"
+                     if mine["loss"] is not None else f"{workload}: {what}no loss figure")
     if not verdicts:
         return Assessment(None, 1.0, "; ".join(notes) or f"{label}: not in the campaign (accuracy unknown)")
     return Assessment(all(verdicts), max(factors), "; ".join(notes))
