@@ -11,7 +11,7 @@ STAMP := $(VENV)/.bootstrapped
 # the commands that need them then say how to install them.
 DATA_PACKAGES := dataset-fashion-mnist fortunes-min fortunes
 
-.PHONY: venv data lint test test-slow test-faults test-gpu demo bench clean
+.PHONY: venv data lint test test-slow test-faults test-gpu demo bench clean accuracy-table
 
 venv: $(STAMP)
 
@@ -49,6 +49,11 @@ test-faults: $(STAMP)
 
 demo: $(STAMP) data
 	$(VENV)/bin/sparsecomm demo
+
+# the accuracy table `sparsecomm advise` checks candidates against, generated from the campaign in docs/
+CAMPAIGN_REPORT ?= docs/campaign-quiet/campaign.md
+accuracy-table: $(STAMP)
+	$(PY) -m sparsecomm.simulator.accuracy $(CAMPAIGN_REPORT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

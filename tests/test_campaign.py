@@ -16,12 +16,30 @@ from sparsecomm.methods import available_methods, method_class
 SPARSE = [m for m in available_methods() if method_class(m).sparse]
 
 
-def test_plan_puts_baselines_first_then_every_sparse_method_at_one_percent():
+def test_plan_puts_the_floor_and_baselines_first_then_every_sparse_method_at_one_percent():
     runs = campaign.plan(["lstm"], ["1gbit", "100mbit"])
     first = [r for r in runs if r.net == "1gbit"]
-    assert [r.label for r in first[:3]] == ["ddp", "powersgd-r2", "powersgd-r4"]
-    assert [r.method for r in first[3:]] == SPARSE and {r.density for r in first[3:]} == {0.01}
+    assert [r.label for r in first[:4]] == ["nosync", "ddp", "powersgd-r2", "powersgd-r4"]
+    assert [r.method for r in first[4:]] == SPARSE and {r.density for r in first[4:]} == {0.01}
     assert len(runs) == 2 * len(first)
+
+
+def test_plan_runs_every_seed_and_powersgd_ranks_2_and_4_together():
+    runs = campaign.plan(["lstm"], [None], ["powersgd", "topk"], powersgd_ranks=(2,), seeds=(0, 1, 2))
+    assert [(r.label, r.seed) for r in runs if r.seed == 1] == [("powersgd-r2", 1), ("powersgd-r4", 1),
+                                                                ("topk@0.01", 1)]
+    assert len(runs) == 9 and campaign.SEEDS == (0, 1, 2)
+    paths = {campaign.record_path("out", r) for r in runs}
+    assert len(paths) == 9  # one record per seed
+    with pytest.raises(ValueError, match="seeds"):
+        campaign.plan(["lstm"], [None], seeds=(0, 0))
+
+
+def test_the_campaign_workloads_train_three_epochs_and_the_demo_one():
+    from sparsecomm.experiments.commands.demo import demo_workload
+
+    assert {w.max_epochs for w in campaign.WORKLOADS.values()} == {3}
+    assert demo_workload("lstm", train_size=64, epochs=1).max_epochs == 1
 
 
 def test_plan_subset_and_errors_name_the_bad_value():
@@ -41,15 +59,15 @@ def _ppl(*values: float) -> list[float]:
 
 
 def _record(label: str, net: str | None, times: list[float], values: list[float], metric: str = "perplexity",
-            target: float = T, density: float = 0.01) -> dict:
+            target: float = T, density: float = 0.01, seed: int = 0, ms: float = 100.0) -> dict:
     key = "test_loss" if metric == "perplexity" else "test_accuracy"
     pairs = enumerate(zip(times, values, strict=True))
     history = [{"epoch": 0.5 * (i + 1), "train_time": t, "test_accuracy": 0.0, "test_loss": 0.0,
                 key: math.log(v) if metric == "perplexity" else v} for i, (t, v) in pairs]
     return {"config": {"model": "word-lstm", "data": "fortunes-words", "net": net, "workers": 4, "density": density},
             "network": "emulated", "history": history,
-            "epochs": [{"time_per_step": 0.1, "bytes_per_step": 1e6}],
-            "campaign": {"workload": "lstm", "metric": metric, "target": target, "label": label}}
+            "epochs": [{"time_per_step": ms / 1e3, "bytes_per_step": 1e6}],
+            "campaign": {"workload": "lstm", "metric": metric, "target": target, "label": label, "seed": seed}}
 
 
 def _write(out: str, spec: RunSpec, record: dict) -> None:
@@ -102,6 +120,64 @@ def test_rows_and_speedups_compare_against_ddp_at_the_same_network():
     assert summary["speed-up vs PowerSGD"] == pytest.approx(16 / 9)
 
 
+def test_every_row_reports_its_step_over_the_floor_of_its_seed():
+    records = [_record("nosync", "1gbit", [1.0, 2.0], _ppl(5000.0, 4000.0), ms=50.0),
+               _record("ddp", "1gbit", [10.0, 20.0], _ppl(3000.0, 900.0), ms=400.0),
+               _record("topka@0.01", "1gbit", [3.0, 6.0], _ppl(3500.0, 930.0), ms=120.0),
+               _record("nosync", "1gbit", [1.0, 2.0], _ppl(5000.0, 4000.0), ms=60.0, seed=1),
+               _record("topka@0.01", "1gbit", [3.0, 6.0], _ppl(3500.0, 930.0), ms=120.0, seed=1)]
+    rows = campaign.campaign_rows(records)
+    by = {(r["method"], r["seed"]): r for r in rows}
+    assert by[("nosync", 0)]["x floor"] == pytest.approx(1.0)
+    assert by[("nosync", 0)]["time to target s"] == "floor: no exchange"
+    assert by[("ddp", 0)]["x floor"] == pytest.approx(8.0)
+    assert by[("topka@0.01", 0)]["x floor"] == pytest.approx(2.4)
+    assert by[("topka@0.01", 1)]["x floor"] == pytest.approx(2.0)  # against seed 1's floor
+    (summary,) = campaign.speedups(rows)
+    assert summary["fastest sparse"] == "topka@0.01" and summary["x floor"] == "2.2 (2-2.4)"
+
+
+def test_headline_figures_are_the_median_over_seeds_with_the_least_and_the_most():
+    records = []
+    for seed, (ddp_t, power_t, topka_t) in enumerate([(30.0, 16.0, 8.0), (30.0, 18.0, 9.0), (33.0, 12.0, 12.0)]):
+        records += [_record("ddp", "1gbit", [ddp_t], _ppl(900.0), seed=seed),
+                    _record("powersgd-r2", "1gbit", [power_t], _ppl(900.0), seed=seed),
+                    _record("powersgd-r4", "1gbit", [power_t + 1], _ppl(900.0), seed=seed),
+                    _record("topka@0.01", "1gbit", [topka_t], _ppl(900.0), seed=seed),
+                    _record("cltk@0.01", "1gbit", [2.0 if seed == 0 else 40.0],
+                            _ppl(900.0 if seed == 0 else 2000.0), seed=seed)]
+    rows = campaign.campaign_rows(records)
+    (summary,) = campaign.speedups(rows)
+    # cltk is fastest in one seed but never reaches the target in the other two: not the fastest in the median
+    assert summary["fastest sparse"] == "topka@0.01" and summary["seeds"] == 3
+    assert summary["its time s"] == 9.0 and summary["DDP s"] == 30.0
+    assert summary["speed-up vs PowerSGD"] == pytest.approx(2.0)  # per seed 2.0, 2.0, 1.0
+    assert summary["vs PowerSGD min-max"] == "2 (1-2)"
+    aggregated = {r["method"]: r for r in campaign.aggregate_rows(rows)}
+    assert aggregated["topka@0.01"]["time to target s"] == "9 (8-12)"
+    assert aggregated["cltk@0.01"]["time to target s"] == "not reached (1/3 reached)"
+
+
+def test_quiet_policy_waits_for_the_load_and_redoes_a_run_started_on_a_busy_machine():
+    loads = iter([3.0, 2.5, 2.0, 1.0])
+    slept = []
+    policy = campaign.QuietPolicy(max_load_per_core=0.75, cores=2, max_wait_s=10.0, poll_s=5.0, redo=2,
+                                  loadavg=lambda: next(loads), sleep=slept.append)
+    calls = []
+
+    def trainer(config):
+        calls.append(config.seed)
+        return {"history": [{"epoch": 1.0, "train_time": 1.0, "test_accuracy": 0.0, "test_loss": math.log(50.0)}],
+                "network": "loopback", "config": {}}
+
+    record = campaign._train_quietly(campaign.WORKLOADS["lstm"].config(seed=4), trainer, policy, lambda _: None)
+    # first attempt: 3.0, waited 2 x 5 s to 2.0 > 1.5, run and redone; the second starts at 1.0
+    assert slept == [5.0, 5.0] and calls == [4, 4]
+    assert record["load"] == {"before": 1.0, "attempts": [2.0, 1.0], "threshold": 1.5, "quiet": True}
+    with pytest.raises(ValueError, match="max_load_per_core"):
+        campaign.QuietPolicy(max_load_per_core=0)
+
+
 def test_report_writes_the_table_and_one_plot_per_workload_and_network(tmp_path):
     pytest.importorskip("matplotlib")
     records = [_record("ddp", "1gbit", [1.0, 2.0], _ppl(3000.0, 900.0)),
@@ -128,8 +204,10 @@ def test_demo_pieces_train_and_report_on_a_tiny_config(tmp_path):
     workload = demo_workload("lstm", train_size=64, epochs=1, embed_dim=8, hidden=8)
     workload = campaign.Workload(**{**workload.__dict__, "evals_per_epoch": 2,
                                     "data_options": {**workload.data_options, "max_vocab": 300, "test_size": 8}})
-    report = run_demo(workload, ["ddp", "topka"], None, str(tmp_path), workers=2)
-    assert [r["method"] for r in report["rows"]] == ["ddp", "topka@0.01"]
+    report = run_demo(workload, ["nosync", "ddp", "topka"], None, str(tmp_path), workers=2)
+    assert [r["method"] for r in report["rows"]] == ["nosync", "ddp", "topka@0.01"]
+    assert [r["x floor"] for r in report["rows"]][0] == pytest.approx(1.0)
+    assert all(isinstance(r["x floor"], float) for r in report["rows"])
     with open(report["markdown"]) as handle:
         assert handle.read().startswith("# sparsecomm demo")
     assert all(os.path.exists(p) for p in report["plots"])

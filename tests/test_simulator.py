@@ -313,3 +313,66 @@ def test_faster_range_names_where_a_method_beats_dense():
     assert faster_range(rows([0.5, 1.0, 1.2, 3]), "x") == "P >= 32"
     assert faster_range(rows([0.5, 1.2, 1.3, 0.9]), "x") == "16 <= P <= 32"
     assert faster_range(rows([1.5, 0.9, 1.2, 0.9]), "x") == "P <= 8, P = 32"
+
+
+def _split_records(P, sizes, density, select_per_element, decompress_per_entry, methods=("topka", "spardl", "dense")):
+    """Worker records whose work is ``select_per_element`` per gradient element plus
+    ``decompress_per_entry`` per entry the rank touches (its k and what it receives), the latter in
+    the method's ``time_decompress``: the calibration must recover both."""
+    from sparsecomm.simulator.model import layout_options, touched_entries
+
+    runs = []
+    for n in sizes:
+        for name in methods:
+            k = selection_count(density, n) if method_class(name).sparse else 0
+            touched = touched_entries(name, P, n, k, density, layout_options(name, P, "loopback", True))
+            decompress = decompress_per_entry * touched
+            work = select_per_element * n + decompress
+            sent = max(cost(name, P=P, n=n, k=k, rank=r, density=density).bytes_sent for r in range(P))
+            runs.append({"method": name, "n": n, "times": [0.01 + work] * 3, "time_comm": [0.01] * 3,
+                         "time_select": [select_per_element * n] * 3, "time_decompress": [decompress] * 3,
+                         "bytes_sent": sent})
+    dense = [{"n": m, "rounds": cost("dense", P=P, n=m, rank=0).rounds,
+              "bytes": cost("dense", P=P, n=m, rank=0).bytes_sent,
+              "seconds": 2 * ALPHA + 4 * m * BETA} for m in (1_000, 1_000_000)]
+    return [{"P": P, "links": _link_record(r, P), "dense": dense, "runs": runs} for r in range(P)]
+
+
+def test_work_is_modelled_by_what_it_touches_selection_by_n_decompression_by_entries_received():
+    """Calibrated at P = 2, n = 1M (the held-out point of issue 25: P = 6, n = 5M), the work of the
+    all-gather family grows with the P x k entries received, not with n alone."""
+    from sparsecomm.simulator.model import layout_options, touched_entries
+
+    density, select, entry = 0.01, 2e-9, 40e-9
+    records = _split_records(2, [1_000_000], density, select, entry)
+    profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
+                                   selectors={}, recv_element_s=5e-9, meta={})
+    fit = profile.methods["topka"]
+    assert fit["s1"] == pytest.approx(select) and fit["d1"] == pytest.approx(entry)
+    P, n = 6, 5_000_000
+    k = selection_count(density, n)
+    for name in ("topka", "spardl"):
+        touched = touched_entries(name, P, n, k, density, layout_options(name, P, "1gbit", True))
+        truth = (select * n + entry * touched) * 3  # 6 workers on 2 cores
+        assert predict(name, P, n, density, profile=profile).work_s == pytest.approx(truth, rel=1e-6)
+    # topka receives (P - 1) k: its decompression grows 5x from P = 2 to P = 6 at the same n
+    assert touched_entries("topka", 6, n, k, density, {}) == pytest.approx(6 * k)
+    # the legacy model (one per-element figure, a one-process scatter-add per extra entry) under-predicts it
+    legacy = {name: {key: v for key, v in m.items() if key not in ("s1", "s0", "d1", "d0", "decompress_per")}
+              for name, m in profile.methods.items()}
+    old = Profile(**{**profile.__dict__, "methods": legacy})
+    assert predict("topka", P, n, density, profile=old).work_s < 0.75 * predict("topka", P, n, density,
+                                                                                   profile=profile).work_s
+
+
+def test_split_work_fits_two_sizes_and_merged_calibrations_keep_the_timers():
+    from sparsecomm.simulator.calibration import merge_records, split_work
+
+    fit = split_work([(1_000_000, 0.003), (4_000_000, 0.009)], {1_000_000: (20_000.0, 0.001),
+                                                                4_000_000: (80_000.0, 0.003)})
+    assert fit["d1"] == pytest.approx(2 / 60_000 * 1e-3) and fit["s1"] == pytest.approx(1.333e-9, rel=1e-3)
+    dense = split_work([(1_000_000, 0.002)], {1_000_000: (0.0, 0.001)})
+    assert dense["decompress_per"] == "element" and dense["d1"] == pytest.approx(1e-9)
+    records = _split_records(2, [100_000], 0.01, 1e-9, 1e-8, methods=("topka",))
+    merged = merge_records(records, records)
+    assert len(merged[0]["runs"][0]["time_decompress"]) == 6

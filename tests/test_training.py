@@ -82,3 +82,12 @@ def test_train_command_writes_record_and_report_renders(tmp_path, capfd):
         assert os.path.getsize(os.path.join(report, name)) > 100
     with open(os.path.join(report, "accuracy_vs_time.png"), "rb") as handle:
         assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nosync_floor_exchanges_nothing_and_ddp_keeps_the_ranks_equal():
+    """The floor (torch's no-op hook) hands back each rank's own gradient: the ranks, trained on
+    different shards, end apart; plain DDP on the same setting keeps them bit-identical."""
+    floor = train(dataclasses.replace(SMALL, method="nosync", epochs=1))
+    ddp = train(dataclasses.replace(SMALL, method="ddp", epochs=1))
+    assert not floor["consistent"] and ddp["consistent"]
+    assert floor["epochs"][0]["bytes_per_step"] == 0 and floor["epochs"][0]["time_per_step"] > 0

@@ -3,9 +3,17 @@
 Every method at every candidate density is run through the simulator (:mod:`sparsecomm.simulator.model`,
 the engine of ``sparsecomm simulate``): communication from its cost formula at the latency and bandwidth
 given (or a profile's), plus the per-step work measured by ``sparsecomm calibrate`` when ``--profile``
-is given. The recommendation is the fastest predicted method; its density is the largest candidate
-whose predicted step is within ``--density-slack`` of that method's fastest (a lower density saves
-time but costs accuracy: see docs/training.md). Each line says what the prediction rests on.
+is given. Each line says what the prediction rests on.
+
+The recommendation is by time to accuracy, not by step time alone: each (method, density) is
+checked against the time-to-accuracy campaign (:mod:`sparsecomm.simulator.accuracy`, a table generated
+from the campaign report in docs/). A candidate that lost more than ``--accuracy-tolerance`` there
+(against the best PowerSGD rank's loss, or DDP's with ``--accuracy-reference ddp``), or did not reach
+the target, is not recommended, and the output names the faster candidates it passed over and why.
+The others are ranked by predicted step time times their epochs to the target over DDP's in the
+campaign (1 for exact methods and for candidates the campaign did not run, which the output marks
+"accuracy unknown"). A method's density is the largest candidate whose predicted time to accuracy is
+within ``--density-slack`` of that method's fastest.
 
 ``--measure`` checks the advice on this machine (so the prediction takes the workers as colocated on
 its cores, as ``--colocated``): every ranked method runs at its chosen density in one group of ``-P``
@@ -18,13 +26,18 @@ shown beside it. The advised method's time is compared with the measured fastest
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..simulator.accuracy import TABLE_PATH, Assessment, assess, load_table
 from ..simulator.model import Prediction, UnknownMethodError, predict
 from .table import markdown_table
+
+#: a method that computes the exact average (dense): it loses no accuracy
+EXACT = Assessment(True, 1.0, "exact average")
 
 HELP = "recommend a method, density and options for a model size, P and network (from the simulator)"
 
@@ -47,6 +60,16 @@ def add_arguments(parser) -> None:
                         help="take the largest density within this fraction of the method's fastest "
                         "(default: %(default)s)")
     parser.add_argument("--top", type=int, default=5, help="alternatives listed (default: %(default)s)")
+    parser.add_argument("--accuracy-tolerance", type=float, default=0.5,
+                        help="the accuracy a candidate may have lost in the campaign beyond the reference's: "
+                        "accuracy points or percent perplexity (default: %(default)s)")
+    parser.add_argument("--accuracy-reference", choices=("powersgd", "ddp"), default="powersgd",
+                        help="what the loss is allowed beyond: the best PowerSGD rank's loss against DDP, or DDP "
+                        "(default: %(default)s)")
+    parser.add_argument("--accuracy-table", default=None,
+                        help="the campaign's accuracy table (default: the one shipped, generated from docs/)")
+    parser.add_argument("--by-step-time", action="store_true",
+                        help="rank by predicted step time alone, without the campaign's accuracy")
     add_model_arguments(parser, methods="all")
     parser.add_argument("--measure", action="store_true", help="also run every ranked method here, interleaved, "
                         "and compare the advice with the measured fastest (implies --colocated: the measured "
@@ -58,12 +81,21 @@ def add_arguments(parser) -> None:
 
 @dataclass(frozen=True)
 class Advice:
-    """The recommendation and the ranked alternatives (one per method, its chosen density)."""
+    """The recommendation and the ranked alternatives (one per method, its chosen density), with
+    each one's accuracy in the campaign (``accuracy``, by (method, density); empty when ranked by
+    step time alone) and the faster candidates passed over for their accuracy (``passed_over``)."""
 
     best: Prediction
     dense: Prediction
     ranked: list[Prediction]
     n: int
+    accuracy: dict[tuple[str, float], Assessment] = field(default_factory=dict)
+    passed_over: list[Prediction] = field(default_factory=list)
+
+    def time_to_accuracy(self, p: Prediction) -> float:
+        """Predicted step time times the epochs to target over DDP's (step time without the table)."""
+        a = self.accuracy.get((p.method, p.density))
+        return p.total_s * (a.epochs_factor if a else 1.0)
 
 
 def count_parameters(args) -> int:
@@ -112,23 +144,47 @@ def _count_saved(path: str) -> int:
 
 
 def advise(methods: list[str], P: int, n: int, densities: list[float], slack: float = 0.10,
+           accuracy_table: dict[str, Any] | None = None, tolerance: float = 0.5, reference: str = "powersgd",
            **kwargs: Any) -> Advice:
-    """Rank methods by predicted step time at their chosen density (see the module docstring)."""
+    """Rank methods by predicted time to accuracy at their chosen density (the module docstring);
+    without ``accuracy_table``, by predicted step time alone."""
     from ..methods import method_class
 
     if not densities or any(not 0 < d <= 1 for d in densities):
         raise ValueError(f"densities {densities} must be fractions in (0, 1]")
     dense = predict("dense", P, n, 1.0, **kwargs)
-    chosen = []
+    accuracy: dict[tuple[str, float], Assessment] = {}
+
+    def judged(p: Prediction) -> Prediction:
+        if accuracy_table is not None:
+            sparse = method_class(p.method).sparse
+            accuracy[(p.method, p.density)] = assess(accuracy_table, p.method, p.density if sparse else None,
+                                                     tolerance, reference) if sparse else EXACT
+        return p
+
+    def score(p: Prediction) -> float:
+        a = accuracy.get((p.method, p.density))
+        return p.total_s * (a.epochs_factor if a else 1.0)
+
+    def acceptable(p: Prediction) -> bool:
+        a = accuracy.get((p.method, p.density))
+        return a is None or a.ok is not False
+
+    chosen, passed_over = [], []
     for name in methods:
         if not method_class(name).sparse:
-            chosen.append(predict(name, P, n, 1.0, **kwargs))
+            chosen.append(judged(predict(name, P, n, 1.0, **kwargs)))
             continue
-        options = [predict(name, P, n, d, **kwargs) for d in sorted(densities, reverse=True)]
-        fastest = min(p.total_s for p in options)
-        chosen.append(next(p for p in options if p.total_s <= (1 + slack) * fastest))
-    ranked = sorted(chosen, key=lambda p: p.total_s)
-    return Advice(ranked[0], dense, ranked, n)
+        options = [judged(predict(name, P, n, d, **kwargs)) for d in sorted(densities, reverse=True)]
+        good = [p for p in options if acceptable(p)]
+        fastest = min(score(p) for p in good) if good else math.inf
+        passed_over += [p for p in options if not acceptable(p) and p.total_s < fastest]
+        if good:
+            chosen.append(next(p for p in good if score(p) <= (1 + slack) * fastest))
+    ranked = sorted(chosen, key=score)
+    best = ranked[0] if ranked else dense
+    passed_over = sorted((p for p in passed_over if p.total_s < score(best)), key=lambda p: p.total_s)
+    return Advice(best, dense, ranked, n, accuracy, passed_over)
 
 
 def _measure_worker(plan: list[tuple[str, float]], n: int, rounds: int, warmup: int) -> dict[str, list[float]]:
@@ -203,7 +259,9 @@ def run(args) -> int:
             raise ValueError(f"-P {args.workers} must be >= 1")
         n = count_parameters(args)
         kwargs = model_kwargs(args)
-        result = advise(methods, args.workers, n, densities, args.density_slack, **kwargs)
+        table = None if args.by_step_time else load_table(args.accuracy_table or TABLE_PATH)
+        result = advise(methods, args.workers, n, densities, args.density_slack, accuracy_table=table,
+                        tolerance=args.accuracy_tolerance, reference=args.accuracy_reference, **kwargs)
     except (UnknownMethodError, ValueError) as err:
         return fail("advise", str(err))
     best, dense = result.best, result.dense
@@ -214,22 +272,46 @@ def run(args) -> int:
     print(f"recommended: {best.method} ({density}, default options): predicted {1e3 * best.total_s:.1f} ms "
           f"per step vs DDP {1e3 * dense.total_s:.1f} ms ({dense.total_s / best.total_s:.2f}x)")
     print(f"rests on: {best.rests_on}")
-    rows = [{"method": p.method, "density": p.density, "step (ms)": 1e3 * p.total_s, "comm (ms)": 1e3 * p.comm_s,
-             "work (ms)": 1e3 * p.work_s, "vs DDP": dense.total_s / p.total_s} for p in result.ranked[:args.top]]
+    if table is not None:
+        verdict = result.accuracy[(best.method, best.density)]
+        print(f"accuracy in the campaign ({table['source']}; tolerance {args.accuracy_tolerance:g} beyond "
+              f"{'the best PowerSGD rank' if args.accuracy_reference == 'powersgd' else 'DDP'}): "
+              + ("ACCURACY UNKNOWN: " if verdict.ok is None else "") + verdict.note)
+        for p in result.passed_over:
+            print(f"not recommended: {p.method} at density {p.density:g}, predicted {1e3 * p.total_s:.1f} ms per "
+                  f"step, lost more than the tolerance in the campaign: {result.accuracy[(p.method, p.density)].note}")
+    rows = []
+    for p in result.ranked[:args.top]:
+        row: dict[str, Any] = {"method": p.method, "density": p.density, "step (ms)": 1e3 * p.total_s,
+                               "comm (ms)": 1e3 * p.comm_s, "work (ms)": 1e3 * p.work_s,
+                               "vs DDP": dense.total_s / p.total_s}
+        if table is not None:
+            verdict = result.accuracy[(p.method, p.density)]
+            row.update({"epochs to target x DDP": verdict.epochs_factor,
+                        "time to accuracy vs DDP": dense.total_s / result.time_to_accuracy(p),
+                        "accuracy": "unknown" if verdict.ok is None else "within tolerance"})
+        rows.append(row)
     print(markdown_table(rows, list(rows[0])))
     print("Predicted communication and sparsification time per step only: forward/backward compute is "
-          "not included; lower densities save time but cost accuracy (docs/training.md).")
+          "not included" + ("; time to accuracy multiplies it by the epochs to the target over DDP's in the "
+                            "campaign." if table is not None else
+                            "; lower densities save time but cost accuracy (docs/training.md)."))
     if args.measure:
-        measured = measure(result.ranked, args.workers, n, args.net, args.rounds)
+        # the candidates passed over for their accuracy are measured too (one density each), but the
+        # advice is checked against the fastest of those it may recommend
+        ranked = {p.method for p in result.ranked}
+        extra = list({p.method: p for p in reversed(result.passed_over) if p.method not in ranked}.values())
+        measured = measure(result.ranked + extra, args.workers, n, args.net, args.rounds)
         fastest = {name: m["best"] for name, m in measured.items()}
         rows = [{"method": p.method, "density": p.density, "predicted (ms)": 1e3 * p.total_s,
                  "measured best (ms)": 1e3 * fastest[p.method],
-                 "measured median (ms)": 1e3 * measured[p.method]["median"]}
-                for p in sorted(result.ranked, key=lambda p: fastest[p.method])]
+                 "measured median (ms)": 1e3 * measured[p.method]["median"],
+                 "recommendable": "yes" if p.method in ranked else "no (accuracy)"}
+                for p in sorted(result.ranked + extra, key=lambda p: fastest[p.method])]
         print(f"\nmeasured here: P={args.workers} forked workers on {args.net or 'loopback'}, {args.rounds} "
               f"interleaved rounds; time of a round: the slowest rank's call")
         print(markdown_table(rows, list(rows[0])))
-        c = check_against(result, fastest)
+        c = check_against(result, {name: t for name, t in fastest.items() if name in ranked})
         print(f"advised {c['advised']}: {1e3 * c['advised_s']:.1f} ms; measured fastest {c['fastest']}: "
               f"{1e3 * c['fastest_s']:.1f} ms; ratio {c['ratio']:.2f} "
               f"({'within' if c['ok'] else 'NOT within'} 10% of the fastest)")

@@ -75,14 +75,22 @@ def _torchrun(args, methods, sizes) -> int:
     return 0
 
 
+def _work_line(m: dict) -> str:
+    """A method's fitted work: selection per gradient element and decompression per touched entry."""
+    if "d1" in m:
+        per = "entry" if m["decompress_per"] == "entry" else "elem"
+        return (f"select {m['s1'] * 1e9:.2f} ns/elem, decompress {m['d1'] * 1e9:.2f} ns/{per}, "
+                f"traffic x{m['traffic_factor']:.2f}")
+    return f"{m['w1'] * 1e9:.2f} ns/elem, traffic x{m['traffic_factor']:.2f}"
+
+
 def _summary(profile, path: str) -> None:
     for kind, link in profile.links.items():
         print(f"{kind}: alpha = {link['alpha'] * 1e6:.1f} us, beta = {link['beta'] * 1e9:.3f} ns/byte "
               f"({8 / link['beta'] / 1e9 if link['beta'] else float('inf'):.2f} Gbit/s)")
     d = profile.dense_allreduce
     print(f"native all-reduce: {d['rate_gbit']:.2f} Gbit/s of gradient at n={d['at_n']}")
-    print(json.dumps({name: f"{m['w1'] * 1e9:.2f} ns/elem, traffic x{m['traffic_factor']:.2f}"
-                      for name, m in profile.methods.items()}, indent=1))
+    print(json.dumps({name: _work_line(m) for name, m in profile.methods.items()}, indent=1))
     print(f"profile written to {path}")
 
 

@@ -10,7 +10,13 @@ gradients by one of:
 * ``sync="synchronizer"``: :class:`sparsecomm.integration.synchronizer.SparseSynchronizer` (needed for DGC
   momentum correction and local clipping);
 * the baselines ``method="ddp"`` (plain DDP, the backend's all-reduce) and ``method="powersgd"``
-  (DDP with torch's PowerSGD hook, Vogels et al. 2019).
+  (DDP with torch's PowerSGD hook, Vogels et al. 2019);
+* the floor ``method="nosync"``: DDP with torch's ``noop_hook`` (each rank keeps its local gradient,
+  nothing is exchanged). The step keeps everything a comm hook's step does (DDP's reducer, its
+  buckets, forward, backward, optimizer) but the exchange, so no synchronizing method can be faster:
+  a method's step over this one is its cost. (``no_sync()`` would also skip the reducer's bucket work,
+  which every hook pays, and so measure a floor below what any hook can reach.) The ranks' models
+  drift apart: the run's accuracy is not a data-parallel one, only its step time is reported.
 
 The result is a run record (a dict, saved as JSON by :func:`save_record`): the configuration, the
 evaluation history (test accuracy against training wall time, excluding evaluation), per-epoch time
@@ -49,12 +55,15 @@ from .checkpoint import checkpoint_path, resume_checkpoint, save_checkpoint
 from .data import Dataset, load_dataset
 from .models import MODEL_DEFAULTS, make_model, model_defaults
 
-__all__ = ["TrainConfig", "train", "train_worker", "save_record", "shell_safe", "BASELINES", "describe_method"]
+__all__ = ["TrainConfig", "train", "train_worker", "save_record", "shell_safe", "BASELINES", "FLOOR",
+           "describe_method"]
 
 log = logging.getLogger(__name__)
 
 #: method names handled by torch itself rather than a sparsecomm method
-BASELINES = ("ddp", "powersgd")
+BASELINES = ("ddp", "powersgd", "nosync")
+#: the no-synchronization floor (a baseline that exchanges nothing; see the module docstring)
+FLOOR = "nosync"
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -221,6 +230,10 @@ class _Synchronization:
                                                 start_powerSGD_iter=max(2, config.dense_warmup_steps),
                                                 random_seed=config.seed)
             self.module.register_comm_hook(self.state, powersgd.powerSGD_hook)
+        elif config.method == FLOOR:
+            from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+            self.module.register_comm_hook(None, noop_hook)
         elif config.method != "ddp":
             self.state = SparseHookState(None, config.method, dense_warmup_steps=config.dense_warmup_steps,
                                          **config.method_kwargs())
@@ -246,7 +259,7 @@ class _Synchronization:
         self.optimizer.step()
         if isinstance(self.state, SparseHookState):
             return self.state.take_stats()
-        return Stats(calls=0)  # torch's own DDP and PowerSGD: not timed by sparsecomm
+        return Stats(calls=0)  # torch's own DDP, PowerSGD and the no-op hook: not timed by sparsecomm
 
     def state_dict(self) -> Any:
         if self.synchronizer is not None:

@@ -8,8 +8,11 @@ squares (:func:`sparsecomm.core.cost.fit_alpha_beta`). With nodes (``LOCAL_WORLD
 world size) the same is done inside each node ("intra") and across nodes, one rank per node ("inter");
 otherwise the one fit is "intra" (every link here is the same kind).
 
-Methods: each method's call at density d, its wall time minus its own ``time_comm`` is its work
-(selection, residual, decompression); the metered bytes over the formula's are its traffic factor;
+Methods: each method's call at density d, its wall time minus its own ``time_comm`` is its work,
+split by the method's own timers (:class:`~sparsecomm.methods.Stats`) into decompression
+(``time_decompress``: the received entries merged into the output) and the rest (selection, residual,
+compression, the agreement: work over the n gradient elements); the metered bytes over the formula's
+are its traffic factor;
 its ``time_comm`` over the formula's time under the fitted alpha and beta is its comm factor (what the
 formula's rounds leave out: size headers and separate index and value messages, per-call setup).
 """
@@ -28,10 +31,11 @@ import torch
 from ..core.cost import fit_alpha_beta
 from ..methods import cost, method_class
 from ..methods.base import selection_count
-from .model import Profile, comm_contention, fit_work, layout_options
+from .model import Profile, comm_contention, fit_work, layout_options, touched_entries
 
 __all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_recv_element",
            "profile_from_records", "refit", "merge_records", "method_runs", "time_method_in_worker", "slowest_best",
+           "split_work",
            "LINK_SIZES"]
 
 log = logging.getLogger(__name__)
@@ -146,6 +150,8 @@ def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, re
             stats = result["stats"]
             runs.append({"method": name, "n": n, "times": result["times"],
                          "time_comm": [s.time_comm for s in stats],
+                         "time_select": [s.time_select for s in stats],
+                         "time_decompress": [s.time_decompress for s in stats],
                          "bytes_sent": max(s.bytes_sent for s in stats)})
     return runs
 
@@ -197,6 +203,10 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     * work: for each rank the least over calls of its wall time less its own ``time_comm`` (a rank's
       ``time_comm`` includes waiting for its peers' work, its own selection and decompression do not),
       then the largest over ranks (the critical rank); comm: total less work;
+    * decompression: the same estimator on ``time_decompress`` (where the calibration recorded it),
+      fitted per entry the rank touches (``d1``, ``d0``: :func:`~.simulator.touched_entries`, its own
+      k and the P x k or so it receives, from the cost formula), or per gradient element for a dense
+      method; selection: work less decompression, fitted per gradient element (``s1``, ``s0``);
     * traffic factor: metered bytes over the formula's (data-dependent counts: the measured density);
     * comm factor: comm, with ``contention`` (:func:`~.simulator.comm_contention` at this P) divided
       out, over the formula's time of the slowest rank under the fitted link (the native all-reduce's
@@ -205,11 +215,18 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     P = records[0]["P"]
     link = links.get("inter", links.get("intra", {"alpha": 0.0, "beta": 0.0}))
     per: dict[str, list[tuple[int, float, float, float, float]]] = {}
+    decompress: dict[str, list[tuple[int, float, float]]] = {}  # (n, touched entries, seconds)
     for i, run in enumerate(records[0]["runs"]):
         total = slowest_best(records, i)
         own = max(min(t - c for t, c in zip(r["runs"][i]["times"], r["runs"][i]["time_comm"], strict=True))
                   for r in records)
         work = min(max(0.0, own), total)
+        if "time_decompress" in run:  # calibrations before issue 25 did not record it
+            seconds = min(work, max(min(r["runs"][i]["time_decompress"]) for r in records))
+            k_run = selection_count(density, run["n"]) if method_class(run["method"]).sparse else 0
+            touched = touched_entries(run["method"], P, run["n"], k_run, density,
+                                      layout_options(run["method"], P, net, colocated))
+            decompress.setdefault(run["method"], []).append((run["n"], touched, seconds))
         comm = (total - work) / contention
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
         name, n = run["method"], run["n"]
@@ -230,7 +247,24 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
                      "comm_factor": statistics.mean(s[3] for s in samples),
                      "P": P, "density": density, "sizes": sorted({s[0] for s in samples}),
                      "work_s": {str(s[0]): s[1] for s in samples}, "comm_s": {str(s[0]): s[4] for s in samples}}
+        if name in decompress:
+            dec = {n: (touched, seconds) for n, touched, seconds in decompress[name]}
+            out[name].update(split_work([(n, w) for n, w, *_ in samples], dec))
     return out
+
+
+def split_work(work: Sequence[tuple[int, float]], decompress: dict[int, tuple[float, float]]) -> dict[str, Any]:
+    """The per-element coefficients of a method's work: ``d1`` seconds per touched entry (``d0``
+    fixed) of its decompression, ``s1`` per gradient element (``s0`` fixed) of the rest (selection,
+    residual, compression: the work less the decompression). ``work``: (n, seconds) samples;
+    ``decompress``: n -> (entries touched, seconds). Entries touched 0 (a dense method) fit the
+    decompression per gradient element instead (``decompress_per``: "entry" or "element")."""
+    per_entry = all(touched > 0 for touched, _ in decompress.values())
+    d1, d0 = fit_work([(int(touched if per_entry else n), seconds) for n, (touched, seconds) in decompress.items()]) \
+        if any(seconds > 0 for _, seconds in decompress.values()) else (0.0, 0.0)
+    s1, s0 = fit_work([(n, max(0.0, w - decompress[n][1])) for n, w in work])
+    return {"s1": s1, "s0": s0, "d1": d1, "d0": d0, "decompress_per": "entry" if per_entry else "element",
+            "decompress_s": {str(n): seconds for n, (_, seconds) in decompress.items()}}
 
 
 def measure_selectors(n: int, density: float, repeat: int = 3) -> dict[str, float]:
@@ -298,9 +332,11 @@ def merge_records(first: Sequence[dict[str, Any]], second: Sequence[dict[str, An
         runs = []
         for run in a["runs"]:
             other = runs_b[(run["method"], run["n"])]
-            runs.append({**run, "times": run["times"] + other["times"],
-                         "time_comm": run["time_comm"] + other["time_comm"],
-                         "bytes_sent": max(run["bytes_sent"], other["bytes_sent"])})
+            timers = {key: run[key] + other[key] for key in ("time_select", "time_decompress")
+                      if key in run and key in other}
+            runs.append({**{key: value for key, value in run.items() if key not in ("time_select", "time_decompress")},
+                         "times": run["times"] + other["times"], "time_comm": run["time_comm"] + other["time_comm"],
+                         **timers, "bytes_sent": max(run["bytes_sent"], other["bytes_sent"])})
         links = {(s["kind"], s["algorithm"], s["n"]): s for s in a["links"]}
         for s in b["links"]:
             key = (s["kind"], s["algorithm"], s["n"])

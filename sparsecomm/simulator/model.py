@@ -5,7 +5,7 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
     T = comm + work
     comm = f * (rounds * alpha * c_r + link_contention(P) * traffic_factor * bytes_sent * beta) + rounds * o * c_r
            (rounds, bytes_sent: the slowest of a few sampled ranks)
-    work = (w1 * n + w0) * contention(P) / contention(P_cal) + g * (received(P) - received(P_cal))
+    work = (s1 * n + s0 + d1 * touched(P, n) + d0) * contention(P) / contention(P_cal)
 
 * ``rounds`` and ``bytes_sent`` come from the formula registered with the method
   (:func:`sparsecomm.methods.cost`). The dense method (the backend's own all-reduce) uses the
@@ -13,9 +13,18 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
 * ``traffic_factor`` is the measured bytes over the formula's bytes in the calibration run: 1 for
   exact formulas, below 1 where the formula is an upper bound (threshold counts, unions, ExDyna's
   density, B-SAG's h). Without a profile it is 1 (the documented bound).
-* ``w1``, ``w0`` are the method's non-communication time (selection, residual, decompression:
-  the call's wall time minus its ``time_comm``), fitted per element over the calibrated sizes.
-  ``g`` is the time per received sparse element (scatter-add), which grows with P.
+* Work is modelled by what it touches. ``s1``, ``s0``: selection, residual, compression and the
+  agreement (the call's wall time less its ``time_comm`` and ``time_decompress``), per element of
+  the gradient (n). ``d1``, ``d0``: decompression (the method's ``time_decompress``) per entry a
+  rank touches, ``touched(P, n)`` (:func:`touched_entries`: its own k and the (index, value) pairs
+  it receives, from the cost formula: about P x k for the all-gather family, so decompression grows
+  with P where selection does not). Both are fitted over the calibrated sizes at P_cal. (A dense
+  method touches no sparse entries; its decompression, if any, is per gradient element.)
+  Profiles calibrated before the split was recorded have one ``w1``, ``w0`` per gradient element and
+  ``g`` (``recv_element_s``, a one-process scatter-add) per extra received entry:
+  ``work = (w1 * n + w0) * contention(P) / contention(P_cal) + g * (received(P) - received(P_cal))``.
+  Without the split the simulator under-predicted held-out points (P = 6, n = 5M, calibrated at
+  P = 2, n = 1M) by a third to a half (issue 25).
 * ``contention(P)`` is ``max(1, P / cores)`` when the P workers share one machine of ``cores``
   cores (as in this repository's validation), 1 for a cluster with a device per worker.
 * ``compute_scale`` (an assumption the user gives, e.g. a GPU's memory bandwidth over this
@@ -57,7 +66,7 @@ from ..methods.base import selection_count
 
 __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", "UnknownMethodError",
            "fit_work", "comm_contention", "layout_options", "PROFILE_VERSION", "speedup_table", "crossover",
-           "faster_range", "plot_projection"]
+           "faster_range", "plot_projection", "touched_entries", "work_seconds"]
 
 PROFILE_VERSION = 1
 
@@ -185,6 +194,34 @@ def _received_elements(name: str, P: int, n: int, k: int, density: float, option
     return c.bytes_recv / pair
 
 
+def touched_entries(name: str, P: int, n: int, k: int, density: float, options: dict[str, Any]) -> float:
+    """Sparse entries one rank's decompression touches per call: its own ``k`` and the (index,
+    value) pairs it receives (:func:`_received_elements`, from the cost formula); 0 for a dense
+    method."""
+    if not method_class(name).sparse:
+        return 0.0
+    return k + _received_elements(name, P, n, k, density, options)
+
+
+def work_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: float, options: dict[str, Any],
+                 calib_options: dict[str, Any], recv_element_s: float) -> tuple[float, float]:
+    """A method's work at (P, n) from its calibration entry ``calib``, as (the part that P colocated
+    workers share the cores for, the rest) before the contention factor (the module docstring's
+    ``work``): selection per gradient element plus decompression per touched entry where the
+    calibration split them (``d1``); else the legacy per-element work, and ``recv_element_s`` per
+    extra received entry (a one-process figure: the rest)."""
+    k = selection_count(density, n) if method_class(name).sparse else 0
+    if "d1" in calib:
+        if calib.get("decompress_per") == "element":
+            decompress = calib["d1"] * n + calib["d0"]
+        else:
+            decompress = calib["d1"] * touched_entries(name, P, n, k, density, options) + calib["d0"]
+        return max(0.0, calib["s1"] * n + calib["s0"]) + max(0.0, decompress), 0.0
+    extra = recv_element_s * (_received_elements(name, P, n, k, density, options)
+                              - _received_elements(name, calib["P"], n, k, density, calib_options))
+    return max(0.0, calib["w1"] * n + calib["w0"]), max(0.0, extra)
+
+
 def predict_comm(name: str, P: int, n: int, density: float, alpha: float, beta: float,
                  options: dict[str, Any] | None = None, traffic_factor: float = 1.0,
                  ) -> tuple[float, int, float, bool]:
@@ -254,13 +291,10 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
                 contention_rounds = contention / calib_contention
                 if contention_rounds > 1:
                     rests.append(f"rounds' CPU cost {contention_rounds:g}x (P workers on {profile.cores} cores)")
-            base = (calib["w1"] * n + calib["w0"]) / calib_contention
-            k = selection_count(density, n) if method_class(name).sparse else 0
-            extra = profile.recv_element_s * (
-                _received_elements(name, P, n, k, density, options)
-                - _received_elements(name, calib["P"], n, selection_count(density, n), density, calib_options))
-            work = max(0.0, base * contention / compute_scale + max(0.0, extra) / compute_scale)
-            rests.append(f"work measured at P={calib['P']}, density={calib['density']:g}")
+            shared, alone = work_seconds(calib, name, P, n, density, options, calib_options, profile.recv_element_s)
+            work = (shared * contention / calib_contention + alone) / compute_scale
+            rests.append(f"work measured at P={calib['P']}, density={calib['density']:g}"
+                         + (" (selection per element, decompression per entry touched)" if "d1" in calib else ""))
             if factor != 1.0:
                 rests.append(f"traffic {factor:.2f} x formula (measured)")
             if comm_factor != 1.0:

@@ -10,8 +10,16 @@ step), the method's own seconds and the part of them that ran while backward sti
 metered for the sparse methods, the ring all-reduce formula (the hook's dense calls included) for
 plain DDP's and PowerSGD's all-reduces, which run inside gloo.
 
-Configurations are run in groups of ``--per-group`` (memory), and every group also runs plain DDP:
-the ``x DDP`` column divides by the DDP steps of the same group, measured interleaved with it.
+Configurations are run in groups of ``--per-group`` (memory), and every group also runs plain DDP
+and the no-synchronization floor: the ``x DDP`` and ``x floor`` columns divide by the DDP and floor
+steps of the same group, measured interleaved with it.
+
+The floor ("no sync (floor)") is the same model, batch and P workers under DDP with torch's no-op
+comm hook (``noop_hook``: each bucket's local gradient is handed back unchanged, nothing is
+exchanged). It keeps everything a comm hook's step pays besides the exchange (DDP's reducer and
+buckets, forward, backward, optimizer), so no method that synchronizes through the hook can be
+faster: ``x floor`` is how far a method is from the physical limit of a data-parallel step on this
+machine. (``no_sync()`` would also skip the reducer's bucket work, a floor no hook can reach.)
 """
 
 from __future__ import annotations
@@ -31,7 +39,11 @@ from ...methods import available_methods, method_class
 from ...transport.collectives import ring_cost
 from .common import network_label, parse_networks
 
-HELP = "DDP training step time: plain DDP, PowerSGD rank 2/4 and every sparse method through the hook"
+HELP = ("DDP training step time: the no-synchronization floor, plain DDP, PowerSGD rank 2/4 and every sparse "
+        "method through the hook")
+
+#: the no-synchronization configuration's label (DDP with torch's no-op comm hook)
+FLOOR_LABEL = "no sync (floor)"
 
 POWERSGD_NOTE = ("PowerSGD runs with one bucket (bucket_cap_mb=1000): torch's powerSGD_hook aborts on gloo "
                  "with two or more buckets (torch 2.13)")
@@ -127,6 +139,10 @@ class _Run:
             self.state = SparseHookState(None, config["method"], density=density,
                                          granularity=config["granularity"], dense_below=dense_below)
             self.net.register_comm_hook(self.state, hook)
+        elif config["kind"] == "nosync":
+            from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+            self.net.register_comm_hook(None, noop_hook)
         else:
             self.modelled_elements = self.n
 
@@ -139,7 +155,8 @@ class _Run:
         seconds = time.perf_counter() - start
         P, rank = dist.get_world_size(), dist.get_rank()
         if self.config["kind"] != "sparse":
-            sent = ring_cost(P=P, n=self.modelled_elements, rank=rank, itemsize=4).bytes_sent
+            sent = 0.0 if self.config["kind"] == "nosync" else \
+                ring_cost(P=P, n=self.modelled_elements, rank=rank, itemsize=4).bytes_sent
             return {"seconds": seconds, "bytes": sent, "method": float("nan"), "hidden": float("nan")}
         stats = self.state.take_stats()
         return {"seconds": seconds, "bytes": stats.bytes_sent, "method": stats.time_total,
@@ -180,20 +197,23 @@ def run(args) -> int:
         raise ValueError(f"--warmup={args.warmup}: needs >= 3 (PowerSGD compresses from its step 2 on)")
     configs = _configs(args)
     ddp = {"label": "DDP", "kind": "ddp"}
-    groups = [configs[i:i + args.per_group] for i in range(0, len(configs), args.per_group)]
+    floor = {"label": FLOOR_LABEL, "kind": "nosync"}
+    groups = [configs[i:i + args.per_group] for i in range(0, len(configs), args.per_group)] or [[]]
     rows, notes, n = [], set(), 0
     for net in parse_networks(args.net):
         for group in groups:
-            per_rank = run_workers(args.workers, _worker, [ddp] + group, args.width, args.depth, args.batch,
+            per_rank = run_workers(args.workers, _worker, [floor, ddp] + group, args.width, args.depth, args.batch,
                                    args.density, args.warmup, args.steps, args.bucket_cap_mb, args.dense_below,
                                    net=net, timeout=args.timeout)
             n = per_rank[0]["n"]
             reference = _median_slowest(per_rank, "DDP", "seconds")
-            for config in ([ddp] if group is groups[0] else []) + group:
+            floor_s = _median_slowest(per_rank, FLOOR_LABEL, "seconds")
+            for config in ([floor, ddp] if group is groups[0] else []) + group:
                 label = config["label"]
                 seconds = _median_slowest(per_rank, label, "seconds")
                 row: dict[str, Any] = {"network": network_label(net), "configuration": label,
-                                       "step (ms)": 1e3 * seconds, "DDP in group (ms)": 1e3 * reference,
+                                       "step (ms)": 1e3 * seconds, "floor in group (ms)": 1e3 * floor_s,
+                                       "x floor": seconds / floor_s, "DDP in group (ms)": 1e3 * reference,
                                        "x DDP": seconds / reference,
                                        "MB sent/rank/step": _median_mean(per_rank, label, "bytes") / 1e6}
                 if config["kind"] == "sparse":
@@ -204,15 +224,17 @@ def run(args) -> int:
                     if any(rec.get("fallback") for r in per_rank for rec in r["records"][label]):
                         notes.add(f"{label}: one node, dense fallback (stats.dense_fallback)")
                 else:
-                    row.update({"method (ms)": "", "hidden (%)": "", "bytes": "ring formula"})
+                    row.update({"method (ms)": "", "hidden (%)": "",
+                                "bytes": "none" if config["kind"] == "nosync" else "ring formula"})
                 rows.append(row)
             print(f"done: {network_label(net)}, {', '.join(c['label'] for c in group)}", file=sys.stderr, flush=True)
-    columns = ["network", "configuration", "step (ms)", "DDP in group (ms)", "x DDP", "method (ms)", "hidden (%)",
-               "MB sent/rank/step", "bytes"]
+    columns = ["network", "configuration", "step (ms)", "x floor", "floor in group (ms)", "x DDP",
+               "DDP in group (ms)", "method (ms)", "hidden (%)", "MB sent/rank/step", "bytes"]
     print(markdown_table(rows, columns))
     print(f"\nP={args.workers}, MLP {n / 1e6:.1f}M parameters (width {args.width}, depth {args.depth}), batch "
           f"{args.batch}/rank, density {args.density}; median over {args.steps} interleaved steps (after "
-          f"{args.warmup}) of the slowest rank. x DDP: against DDP in the same worker group. hidden: the "
+          f"{args.warmup}) of the slowest rank. x floor: against the no-synchronization step (DDP with torch's "
+          f"no-op hook: nothing exchanged) in the same worker group; x DDP: against DDP there. hidden: the "
           f"method's seconds that ran before DDP handed over its last bucket (behind backward). DDP and "
           f"sparse hooks: bucket_cap_mb={args.bucket_cap_mb:g}, hook dense_below={args.dense_below}. {POWERSGD_NOTE}.")
     for note in sorted(notes):

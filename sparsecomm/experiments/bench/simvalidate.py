@@ -88,6 +88,9 @@ def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
     path = Path(args.profile_dir) / (f"profile-{label}-{'-'.join(str(n) for n in sizes)}"
                                      f"-P{args.calibrate_workers}-r{repeat}.json")
     profile = Profile.load(path) if path.exists() else None
+    if profile is not None and not all("time_decompress" in run for run in profile.records[0]["runs"]):
+        log.warning("%s was calibrated before decompression was timed apart: calibrating afresh", path)
+        profile = None
     done = 0 if profile is None else int(profile.meta.get("calibrations", 1))
     while profile is None or done < rounds:
         new = calibrate(args.calibrate_workers, methods, sizes, args.density, net=net, repeat=repeat,
@@ -120,7 +123,8 @@ def _measure_group(net, P, n, methods, args, profile, profile_path, run_index: i
         p = predict(run["method"], P, n, args.density, profile=profile)
         rows.append({"net": net or "loopback", "n": n, "P": P, "method": run["method"], "density": args.density,
                      "measured_s": measured, "predicted_s": p.total_s, "comm_s": p.comm_s, "work_s": p.work_s,
-                     "profile": str(profile_path), "run": run_index})
+                     "profile": str(profile_path), "run": run_index, "calibrated_P": profile.meta["P"],
+                     "calibrated_sizes": profile.meta["sizes"]})
     return rows
 
 
@@ -241,14 +245,25 @@ def repredict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def validation_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of predicted, measured and relative error, and the error summary lines."""
+def held_out(row: dict[str, Any]) -> bool | None:
+    """Whether a measured point is held out: both its P and its n other than the calibration's
+    (None for rows measured before the calibration's P and sizes were stored with them)."""
+    if "calibrated_P" not in row:
+        return None
+    return row["P"] != row["calibrated_P"] and row["n"] not in row["calibrated_sizes"]
+
+
+def validation_table(rows: list[dict[str, Any]], tolerance: float = 0.25) -> str:
+    """Markdown table of predicted, measured and relative error, and the error summary lines (and,
+    for held-out points, how many are within ``tolerance``)."""
     table = []
     for r in sorted(rows, key=lambda r: (r["net"], r["n"], r["method"], r["P"])):
         error = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+        out = held_out(r)
         table.append({"network": r["net"], "n": r["n"], "method": r["method"], "P": r["P"],
                       "predicted (ms)": 1e3 * r["predicted_s"], "measured (ms)": 1e3 * r["measured_s"],
-                      "rel. error": f"{100 * error:+.0f}%"})
+                      "rel. error": f"{100 * error:+.0f}%",
+                      "held out": "?" if out is None else "yes" if out else "no"})
     if not table:
         return "(no results)"
     errors = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows]
@@ -260,6 +275,12 @@ def validation_table(rows: list[dict[str, Any]]) -> str:
         mine = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows if r["net"] == net]
         lines.append(f"- {net}: median {100 * statistics.median(mine):.1f}%, worst {100 * max(mine):.0f}% "
                      f"over {len(mine)} points")
+    outside = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows if held_out(r)]
+    if outside:
+        within = sum(e <= tolerance for e in outside)
+        lines.append(f"- held out (P and n both other than the calibration's): median "
+                     f"{100 * statistics.median(outside):.1f}%, worst {100 * max(outside):.0f}%; within "
+                     f"{100 * tolerance:.0f}%: {within}/{len(outside)}")
     repeated = [r for r in rows if r.get("runs", 1) > 1]
     if repeated:
         lines.append(f"run-to-run noise (slowest run over the least, {len(repeated)} points measured "

@@ -2,10 +2,14 @@
 
 P workers (default 4) on each communication-heavy workload (``fashion``: the wide-FC VGG on
 Fashion-MNIST, accuracy; ``lstm``: the word-level LSTM on the fortunes, perplexity), on each
-emulated network (default 1 Gbit/s and 100 Mbit/s): plain DDP, DDP + PowerSGD rank 2 and 4 (one
-DDP bucket), every sparse method at 1%, then the four fastest of those at 0.1%. Each run trains
-for the workload's epoch budget, evaluated several times per epoch; the table gives the training
-wall time to the target. Runs go one after the other in one process tree, so ratios are
+emulated network (default 1 Gbit/s and 100 Mbit/s): the no-synchronization floor (``nosync``, DDP
+with torch's no-op hook), plain DDP, DDP + PowerSGD rank 2 and 4 (one DDP bucket), every sparse
+method at 1%, then the four fastest of those at 0.1%; for each of 3 seeds. Each run trains for the
+workload's epoch budget (3 epochs), evaluated several times per epoch; the table gives the training
+wall time to the target, the step as a multiple of the floor's, and the median over seeds with the
+least and the most. Before each run the load average is recorded; the campaign waits for it to fall
+to ``--max-load-per-core`` x cores and redoes a run started above it (the protocol of
+:mod:`sparsecomm.experiments.campaign`). Runs go one after the other in one process tree, so ratios are
 comparable on a noisy machine; a run whose record exists under ``--out`` is skipped (resume).
 ``--methods``, ``--workloads`` and ``--nets`` run a subset; ``--report`` writes the table and the
 plots (metric against wall time and against epochs) there.
@@ -46,10 +50,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--low-density", default="0.001",
                         help="densities for the best sparse methods after the first stage ('' for none; default 0.001)")
     parser.add_argument("--best", type=int, default=4, help="how many sparse methods run at --low-density (default 4)")
-    parser.add_argument("--powersgd-ranks", default="2,4", help="PowerSGD ranks (default 2,4)")
+    parser.add_argument("--powersgd-ranks", default="2,4",
+                        help="PowerSGD ranks besides 2 and 4, which always run (default 2,4)")
     parser.add_argument("--epochs", type=int, default=None,
-                        help="epoch budget of every run (default: the workload's, fashion 2, lstm 2)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every run (default 0)")
+                        help="epoch budget of every run (default: the workload's, 3)")
+    parser.add_argument("--seeds", default=",".join(map(str, campaign.SEEDS)),
+                        help="comma-separated seeds; every run is made for each (default %(default)s)")
+    parser.add_argument("--max-load-per-core", type=float, default=0.75,
+                        help="quiet machine: the 1-minute load average before a run at most this times the "
+                        "cores (default %(default)s: 1.5 on 2 cores); 0 disables the check")
+    parser.add_argument("--max-wait", type=float, default=300.0,
+                        help="seconds to wait for a quiet machine before a run (default %(default)s)")
+    parser.add_argument("--redo", type=int, default=2,
+                        help="times a run started above the load threshold is redone (default %(default)s)")
     parser.add_argument("--out", default="runs/campaign", help="run records; existing ones are skipped "
                         "(default runs/campaign)")
     parser.add_argument("--report", default=None, help="write campaign.md and the plots into this folder "
@@ -66,28 +79,33 @@ def run(args: argparse.Namespace) -> int:
     nets = parse_networks(args.nets)
     methods = [m for m in args.methods.split(",") if m] if args.methods else None
     ranks = [int(r) for r in args.powersgd_ranks.split(",") if r]
-    overrides = {"workers": args.workers, "seed": args.seed}
+    overrides: dict = {"workers": args.workers}
     if args.epochs is not None:
         overrides["epochs"] = args.epochs
     try:
+        if not all(s.strip().isdigit() for s in args.seeds.split(",") if s.strip()):
+            raise ValueError(f"--seeds {args.seeds!r} must be comma-separated integers >= 0, e.g. 0,1,2")
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        quiet = None if args.max_load_per_core == 0 else campaign.QuietPolicy(
+            max_load_per_core=args.max_load_per_core, max_wait_s=args.max_wait, redo=args.redo)
         if args.recipe:
-            first = campaign.plan_recipes(workloads, nets, args.recipe, density=args.density)
+            first = campaign.plan_recipes(workloads, nets, args.recipe, density=args.density, seeds=seeds)
             low = []
         else:
-            first = campaign.plan(workloads, nets, methods, density=args.density, powersgd_ranks=ranks)
+            first = campaign.plan(workloads, nets, methods, density=args.density, powersgd_ranks=ranks, seeds=seeds)
             low = _floats(args.low_density)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not args.report_only:
-        campaign.run_campaign(first, args.out, overrides, echo=_echo)
+        campaign.run_campaign(first, args.out, overrides, echo=_echo, quiet=quiet)
         for density in low:
             second = campaign.plan_low_density(workloads, nets, args.out, methods, density=density,
-                                               best=args.best, from_density=args.density)
-            campaign.run_campaign(second, args.out, overrides, echo=_echo)
+                                               best=args.best, from_density=args.density, seeds=seeds)
+            campaign.run_campaign(second, args.out, overrides, echo=_echo, quiet=quiet)
     records = campaign.load_campaign(args.out)
     records = [r for r in records if r["campaign"]["workload"] in workloads
-               and (r["config"]["net"] in nets)]
+               and (r["config"]["net"] in nets) and r["campaign"].get("seed", 0) in seeds]
     if not records:
         print(f"no finished runs under {args.out}")
         return 1
