@@ -1,6 +1,7 @@
 """The examples in examples/ run and do what their docs say: P = 2 gloo workers, a tiny model.
 
-Each test skips, with the reason, when its framework is not installed (``pip install '.[examples]'``).
+The Lightning and Accelerate tests skip, with the reason, when the framework is not installed
+(``pip install '.[examples]'``).
 """
 
 import importlib.util
@@ -37,6 +38,17 @@ def _train(example, options):
     _hook_calls = 0
     losses = _load(example).train(hook=counting_hook, **options)
     return losses, _hook_calls
+
+
+def test_ddp_hook_example_runs_the_hook_every_step():
+    plain = run_workers(2, _train, "ddp_hook", dict(method=None, steps=STEPS), timeout=60)
+    sparse = run_workers(2, _train, "ddp_hook", dict(method="topka", density=0.05, steps=STEPS), timeout=60)
+    for (losses, calls), (plain_losses, plain_calls) in zip(sparse, plain, strict=True):
+        assert plain_calls == 0
+        assert calls >= STEPS
+        assert losses[0] == plain_losses[0]
+        assert losses[1:] != plain_losses[1:]
+        assert losses[-1] < losses[0]
 
 
 @pytest.fixture(scope="module")
