@@ -14,6 +14,7 @@ from sparsecomm import run_workers
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STEPS = 12
+N_CUSTOM = 1003  # not divisible by any P > 1 tested
 
 
 def _load(name):
@@ -49,6 +50,39 @@ def test_ddp_hook_example_runs_the_hook_every_step():
         assert losses[0] == plain_losses[0]
         assert losses[1:] != plain_losses[1:]
         assert losses[-1] < losses[0]
+
+
+def _trace_custom_method(options, steps, k):
+    """Worker: register "randk" in this process only, trace it, and evaluate its cost formula."""
+    import torch.distributed as dist
+
+    from sparsecomm.app.testing import trace_method
+
+    _load("custom_method")
+    P, rank = dist.get_world_size(), dist.get_rank()
+    expected = sparsecomm.cost("randk", P=P, n=N_CUSTOM, k=k, rank=rank)
+    traces = trace_method("randk", options, N_CUSTOM, steps)
+    return traces, (expected.rounds, expected.bytes_sent, expected.bytes_recv, expected.exact)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8])
+def test_the_custom_method_example_keeps_every_invariant(P):
+    from sparsecomm.app.testing import assert_conserved, assert_consistent, assert_equals_dense
+
+    k = 51  # ceil(0.05 * 1003)
+    results = run_workers(P, _trace_custom_method, {"density": 0.05}, 3, k, timeout=60)
+    traces = [trace for trace, _ in results]
+    assert_consistent(traces)
+    assert_conserved(traces)
+    for trace, (rounds, sent, received, exact) in results:  # traffic = the cost formula, exactly
+        assert exact
+        for record in trace:
+            stats = record["stats"]
+            assert (stats["rounds"], stats["bytes_sent"], stats["bytes_recv"]) == (rounds, sent, received)
+            assert stats["selected"] == k
+    full = run_workers(P, _trace_custom_method, {"density": 1.0}, 2, N_CUSTOM, timeout=60)
+    assert_equals_dense([trace for trace, _ in full])
+    assert "randk" not in sparsecomm.available_methods()  # registered in the workers only
 
 
 @pytest.fixture(scope="module")
