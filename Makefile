@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml setup.py sparsecomm/selection/_scan.c
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sparsecomm tests
+	$(VENV)/bin/ruff check sparsecomm tests examples
 	$(VENV)/bin/mypy
 
 test: $(STAMP) data lint
