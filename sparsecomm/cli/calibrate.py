@@ -29,6 +29,10 @@ def add_arguments(parser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--methods", default="all", help="comma-separated methods or 'all' (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per measurement (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the methods' gradients live: cuda measures the GPU's work (the forked workers "
+                        "share this machine's one GPU; under torchrun each rank uses its LOCAL_RANK's GPU) "
+                        "(default: %(default)s)")
 
 
 def _under_torchrun() -> bool:
@@ -44,28 +48,32 @@ def _torchrun(args, methods, sizes) -> int:
     from ..simulator.calibration import (
         available_cores,
         calibration_worker,
+        device_name,
         measure_recv_element,
         measure_selectors,
         profile_from_records,
     )
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    gpu = args.device == "cuda"
+    dist.init_process_group("nccl" if gpu else "gloo")
     try:
-        if torch.cuda.is_available():
+        device = "cpu"
+        if gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            device = f"cuda:{torch.cuda.current_device()}"
         one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
         record = calibration_worker(methods, sizes, args.density, args.repeat,
-                                    link_kind="intra" if one_node else "inter")
+                                    link_kind="intra" if one_node else "inter", device=device)
         records: list = [None] * dist.get_world_size()
         dist.all_gather_object(records, record)
         if dist.get_rank() == 0:
             n = max(sizes)
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            n_sel = n if gpu else min(n, 4_000_000)
             profile = profile_from_records(
-                records, density=args.density, net=f"torchrun ({dist.get_world_size()} ranks)", device=device,
-                cores=available_cores(), colocated=False, selectors=measure_selectors(min(n, 4_000_000), args.density),
-                recv_element_s=measure_recv_element(min(n, 4_000_000), selection_count(args.density, n)),
+                records, density=args.density, net=f"torchrun ({dist.get_world_size()} ranks)",
+                device=device_name(device), cores=available_cores(), colocated=False,
+                selectors=measure_selectors(n_sel, args.density, device=device),
+                recv_element_s=measure_recv_element(n_sel, selection_count(args.density, n), device=device),
                 meta={"P": dist.get_world_size(), "sizes": sizes, "density": args.density,
                       "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
             profile.save(args.out)
@@ -106,6 +114,12 @@ def run(args) -> int:
             raise ValueError(f"--density={args.density} must lie in (0, 1]")
         if args.repeat < 1:
             raise ValueError(f"--repeat={args.repeat} must be >= 1")
+        if args.device == "cuda":
+            os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # ask without starting CUDA here
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda: no CUDA GPU here (a CUDA build of torch and a GPU are needed)")
         from ..launch.netemu import emulated_net, parse_rate
 
         args.net = emulated_net(args.net)
@@ -121,10 +135,12 @@ def run(args) -> int:
           f"{', '.join(map(str, sizes))}, {args.repeat} timed calls each (minutes on a small machine)",
           file=sys.stderr, flush=True)
     try:
-        profile = calibrate(args.workers, methods, sizes, args.density, net=args.net, repeat=args.repeat)
+        profile = calibrate(args.workers, methods, sizes, args.density, net=args.net, repeat=args.repeat,
+                            device=args.device)
     except ValueError as err:
         return fail("calibrate", str(err))
     profile.save(args.out)
     _summary(profile, args.out)
-    print(f"measured on {profile.cores} cores with P={args.workers} forked workers", file=sys.stderr)
+    print(f"measured on {profile.device}, {profile.cores} cores, with P={args.workers} forked workers",
+          file=sys.stderr)
     return 0

@@ -153,7 +153,7 @@ def run(args) -> int:
         table = pivot(rows, methods, workers)
     print(markdown_table(table, list(table[0])))
     profile = kwargs["profile"]
-    source = f"profile {args.profile} ({profile.net})" if profile else "given"
+    source = f"profile {args.profile} ({profile.net}; work measured on {profile.device})" if profile else "given"
     alpha = kwargs["alpha"] if kwargs["alpha"] is not None else profile.alpha
     beta = kwargs["beta"] if kwargs["beta"] is not None else profile.beta
     print(f"\nn={n}, density={args.density:g}, alpha={alpha * 1e6:.1f} us, "

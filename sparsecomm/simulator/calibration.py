@@ -78,10 +78,12 @@ def _link_samples(comm, kind: str, sizes: Sequence[int], repeat: int) -> list[di
 
 def calibration_worker(methods: Sequence[str], sizes: Sequence[int], density: float, repeat: int,
                        link_sizes: Sequence[int] = LINK_SIZES, local_size: int | None = None,
-                       link_kind: str = "intra") -> dict[str, Any]:
+                       link_kind: str = "intra", device: str = "cpu") -> dict[str, Any]:
     """Runs in every rank: link, native all-reduce and method timings (this rank's figures).
 
     ``link_kind`` names the links when the ranks are not split into nodes (forked workers: "intra").
+    ``device`` holds the methods' gradients (``"cuda"``: the work measured is the GPU's; the links are
+    timed as they are either way).
     """
     import torch.distributed as dist
 
@@ -103,19 +105,19 @@ def calibration_worker(methods: Sequence[str], sizes: Sequence[int], density: fl
         seconds = _time_collective(comm, "native", n, repeat)
         c = cost("dense", P=P, n=n, rank=comm.rank)
         dense.append({"n": n, "rounds": c.rounds, "bytes": c.bytes_sent, "seconds": seconds})
-    runs = method_runs(methods, sizes, density, repeat)
+    runs = method_runs(methods, sizes, density, repeat, device=device)
     dist.barrier()
     return {"rank": comm.rank, "P": P, "links": links, "dense": dense, "runs": runs}
 
 
 def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: int, warmup: int,
                           seed: int = 0, layout: Sequence | None = None,
-                          grad_fn=None) -> dict[str, Any]:
+                          grad_fn=None, device: str = "cpu") -> dict[str, Any]:
     """Worker function: build the method, run warm-up and timed calls on a fixed gradient.
 
     Returns this rank's per-call wall times (each call starts after a barrier), and the stats of the
     last call. The gradient buffer is allocated once; each call gets a fresh copy made before the
-    clock starts.
+    clock starts. On a CUDA ``device`` the clock stops after the device has finished the call.
     """
     import torch.distributed as dist
 
@@ -123,8 +125,9 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
 
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(seed * 7919 + rank)
-    base = torch.randn(n, generator=gen) if grad_fn is None else grad_fn(n, rank)
+    base = (torch.randn(n, generator=gen) if grad_fn is None else grad_fn(n, rank)).to(device)
     work = torch.empty_like(base)
+    on_gpu = work.is_cuda
     method = make_method(name, **options)
     times, stats = [], []
     for i in range(warmup + repeat):
@@ -132,6 +135,8 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
         dist.barrier()
         start = time.perf_counter()
         method(work, layout)
+        if on_gpu:
+            torch.cuda.synchronize(work.device)
         elapsed = time.perf_counter() - start
         if i >= warmup:
             times.append(elapsed)
@@ -140,13 +145,13 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
 
 
 def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, repeat: int,
-                warmup: int = 1) -> list[dict[str, Any]]:
+                warmup: int = 1, device: str = "cpu") -> list[dict[str, Any]]:
     """Runs in every rank: each method's call times, ``time_comm`` and bytes at each size (this rank)."""
     runs = []
     for n in sizes:
         for name in methods:
             options = {"density": density} if method_class(name).sparse else {}
-            result = time_method_in_worker(name, options, n, repeat, warmup)
+            result = time_method_in_worker(name, options, n, repeat, warmup, device=device)
             stats = result["stats"]
             runs.append({"method": name, "n": n, "times": result["times"],
                          "time_comm": [s.time_comm for s in stats],
@@ -267,11 +272,18 @@ def split_work(work: Sequence[tuple[int, float]], decompress: dict[int, tuple[fl
             "decompress_s": {str(n): seconds for n, (_, seconds) in decompress.items()}}
 
 
-def measure_selectors(n: int, density: float, repeat: int = 3) -> dict[str, float]:
+def _wall(device: str) -> float:
+    """``time.perf_counter()`` once the device has finished what it was given."""
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def measure_selectors(n: int, density: float, repeat: int = 3, device: str = "cpu") -> dict[str, float]:
     """Seconds per element of each selector picking ``density * n`` of n normal values (this process)."""
     from .. import selection as selectors
 
-    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
     k = selection_count(density, n)
     kth = float(torch.topk(x.abs(), k, sorted=False).values.min())
     out = {}
@@ -283,24 +295,24 @@ def measure_selectors(n: int, density: float, repeat: int = 3) -> dict[str, floa
         sel(x, k)
         times = []
         for _ in range(repeat):
-            start = time.perf_counter()
+            start = _wall(device)
             sel(x, k)
-            times.append(time.perf_counter() - start)
+            times.append(_wall(device) - start)
         out[name] = statistics.median(times) / n
     return out
 
 
-def measure_recv_element(n: int, received: int, repeat: int = 3) -> float:
+def measure_recv_element(n: int, received: int, repeat: int = 3, device: str = "cpu") -> float:
     """Seconds per received sparse element: scatter-add of ``received`` random pairs into n zeros."""
     gen = torch.Generator().manual_seed(1)
-    indices = torch.randint(0, n, (received,), generator=gen)
-    values = torch.randn(received, generator=gen)
-    out = torch.zeros(n)
+    indices = torch.randint(0, n, (received,), generator=gen).to(device)
+    values = torch.randn(received, generator=gen).to(device)
+    out = torch.zeros(n, device=device)
     times = []
     for _ in range(repeat + 1):
-        start = time.perf_counter()
+        start = _wall(device)
         out.index_add_(0, indices, values)
-        times.append(time.perf_counter() - start)
+        times.append(_wall(device) - start)
     return statistics.median(times[1:]) / received
 
 
@@ -365,20 +377,36 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def device_name(device: str) -> str:
+    """``"cpu"``, or ``"cuda (<the GPU's name>)"``: the profile's device, as simulate prints it."""
+    return "cpu" if device == "cpu" else f"cuda ({torch.cuda.get_device_name(device)})"
+
+
 def calibrate(P: int, methods: Sequence[str], sizes: Sequence[int], density: float, *, net: str | None = None,
-              repeat: int = 3, timeout: float = 1800.0) -> Profile:
-    """Measure a profile with P forked workers on this machine (loopback, or tc ``net``)."""
+              repeat: int = 3, timeout: float = 1800.0, device: str = "cpu") -> Profile:
+    """Measure a profile with P forked workers on this machine (loopback, or tc ``net``).
+
+    ``device="cuda"``: the workers run the methods on CUDA tensors of the one GPU (gloo, staged through
+    host copies: NCCL refuses two ranks on one device), so the work terms are the GPU's, measured with
+    the P workers sharing it (an upper bound for one GPU per worker); the links are this machine's
+    loopback, which projections replace with ``--alpha``/``--bandwidth`` and ``--formula-comm``.
+    """
     from ..launch.launcher import run_workers
 
     if P < 2:
         raise ValueError(f"-P {P}: calibration needs at least 2 workers to time links")
-    log.info("calibrating P=%d on %s: %d methods at n=%s", P, net or "loopback", len(methods), list(sizes))
-    records = run_workers(P, calibration_worker, list(methods), list(sizes), density, repeat, net=net,
-                          timeout=timeout)
+    log.info("calibrating P=%d on %s, %s: %d methods at n=%s", P, net or "loopback", device, len(methods),
+             list(sizes))
+    records = run_workers(P, calibration_worker, list(methods), list(sizes), density, repeat, LINK_SIZES, None,
+                          "intra", device, net=net, timeout=timeout)
     n_sel = max(sizes)
+    # the workers are gone: only now may this process start CUDA (a forked child of a CUDA process cannot)
+    gpu = device != "cpu"
     return profile_from_records(
-        records, density=density, net=net or "loopback", device="cpu", cores=available_cores(),
-        colocated=True, selectors=measure_selectors(min(n_sel, 4_000_000), density),
-        recv_element_s=measure_recv_element(min(n_sel, 4_000_000), max(1, selection_count(density, n_sel)) * P),
+        records, density=density, net=net or "loopback", device=device_name(device),
+        cores=1 if gpu else available_cores(), colocated=not gpu,
+        selectors=measure_selectors(n_sel if gpu else min(n_sel, 4_000_000), density, device=device),
+        recv_element_s=measure_recv_element(n_sel if gpu else min(n_sel, 4_000_000),
+                                            max(1, selection_count(density, n_sel)) * P, device=device),
         meta={"P": P, "sizes": list(sizes), "density": density, "repeat": repeat,
               "torch_threads_per_worker": 1, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
