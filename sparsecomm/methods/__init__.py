@@ -1,6 +1,7 @@
 """Synchronization methods: one module per method in this package, found automatically.
 
-``make_method(name, **options)`` builds one inside a worker; ``available_methods()`` lists the
+``make_method(name, **options)`` builds one inside a worker; a :class:`MethodSpec` holds a name
+with its options, checked once, for whatever builds methods later; ``available_methods()`` lists the
 names; ``cost(name, P, n, k, ...)`` evaluates a method's (or collective's) registered cost formula.
 A module registers its class with ``@register_method("name")`` (:mod:`.base`) and its formula with
 ``@register_cost("name")`` (:mod:`sparsecomm.core.cost`), next to the code that sends.
@@ -19,12 +20,13 @@ from ..core.cost import COSTS, Cost, evaluate
 from ..transport import collectives, sparse_collectives  # noqa: F401  (register the collectives' formulas)
 from ..transport.comm import Communicator
 from .base import METHODS, Layout, Method, register_method
+from .spec import MethodSpec, method_spec
 from .stats import Stats
 
-__all__ = ["Method", "Layout", "Stats", "register_method", "make_method", "available_methods", "method_class",
-           "cost", "available_costs", "load_all"]
+__all__ = ["Method", "MethodSpec", "method_spec", "Layout", "Stats", "register_method", "make_method",
+           "available_methods", "method_class", "cost", "available_costs", "load_all"]
 
-_SHARED_MODULES = {"base", "stats", "select_allgather"}
+_SHARED_MODULES = {"base", "spec", "stats", "select_allgather"}
 _loaded = False
 
 
@@ -51,19 +53,17 @@ def method_class(name: str) -> type[Method]:
     return METHODS.get(name)
 
 
-def make_method(name: str, comm: Communicator | None = None, **options: Any) -> Method:
-    """Build method ``name`` over ``comm`` (default: all ranks of the default process group).
+def make_method(name: str | MethodSpec, comm: Communicator | None = None, **options: Any) -> Method:
+    """Build method ``name`` (or a :class:`MethodSpec`) over ``comm`` (default: all ranks of the
+    default process group).
 
     Every sparse method takes ``density`` (k = ceil(density * n)); see each method's docstring for
-    its other options. Unknown options raise ``TypeError`` naming them. ``nonfinite`` (``"error"``,
-    the default, or ``"skip"``) is every method's policy for NaN/Inf gradients (:attr:`Method.nonfinite`).
-    The options are kept in ``method.options``; every call checks that all ranks built the method alike.
+    its other options. An unknown option raises ``TypeError`` naming the method and listing its valid
+    options. ``nonfinite`` (``"error"``, the default, or ``"skip"``) is every method's policy for
+    NaN/Inf gradients (:attr:`Method.nonfinite`). The options are kept in ``method.options``; every
+    call checks that all ranks built the method alike.
     """
-    nonfinite = options.pop("nonfinite", "error")
-    method = method_class(name)(comm, **options)
-    method.nonfinite = nonfinite
-    method.options = dict(options)
-    return method
+    return MethodSpec.of(name, options).build(comm)
 
 
 def available_costs() -> list[str]:
