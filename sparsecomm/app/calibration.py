@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..core.cost import fit_alpha_beta
-from ..methods import cost, method_class
+from ..methods import MethodSpec, cost, is_sparse
 from ..methods.base import selection_count
 from .simulator import Profile, comm_contention, fit_work, layout_options
 
@@ -111,7 +111,7 @@ def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, re
     runs = []
     for n in sizes:
         for name in methods:
-            options = {"density": density} if method_class(name).sparse else {}
+            options = dict(MethodSpec.at_density(name, density).options)
             result = time_method_in_worker(name, options, n, repeat, warmup)
             stats = result["stats"]
             runs.append({"method": name, "n": n, "times": result["times"],
@@ -183,7 +183,7 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
         comm = (total - work) / contention
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
         name, n = run["method"], run["n"]
-        k = selection_count(density, n) if method_class(name).sparse else 0
+        k = selection_count(density, n) if is_sparse(name) else 0
         layout = layout_options(name, P, net, colocated)  # the workers' node layout
         costs = [cost(name, P=P, n=n, k=k, rank=r, density=density, **layout) for r in range(P)]
         formula = max(c.bytes_sent for c in costs)

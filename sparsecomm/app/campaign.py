@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..methods import available_methods, method_class
+from ..methods import available_methods, is_sparse, sparse_methods
 from .report_table import markdown_table
 from .training import TrainConfig, save_record, train
 
@@ -104,16 +104,13 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 
 def _is_sparse(method: str) -> bool:
-    return method not in ("ddp", "powersgd") and method_class(method).sparse
+    return method not in ("ddp", "powersgd") and is_sparse(method)
 
 
 def safe_name(text: str) -> str:
     """``text`` with every run of characters outside ``[A-Za-z0-9._-]`` replaced by ``-``."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
 
-
-def sparse_methods() -> list[str]:
-    return [m for m in available_methods() if method_class(m).sparse]
 
 
 def _check(workloads: Sequence[str], methods: Sequence[str] | None) -> list[str]:

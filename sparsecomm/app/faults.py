@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..methods import make_method, method_class
+from ..methods import MethodSpec, make_method
 from ..methods.base import AgreementError, Method
 from .testing import make_gradient
 
@@ -40,7 +40,7 @@ DEADLINE = 5.0
 
 
 def _options(name: str, density: float, **extra: Any) -> dict[str, Any]:
-    return {"density": density, **extra} if method_class(name).sparse else dict(extra)
+    return dict(MethodSpec.at_density(name, density, **extra).options)
 
 
 def _state(method: Method) -> tuple[int, bytes]:

@@ -24,7 +24,7 @@ from .spec import MethodSpec, method_spec
 from .stats import Stats
 
 __all__ = ["Method", "MethodSpec", "method_spec", "Layout", "Stats", "register_method", "make_method",
-           "available_methods", "method_class", "cost", "available_costs", "load_all"]
+           "available_methods", "sparse_methods", "is_sparse", "method_class", "cost", "available_costs", "load_all"]
 
 _SHARED_MODULES = {"base", "spec", "stats", "select_allgather"}
 _loaded = False
@@ -45,6 +45,16 @@ def available_methods() -> list[str]:
     """Names accepted by :func:`make_method`, sorted."""
     load_all()
     return METHODS.names()
+
+
+def sparse_methods() -> list[str]:
+    """Names of the methods that take ``density``, sorted."""
+    return [name for name in available_methods() if method_class(name).sparse]
+
+
+def is_sparse(name: str) -> bool:
+    """Whether method ``name`` takes ``density`` (``ValueError`` listing the names when unknown)."""
+    return method_class(name).sparse
 
 
 def method_class(name: str) -> type[Method]:

@@ -17,9 +17,9 @@ from types import MappingProxyType
 from typing import Any
 
 from ..transport.comm import Communicator
-from .base import METHODS, NONFINITE_POLICIES, Method, check_density
+from .base import NONFINITE_POLICIES, Method, check_density
 
-__all__ = ["MethodSpec", "method_spec"]
+__all__ = ["MethodSpec", "method_spec", "option_names", "COMMON_OPTIONS"]
 
 #: Options every method takes besides its own keyword arguments (handled by :meth:`MethodSpec.build`).
 COMMON_OPTIONS = ("nonfinite",)
@@ -38,6 +38,13 @@ def _keyword_options(cls: type[Method]) -> tuple[list[str], bool]:
     parameters = inspect.signature(cls.__init__).parameters
     names = [name for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     return names, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def option_names(name: str) -> tuple[list[str], bool]:
+    """The options method ``name`` takes itself (its keyword arguments, then :data:`COMMON_OPTIONS`),
+    and whether it passes other options on (to its selector, which checks them)."""
+    own, passes_on = _keyword_options(_load_class(name))
+    return [*own, *COMMON_OPTIONS], passes_on
 
 
 @dataclass(frozen=True, eq=False)

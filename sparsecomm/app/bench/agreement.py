@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...methods import available_methods, method_class
+from ...methods import MethodSpec, available_methods
 from ..launcher import run_workers
 from ..report_table import markdown_table
 from .common import parse_count
@@ -40,14 +40,12 @@ def _worker(names: list[str], n: int, density: float, repeat: int) -> dict[str, 
 
     import torch.distributed as dist
 
-    from ...methods import make_method
-
     rank = dist.get_rank()
     base = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     out: dict[str, dict[str, list[float]]] = {}
     for name in names:
-        options: dict[str, Any] = {"density": density} if method_class(name).sparse else {}
-        variants = {"with": make_method(name, **options), "without": make_method(name, **options)}
+        spec = MethodSpec.at_density(name, density)
+        variants = {"with": spec.build(), "without": spec.build()}
         variants["without"]._validate = lambda grad, layout: None  # type: ignore[method-assign]
         times: dict[str, list[float]] = {"with": [], "without": [], "agreement": []}
         for i in range(repeat + 1):

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...methods import available_methods, method_class
+from ...methods import is_sparse, sparse_methods
 from ...transport.collectives import ring_cost
 from ..launcher import run_workers
 from ..report_table import markdown_table
@@ -86,9 +86,9 @@ def powersgd_elements(model: nn.Module, rank: int) -> int:
 
 def _configs(args) -> list[dict[str, Any]]:
     names = [m.strip() for m in args.methods.split(",") if m.strip()] or \
-        [m for m in available_methods() if method_class(m).sparse]
+        sparse_methods()
     for name in names:
-        if not method_class(name).sparse:
+        if not is_sparse(name):
             raise ValueError(f"--methods: {name!r} is not a sparse method")
     configs: list[dict[str, Any]] = []
     for rank in (int(r) for r in args.powersgd_ranks.split(",") if r.strip()):

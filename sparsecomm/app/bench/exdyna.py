@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ...methods import method_class
+from ...methods import MethodSpec
 from ..launcher import run_workers
 from ..report_table import markdown_table
 from .common import check_density, check_methods_option, configurations, network_label, parse_count, parse_networks
@@ -146,7 +146,7 @@ def run(args) -> int:
     rows, curves = [], {}
     for net, name in configurations([(net, name) for net in nets for name in names], "exdyna",
                                     lambda c: f"{c[1]} on {network_label(c[0])}"):
-        options = {"density": args.density} if method_class(name).sparse else {}
+        options = dict(MethodSpec.at_density(name, args.density).options)
         per_rank = run_workers(args.workers, _stream_worker, name, options, n, args.warmup + args.steps,
                                scale, net=net, timeout=args.timeout)
         rows.append(_row(net, name, per_rank, args.warmup))

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ...blocks.selectors import scan
-from ...methods import available_methods, method_class
+from ...methods import sparse_methods
 from ..launcher import run_workers
 from ..report_table import markdown_table
 from .common import parse_count
@@ -119,7 +119,7 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     n = parse_count(args.n)
-    sparse = [name for name in available_methods() if method_class(name).sparse]
+    sparse = sparse_methods()
     methods = args.methods or sparse
     unknown = sorted(set(methods) - set(sparse))
     if unknown:

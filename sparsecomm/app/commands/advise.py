@@ -114,14 +114,14 @@ def _count_saved(path: str) -> int:
 def advise(methods: list[str], P: int, n: int, densities: list[float], slack: float = 0.10,
            **kwargs: Any) -> Advice:
     """Rank methods by predicted step time at their chosen density (see the module docstring)."""
-    from ...methods import method_class
+    from ...methods import is_sparse
 
     if not densities or any(not 0 < d <= 1 for d in densities):
         raise ValueError(f"densities {densities} must be fractions in (0, 1]")
     dense = predict("dense", P, n, 1.0, **kwargs)
     chosen = []
     for name in methods:
-        if not method_class(name).sparse:
+        if not is_sparse(name):
             chosen.append(predict(name, P, n, 1.0, **kwargs))
             continue
         options = [predict(name, P, n, d, **kwargs) for d in sorted(densities, reverse=True)]
@@ -137,13 +137,12 @@ def _measure_worker(plan: list[tuple[str, float]], n: int, rounds: int, warmup: 
     import torch
     import torch.distributed as dist
 
-    from ...methods import make_method, method_class
+    from ...methods import MethodSpec
 
     gen = torch.Generator().manual_seed(7919 * dist.get_rank() + 1)
     base = torch.randn(n, generator=gen)
     work = torch.empty_like(base)
-    options: dict[str, dict[str, Any]] = {name: {"density": d} if method_class(name).sparse else {} for name, d in plan}
-    built = {name: make_method(name, **options[name]) for name in options}
+    built = {name: MethodSpec.at_density(name, d).build() for name, d in plan}
     times: dict[str, list[float]] = {name: [] for name, _ in plan}
     names = [name for name, _ in plan]
     for r in range(warmup + rounds):
