@@ -148,7 +148,8 @@ def _training(steps, resume_at, options):
             out_tensors = {group.index: group.outbuf().data_ptr() for group in sync.engine.groups}
         opt.zero_grad()
         gen = torch.Generator().manual_seed(10 * dist.get_rank() + step)
-        nn.functional.cross_entropy(model(torch.randn(4, 6, generator=gen)), torch.randint(3, (4,), generator=gen)).backward()
+        x, y = torch.randn(4, 6, generator=gen), torch.randint(3, (4,), generator=gen)
+        nn.functional.cross_entropy(model(x), y).backward()
         sync.step()
     reused = out_tensors == {group.index: group.outbuf().data_ptr() for group in sync.engine.groups}
     dense_groups = sum(group.dense for group in sync.engine.groups)

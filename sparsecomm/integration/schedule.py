@@ -78,7 +78,7 @@ class MethodSchedule:
         entry = self._entry_at(epoch)
         if isinstance(entry, MethodSpec):
             return entry
-        return MethodSpec.at_density(entry, density) if is_sparse(entry) else MethodSpec(entry)
+        return MethodSpec(entry, {"density": density} if is_sparse(entry) else {})
 
     @property
     def methods(self) -> list[str]:

@@ -111,7 +111,7 @@ class MethodSpec:
     @property
     def cls(self) -> type[Method]:
         """The registered class of the method."""
-        return self._cls  # type: ignore[attr-defined,no-any-return]
+        return self._cls  # type: ignore[attr-defined]
 
     @property
     def sparse(self) -> bool:

@@ -105,8 +105,9 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
     """Worker function: build the method, run warm-up and timed calls on a fixed gradient.
 
     Returns this rank's per-call wall times (each call starts after a barrier), and the stats of the
-    last call. The gradient buffer is allocated once; each call gets a fresh copy made before the
-    clock starts.
+    last call. The gradient and result buffers are allocated once (the result goes ``out=``, as in the
+    DDP hook and the synchronizer); each call gets a fresh copy of the gradient made before the clock
+    starts.
     """
     import torch.distributed as dist
 
@@ -115,14 +116,14 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(seed * 7919 + rank)
     base = torch.randn(n, generator=gen) if grad_fn is None else grad_fn(n, rank)
-    work = torch.empty_like(base)
+    work, result = torch.empty_like(base), torch.empty_like(base)
     method = make_method(name, **options)
     times, stats = [], []
     for i in range(warmup + repeat):
         work.copy_(base)
         dist.barrier()
         start = time.perf_counter()
-        method(work, layout)
+        method(work, layout, out=result)
         elapsed = time.perf_counter() - start
         if i >= warmup:
             times.append(elapsed)

@@ -59,14 +59,14 @@ def _stream_worker(name: str, options: dict[str, Any], n: int, steps: int, scale
 
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(1_000_003 * rank + 17)
-    grad = torch.empty(n)
+    grad, result = torch.empty(n), torch.empty(n)
     method = make_method(name, **options)
     records = []
     for _ in range(steps):
         torch.randn(n, generator=gen, out=grad).mul_(scale)
         dist.barrier()
         start = time.perf_counter()
-        method(grad)
+        method(grad, out=result)
         elapsed = time.perf_counter() - start
         s = method.stats
         records.append({"time": elapsed, "density": s["density"], "bytes_sent": s["bytes_sent"],
