@@ -162,17 +162,18 @@ class GroupingEngine:
         ``"skip"`` returned zeros with the residual and step unchanged. Here the skip is counted."""
         self.skipped_calls += 1
 
-    def end_step(self, backward_end: float | None = None) -> Stats:
+    def end_step(self, backward_end: float | None = None, keep: bool = True) -> Stats:
         """Close a step: each call's ``hidden_time`` (its seconds before ``backward_end``, when the
-        calls overlapped backward) is set, the records are kept for :meth:`take_stats`, and their
-        total is returned."""
+        calls overlapped backward) is set, the records are kept for :meth:`take_stats` (``keep``),
+        and their total is returned."""
         records = [stats for stats, _, _ in self._calls]
         if backward_end is not None:
             for stats, start, end in self._calls:
                 stats.hidden_time = hidden_seconds([(start, end)], backward_end)
         self._calls = []
-        with self._lock:
-            self._stats.extend(records)
+        if keep:
+            with self._lock:
+                self._stats.extend(records)
         return Stats.total(records)
 
     def take_stats(self) -> Stats:

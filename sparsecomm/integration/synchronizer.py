@@ -240,8 +240,7 @@ class SparseSynchronizer:
                 else:
                     param.grad.copy_(piece)
         engine.iter += 1
-        self.last_stats = engine.end_step()
-        engine.take_stats()  # the synchronizer reports each step's totals in last_stats
+        self.last_stats = engine.end_step(keep=False)  # each step's totals are reported in last_stats
         return self.last_stats
 
     @staticmethod
