@@ -1,4 +1,5 @@
-"""Residuals that belong to parameters: the DDP hook's groups, laid out in canonical parameter order.
+"""Residuals that belong to parameters: the groups of the grouping engine (:mod:`.engine`, behind the
+DDP hook and the synchronizer), laid out in canonical parameter order.
 
 GRACE (Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine Learning",
 ICDCS 2021) keeps its error-feedback ``Memory`` keyed by tensor name, not by communication bucket.
