@@ -3,7 +3,8 @@
 Inside a worker (``run_workers`` or torchrun)::
 
     method = sparsecomm.make_method("spardl", density=0.01)
-    averaged = method(flat_grad)          # identical on every rank
+    averaged = method(flat_grad)          # identical on every rank; a new tensor
+    method(flat_grad, out=averaged)       # the same into a tensor of yours, no allocation
 
 See the README and ``docs/`` for the methods, the DDP hook and the CLI. The library is layered
 (``docs/architecture.md``): ``core`` < ``transport`` < ``selection`` < ``methods`` < ``integration``
@@ -20,12 +21,12 @@ from .integration.lars import LARS
 from .integration.pto import parallel_apply
 from .integration.synchronizer import SparseSynchronizer
 from .launch.launcher import WorkerError, run_workers
-from .methods import Method, Stats, available_methods, cost, make_method, register_method
+from .methods import Method, MethodSpec, Stats, available_methods, cost, make_method, register_method
 from .transport import Communicator, SparseChunk, TrafficMeter
 
 __all__ = ["Communicator", "TrafficMeter", "SparseChunk", "run_workers", "WorkerError", "Method", "Stats",
            "make_method", "available_methods", "register_method", "cost", "SparseHookState", "hook",
-           "SparseSynchronizer", "selectors"]
+           "SparseSynchronizer", "selectors", "MethodSpec"]
 __all__ += ["parallel_apply"]
 __all__ += ["LARS"]
 __all__ += ["DataCache"]

@@ -148,7 +148,7 @@ def advise(methods: list[str], P: int, n: int, densities: list[float], slack: fl
            **kwargs: Any) -> Advice:
     """Rank methods by predicted time to accuracy at their chosen density (the module docstring);
     without ``accuracy_table``, by predicted step time alone."""
-    from ..methods import method_class
+    from ..methods import is_sparse
 
     if not densities or any(not 0 < d <= 1 for d in densities):
         raise ValueError(f"densities {densities} must be fractions in (0, 1]")
@@ -157,7 +157,7 @@ def advise(methods: list[str], P: int, n: int, densities: list[float], slack: fl
 
     def judged(p: Prediction) -> Prediction:
         if accuracy_table is not None:
-            sparse = method_class(p.method).sparse
+            sparse = is_sparse(p.method)
             accuracy[(p.method, p.density)] = assess(accuracy_table, p.method, p.density if sparse else None,
                                                      tolerance, reference) if sparse else EXACT
         return p
@@ -172,7 +172,7 @@ def advise(methods: list[str], P: int, n: int, densities: list[float], slack: fl
 
     chosen, passed_over = [], []
     for name in methods:
-        if not method_class(name).sparse:
+        if not is_sparse(name):
             chosen.append(judged(predict(name, P, n, 1.0, **kwargs)))
             continue
         options = [judged(predict(name, P, n, d, **kwargs)) for d in sorted(densities, reverse=True)]
@@ -193,13 +193,12 @@ def _measure_worker(plan: list[tuple[str, float]], n: int, rounds: int, warmup: 
     import torch
     import torch.distributed as dist
 
-    from ..methods import make_method, method_class
+    from ..methods import MethodSpec
 
     gen = torch.Generator().manual_seed(7919 * dist.get_rank() + 1)
     base = torch.randn(n, generator=gen)
     work = torch.empty_like(base)
-    options: dict[str, dict[str, Any]] = {name: {"density": d} if method_class(name).sparse else {} for name, d in plan}
-    built = {name: make_method(name, **options[name]) for name in options}
+    built = {name: MethodSpec.at_density(name, d).build() for name, d in plan}
     times: dict[str, list[float]] = {name: [] for name, _ in plan}
     names = [name for name, _ in plan]
     for r in range(warmup + rounds):

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cli.table import markdown_table
-from ..methods import available_methods, method_class
+from ..methods import available_methods, is_sparse, sparse_methods
 from .training import FLOOR, TrainConfig, save_record, train
 
 __all__ = ["Workload", "WORKLOADS", "RunSpec", "RECIPES", "plan", "plan_low_density", "plan_recipes", "best_sparse",
@@ -133,16 +133,13 @@ BASELINE_NAMES = ("ddp", "powersgd", FLOOR)
 
 
 def _is_sparse(method: str) -> bool:
-    return method not in BASELINE_NAMES and method_class(method).sparse
+    return method not in BASELINE_NAMES and is_sparse(method)
 
 
 def safe_name(text: str) -> str:
     """``text`` with every run of characters outside ``[A-Za-z0-9._-]`` replaced by ``-``."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
 
-
-def sparse_methods() -> list[str]:
-    return [m for m in available_methods() if method_class(m).sparse]
 
 
 def _check(workloads: Sequence[str], methods: Sequence[str] | None) -> list[str]:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..devtools.testing import make_gradient
-from ..methods import make_method, method_class
+from ..methods import MethodSpec, make_method
 from ..methods.base import AgreementError, Method
 
 __all__ = ["CASES", "EXPECTED", "DEADLINE", "fault_worker", "evaluate", "run_faults"]
@@ -40,7 +40,7 @@ DEADLINE = 5.0
 
 
 def _options(name: str, density: float, **extra: Any) -> dict[str, Any]:
-    return {"density": density, **extra} if method_class(name).sparse else dict(extra)
+    return dict(MethodSpec.at_density(name, density, **extra).options)
 
 
 def _state(method: Method) -> tuple[int, bytes]:

@@ -50,7 +50,7 @@ from ..integration.hook import SparseHookState, hook
 from ..integration.schedule import MethodSchedule
 from ..integration.synchronizer import SparseSynchronizer
 from ..launch.launcher import STALL_TIMEOUT, run_workers
-from ..methods import Stats, method_class
+from ..methods import MethodSpec, Stats, is_sparse
 from .checkpoint import checkpoint_path, resume_checkpoint, save_checkpoint
 from .data import Dataset, load_dataset
 from .models import MODEL_DEFAULTS, make_model, model_defaults
@@ -90,7 +90,12 @@ def scheduled_lr(config: TrainConfig, step: int, total_steps: int) -> float:
 
 @dataclass
 class TrainConfig:
-    """Everything that defines a training run (saved in its record)."""
+    """Everything that defines a training run (saved in its record).
+
+    ``method`` is a name (``"ddp"``, ``"powersgd"`` or a sparsecomm method, with ``density`` and
+    ``method_options``) or a :class:`~sparsecomm.methods.MethodSpec`, which is split into those three
+    fields here; :meth:`method_spec` gives the spec back.
+    """
 
     model: str = "cnn"
     data: str = "digits"
@@ -128,6 +133,12 @@ class TrainConfig:
     collective_timeout: float = STALL_TIMEOUT
 
     def __post_init__(self) -> None:
+        if isinstance(self.method, MethodSpec):
+            spec = self.method
+            self.method = spec.name
+            self.method_options = {key: value for key, value in spec.options.items() if key != "density"}
+            if spec.density is not None:
+                self.density = spec.density
         defaults = model_defaults(self.model, self.data) if self.model in MODEL_DEFAULTS else {}
         try:
             sparse = self.is_sparse
@@ -143,15 +154,13 @@ class TrainConfig:
         if self.model not in MODEL_DEFAULTS:
             raise ValueError(f"model={self.model!r} is unknown; available: {', '.join(sorted(MODEL_DEFAULTS))}")
         if self.method not in BASELINES:
-            method_class(self.method)  # unknown: ValueError with the list
+            self.method_spec()  # unknown method or option, bad density: ValueError/TypeError naming them
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers={self.workers!r} must be an integer >= 1")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} must be one of {LR_SCHEDULES}")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"epochs={self.epochs!r} must be an integer >= 1")
-        if self.is_sparse and not 0 < self.density <= 1:
-            raise ValueError(f"density={self.density!r} must lie in (0, 1]")
         if self.sync not in ("ddp", "synchronizer"):
             raise ValueError(f"sync={self.sync!r} must be 'ddp' or 'synchronizer'")
         if self.method in BASELINES and (self.sync != "ddp" or self.momentum_correction or self.clip_norm):
@@ -181,16 +190,16 @@ class TrainConfig:
 
     @property
     def is_sparse(self) -> bool:
-        return self.method not in BASELINES and method_class(self.method).sparse
+        return self.method not in BASELINES and is_sparse(self.method)
 
-    def method_kwargs(self, method: str | None = None) -> dict[str, Any]:
-        """Options of ``method`` (default: the initial one): ``method_options`` apply to the initial
-        method; every sparse method gets ``density``."""
+    def method_spec(self, method: str | None = None) -> MethodSpec:
+        """The spec of ``method`` (default: the initial one; not a torch DDP baseline):
+        ``method_options`` apply to the initial method; every sparse method gets ``density``."""
         name = self.method if method is None else method
         options = dict(self.method_options) if name == self.method else {}
-        if name not in BASELINES and method_class(name).sparse:
+        if is_sparse(name):
             options.setdefault("density", self.density)
-        return options
+        return MethodSpec(name, options)
 
 
 def describe_method(config: TrainConfig) -> str:
@@ -212,10 +221,10 @@ class _Synchronization:
         if config.sync == "synchronizer":
             self.module = model
             self.synchronizer = SparseSynchronizer(
-                model, optimizer, config.method, dense_warmup_steps=config.dense_warmup_steps,
+                model, optimizer, config.method_spec(), dense_warmup_steps=config.dense_warmup_steps,
                 clip_norm=config.clip_norm,
                 momentum_correction=config.momentum if config.momentum_correction else None,
-                density_warmup=config.density_warmup, **config.method_kwargs())
+                density_warmup=config.density_warmup)
             return
         if config.method == "powersgd":
             # One bucket: torch 2.13's powerSGD_hook aborts on gloo once a model spans >= 2 buckets.
@@ -235,15 +244,14 @@ class _Synchronization:
 
             self.module.register_comm_hook(None, noop_hook)
         elif config.method != "ddp":
-            self.state = SparseHookState(None, config.method, dense_warmup_steps=config.dense_warmup_steps,
-                                         **config.method_kwargs())
+            self.state = SparseHookState(None, config.method_spec(), dense_warmup_steps=config.dense_warmup_steps)
             self.module.register_comm_hook(self.state, hook)
 
     def switch_method(self, method: str) -> None:
         """Synchronize with ``method`` from the next step on (a schedule's switch; residuals flushed)."""
         target = self.synchronizer if self.synchronizer is not None else self.state
         if target.method_name != method:
-            target.switch_method(method, **self.config.method_kwargs(method))
+            target.switch_method(self.config.method_spec(method))
 
     @property
     def local_model(self) -> nn.Module:
@@ -307,7 +315,8 @@ def _evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 512) -> dict
 
 def _checkpoint_meta(config: TrainConfig, world: int) -> dict[str, Any]:
     """What a checkpoint must match to be resumed by ``config`` (checked by ``resume_checkpoint``)."""
-    return {"method": config.method, "options": config.method_kwargs(), "sync": config.sync,
+    options = {} if config.method in BASELINES else dict(config.method_spec().options)
+    return {"method": config.method, "options": options, "sync": config.sync,
             "model": config.model, "world_size": world}
 
 

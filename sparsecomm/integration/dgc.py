@@ -15,7 +15,7 @@ sparse method of :mod:`sparsecomm.methods`, ``flat_grad`` this rank's gradient b
     if step < dense_warmup_steps:
         update = dense(flat_grad)                                        # plain average
     else:
-        method.density = density_schedule(epoch, target, warmup_epochs)  # optional
+        method.set_density(density_schedule(epoch, target, warmup_epochs))  # optional
         u = correction.update(flat_grad)          # u = m u + g; the method's residual is v
         update = method(u, layout)                # v += u; send top of v; v[sent] = 0
         correction.mask_(method.last_sent)        # momentum factor masking: u[sent] = 0

@@ -20,7 +20,8 @@ How a step runs:
   buckets in DDP's order (bucket index order, the same on every rank) over a process group of its
   own, so every rank issues the same collectives in the same order. ``overlap=False`` runs the same
   work inside the hook (the synchronous path; bit-identical results).
-* **Groups** (:mod:`.residuals`): one method call per group and step. ``granularity="bucket"``: one
+* **Groups** (:mod:`.engine`, the grouping engine the synchronizer shares; :mod:`.residuals`): one
+  method call per group and step. ``granularity="bucket"``: one
   group per bucket of DDP's first iteration; ``granularity="model"``: the whole model in one flat
   buffer (canonical parameter order) and one call when its last gradient arrives, as SparDL, Ok-Topk
   and ExDyna select over the whole model. With ``dense_below`` > 0 (default 0: off), parameters
@@ -47,10 +48,11 @@ import torch
 import torch.distributed as dist
 
 from ..core.validate import check_choice, check_int
-from ..methods import Method, Stats, make_method, method_class
+from ..methods import MethodSpec, Stats
 from ..transport.comm import Communicator
-from .overlap import CommThread, hidden_seconds, private_group
-from .residuals import ParamPlan, Route, goes_dense
+from .engine import GroupingEngine
+from .overlap import CommThread, private_group
+from .residuals import ParamPlan, Route
 from .schedule import ResidualCarry
 
 __all__ = ["SparseHookState", "hook", "GRANULARITIES", "DENSE_BELOW"]
@@ -80,12 +82,15 @@ class _Bucket:
 
 
 class SparseHookState:
-    """State of :func:`hook`: the method's groups, their per-parameter residuals, the iteration counter.
+    """State of :func:`hook`: DDP's buckets, the communication thread and the futures, around the
+    grouping engine (:class:`~.engine.GroupingEngine`: the method's groups, their per-parameter
+    residuals, the iteration counter, warm-up, switches, stats).
 
     Args:
         process_group: the group to synchronize over (``None``: the default group), as for DDP.
             The state communicates over a private copy of it (same ranks and backend).
-        method: a name from :func:`sparsecomm.available_methods`.
+        method: a :class:`~sparsecomm.methods.MethodSpec`, or a name from
+            :func:`sparsecomm.available_methods` with ``method_options``.
         dense_warmup_steps: all-reduce densely for this many first iterations (>= 0).
         use_layout: pass each group's layer layout to the method (layer-wise methods need it).
         granularity: ``"bucket"`` (one method call per DDP bucket of the first iteration, overlapped
@@ -102,85 +107,95 @@ class SparseHookState:
             granularity or dense_below.
     """
 
-    _comm: Communicator | None
-
-    def __init__(self, process_group: dist.ProcessGroup | None = None, method: str = "spardl", *,
+    def __init__(self, process_group: dist.ProcessGroup | None = None, method: MethodSpec | str = "spardl", *,
                  dense_warmup_steps: int = 0, use_layout: bool = True, granularity: str = "bucket",
                  overlap: bool = True, dense_below: int = DENSE_BELOW, **method_options: Any) -> None:
-        method_class(method)  # unknown name: ValueError listing the available ones
+        spec = MethodSpec.of(method, method_options)  # unknown name or option, bad density: raises here
         check_int("dense_warmup_steps", dense_warmup_steps, minimum=0)
         check_choice("granularity", granularity, GRANULARITIES)
         check_int("dense_below", dense_below, minimum=0)
         self.process_group = process_group
-        self.method_name = method
-        self.method_options = dict(method_options)
-        self.dense_warmup_steps = dense_warmup_steps
-        self.use_layout = bool(use_layout)
-        self.granularity = granularity
         self.overlap = bool(overlap)
-        self.dense_below = dense_below
-        self.iter = 0
-        #: residuals of a method switched off (:meth:`switch_method`), by group, for the next gradient
-        self.carry = ResidualCarry()
+        self.engine = GroupingEngine(spec, self._private_comm, granularity=granularity,
+                                     dense_warmup_steps=dense_warmup_steps, dense_below=dense_below,
+                                     use_layout=use_layout)
         self._reset_runtime()
         if dist.is_available() and dist.is_initialized():
-            make_method(method, Communicator(process_group), **self.method_options)  # probe: validates options
-            self._comm = Communicator(private_group(process_group))
+            spec.build(Communicator(process_group))  # probe: checks the values of the options
+            self.engine.comm  # noqa: B018 - the private group, made now on every rank
         else:
-            log.info("process group not initialized yet: %r options are checked on the first bucket", method)
+            log.info("process group not initialized yet: %r options are checked on the first bucket", spec.name)
+
+    def _private_comm(self) -> Communicator:
+        return Communicator(private_group(self.process_group))
 
     def _reset_runtime(self) -> None:
-        self._comm = None
-        self.plan: ParamPlan | None = None
-        self._loaded: dict[str, Any] | None = None   # a loaded plan state, until the groups exist
-        self._deferred_switch: tuple[str, dict[str, Any]] | None = None  # a switch after loading it
         self._thread: CommThread | None = None
-        self._warmup_method: Method | None = None
         self._first: list[_Bucket] = []              # first-iteration buckets, until the groups exist
         self._pending: list[_Bucket] = []            # this iteration's buckets not yet answered
         self._inputs: dict[int, torch.Tensor] = {}   # group -> its gradient this iteration
         self._outputs: dict[int, torch.Tensor] = {}  # group -> its averaged gradient this iteration
-        self._calls: list[tuple[Stats, float, float]] = []  # this iteration's (stats, start, end)
         self._bucketing: list[tuple[int, ...]] = []   # this iteration's buckets (parameter data_ptrs)
         self._last_bucketing: list[tuple[int, ...]] | None = None
         self._bucket_params: list[list[torch.Tensor]] = []
         self._error: BaseException | None = None
-        self._stats: list[Stats] = []
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ setup
     @property
     def comm(self) -> Communicator:
         """The communicator of the state's private process group."""
-        if self._comm is None:
-            self._comm = Communicator(private_group(self.process_group))
-        return self._comm
+        return self.engine.comm
+
+    @property
+    def spec(self) -> MethodSpec:
+        """The method (name and options) that synchronizes the next iteration."""
+        return self.engine.spec
+
+    @property
+    def method_name(self) -> str:
+        return self.engine.spec.name
+
+    @property
+    def method_options(self) -> dict[str, Any]:
+        return dict(self.engine.spec.options)
+
+    @property
+    def plan(self) -> ParamPlan | None:
+        """The groups (``None`` until DDP's first iteration has handed over every bucket)."""
+        return self.engine.plan
+
+    @property
+    def carry(self) -> ResidualCarry:
+        """Residuals of a method switched off (:meth:`switch_method`), by group, for the next gradient."""
+        return self.engine.carry
+
+    @property
+    def iter(self) -> int:
+        return self.engine.iter
+
+    @iter.setter
+    def iter(self, value: int) -> None:
+        self.engine.iter = value
+
+    @property
+    def dense_warmup_steps(self) -> int:
+        return self.engine.dense_warmup_steps
+
+    @property
+    def granularity(self) -> str:
+        return self.engine.granularity
+
+    @property
+    def dense_below(self) -> int:
+        return self.engine.dense_below
+
+    @property
+    def use_layout(self) -> bool:
+        return self.engine.use_layout
 
     @property
     def in_warmup(self) -> bool:
-        return self.iter < self.dense_warmup_steps
-
-    def _new_method(self, dense: bool) -> Method:
-        return make_method("dense", self.comm) if dense else \
-            make_method(self.method_name, self.comm, **self.method_options)
-
-    def _is_dense(self, numel: int, itemsize: int) -> bool:
-        if not method_class(self.method_name).sparse:
-            return False
-        return goes_dense(numel, itemsize, self.method_options.get("density"), self.dense_below)
-
-    def _build(self, buckets: list[_Bucket]) -> None:
-        self.plan = plan = ParamPlan(self.granularity, self._is_dense, self._new_method)
-        params = [b.params for b in buckets]
-        plan.number(params)
-        if self._loaded is not None:
-            plan.load_state_dict(self._loaded)
-            self._loaded = None
-        else:
-            plan.set_groups(plan.members_of(params))
-        if self._deferred_switch is not None:
-            self._swap_methods(*self._deferred_switch)
-            self._deferred_switch = None
+        return self.engine.in_warmup
 
     # ------------------------------------------------------------------ the work of one bucket
     def submit(self, bucket: _Bucket) -> None:
@@ -200,7 +215,7 @@ class SparseHookState:
                 self._first.append(bucket)
                 if not bucket.is_last:
                     return
-                self._build(self._first)
+                self.engine.build([b.params for b in self._first])
                 todo, self._first = self._first, []
             else:
                 todo = [bucket]
@@ -219,9 +234,7 @@ class SparseHookState:
         self._bucketing.append(tuple(p.data_ptr() for p in bucket.params))
         self._bucket_params.append(bucket.params)
         if bucket.warmup:
-            if self._warmup_method is None:
-                self._warmup_method = make_method("dense", self.comm)
-            bucket.result = self._call(self._warmup_method, self._warmup_method, bucket.buffer, warmup=True)
+            bucket.result = self.engine.warmup_reduce(bucket.buffer)
             return
         if route.direct is not None:
             self._inputs[route.direct] = bucket.buffer
@@ -234,19 +247,7 @@ class SparseHookState:
             group = plan.groups[gi]
             if group.arrived == len(group.ids):
                 grad = self._inputs.pop(gi, None)
-                grad = self.carry.flush_into(gi, group.inbuf() if grad is None else grad)
-                self._outputs[gi] = self._call(group.method, group.call, grad, self.use_layout,
-                                               dense_calls=int(group.dense))
-                if group.dense:
-                    group.method.stats["dense_params"] = len(group.ids)
-
-    def _call(self, method: Method, run: Any, *args: Any, **figures: Any) -> torch.Tensor:
-        """``run(*args)``, timed; ``method``'s stats of the call get ``figures``."""
-        start = time.perf_counter()
-        out = run(*args)
-        self._calls.append((method.stats, start, time.perf_counter()))
-        method.stats.update(**figures)
-        return out
+                self._outputs[gi] = self.engine.reduce(group, group.inbuf() if grad is None else grad)
 
     def _answer(self, bucket: _Bucket) -> None:
         route = bucket.route
@@ -268,19 +269,16 @@ class SparseHookState:
         if not last.warmup and len(self._outputs) != len(plan.groups):
             missing = [g.index for g in plan.groups if g.index not in self._outputs]
             raise RuntimeError(f"hook groups {missing} did not receive all their gradients this iteration")
-        for stats, start, end in self._calls:
-            stats.hidden_time = hidden_seconds([(start, end)], last.arrival) if self.overlap else 0.0
-        with self._lock:
-            self._stats.extend(stats for stats, _, _ in self._calls)
+        self.engine.end_step(last.arrival if self.overlap else None)
         for bucket in self._pending:
             self._answer(bucket)
         for group in plan.groups:
             group.arrived = 0
         if self.granularity == "bucket" and self._last_bucketing is not None \
                 and self._bucketing != self._last_bucketing:
-            plan.set_groups(plan.members_of(self._bucket_params))  # DDP rebuilt its buckets
+            self.engine.regroup(self._bucket_params)  # DDP rebuilt its buckets
         self._last_bucketing = self._bucketing
-        self._pending, self._calls, self._outputs, self._inputs = [], [], {}, {}
+        self._pending, self._outputs, self._inputs = [], {}, {}
         self._bucketing, self._bucket_params = [], []
 
     def _fail(self, exc: BaseException, current: _Bucket) -> None:
@@ -312,19 +310,17 @@ class SparseHookState:
         ``density``, bytes, rounds, seconds per phase, ``dense_calls`` (small-tensor and warm-up
         calls) and ``hidden_time`` (method seconds that ran while backward was still computing);
         then start counting afresh."""
-        with self._lock:
-            total = Stats.total(self._stats)
-            self._stats.clear()
-        return total
+        return self.engine.take_stats()
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
         if bucket.is_last():
             self.iter += 1
             if self.iter == self.dense_warmup_steps and self.dense_warmup_steps:
-                log.info("dense warm-up over after %d iterations: %s starts", self.iter, self.method_name)
+                log.info("dense warm-up over after %d iterations: %s starts", self.iter, self.spec.label())
 
-    def switch_method(self, method: str, **method_options: Any) -> None:
-        """Synchronize with ``method`` (built with ``method_options``) from the next iteration on.
+    def switch_method(self, method: MethodSpec | str, **method_options: Any) -> None:
+        """Synchronize with ``method`` (a spec, or a name built with ``method_options``) from the next
+        iteration on.
 
         The groups stay as they are (so a resumed run that switches at the same iteration selects over
         the same elements); each sparse group gets a new method instance, and its residual under the
@@ -335,67 +331,33 @@ class SparseHookState:
         Raises:
             ValueError / TypeError: unknown method or option; the state is then unchanged.
         """
-        method_class(method)
+        spec = MethodSpec.of(method, method_options)
         if dist.is_available() and dist.is_initialized():
-            make_method(method, self.comm, **method_options)  # probe: validates the options
+            spec.build(self.comm)  # probe: checks the values of the options
         self.wait_idle()
-        if self.plan is None and self._loaded is not None:
-            # a loaded state whose groups form on the first bucket: its methods are the old method's
-            self._deferred_switch = (method, dict(method_options))
-            return
-        self._swap_methods(method, method_options)
-
-    def _swap_methods(self, method: str, method_options: dict[str, Any]) -> None:
-        self.method_name, self.method_options = method, dict(method_options)
-        if self.plan is None:
-            return
-        for group in self.plan.groups:
-            if group.dense:
-                continue
-            self.carry.put(group.index, group.residual)
-            group.method = self._new_method(dense=False)
-            group.residual = None
-            if group.method.has_residual:
-                group.residual = torch.zeros(group.n, dtype=group.dtype, device=group.device)
-                group.method.residual = group.residual
-        log.info("hook switched to %s at iteration %d (%d residuals carried)", method, self.iter, len(self.carry))
+        self.engine.switch_method(spec)
 
     def residuals(self) -> dict[int, torch.Tensor]:
         """Each parameter's residual (a view, by canonical id: DDP's first-iteration bucket order)."""
-        if self.plan is None:
-            return {}
-        found = {pid: self.plan.residual_of(pid) for pid in range(len(self.plan.numels))}
-        return {pid: r for pid, r in found.items() if r is not None}
+        return self.engine.residuals()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Iteration counter, options, and the plan: the groups' method states and one residual per
         parameter (by canonical id)."""
         self.wait_idle()
-        plan = self.plan.state_dict() if self.plan is not None else self._loaded
-        return {"version": _STATE_VERSION, "method": self.method_name, "options": dict(self.method_options),
-                "dense_warmup_steps": self.dense_warmup_steps, "granularity": self.granularity,
-                "dense_below": self.dense_below, "iter": self.iter, "plan": plan,
-                "carry": self.carry.state_dict()}
+        return {"version": _STATE_VERSION, **self.engine.state_dict(), "dense_warmup_steps": self.dense_warmup_steps,
+                "granularity": self.granularity, "dense_below": self.dense_below}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: residuals are looked up per parameter, method states per
         group (now, or when the groups form on the first bucket)."""
-        if state.get("method") != self.method_name:
-            raise ValueError(f"state_dict of method {state.get('method')!r} cannot load into a hook "
-                             f"state of method {self.method_name!r}")
-        if state.get("version") != _STATE_VERSION:
+        if state.get("method") == self.method_name and state.get("version") != _STATE_VERSION:
             raise ValueError(f"hook state_dict version {state.get('version')!r} is not {_STATE_VERSION} "
                              "(per-parameter residuals); it was saved by an older sparsecomm")
         self.wait_idle()
-        self.iter = int(state["iter"])
-        self.carry.load_state_dict(state.get("carry", {}))
-        saved = state["plan"]
-        if saved is not None and self.plan is not None:
-            self.plan.load_state_dict(saved)
-            self._last_bucketing = None  # keep the saved groups until DDP's buckets change
-        else:
-            self._loaded = saved
+        self.engine.load_state_dict(state, "hook state")
+        self._last_bucketing = None  # keep the saved groups until DDP's buckets change
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the process group, communicator and thread (like ``PowerSGDState``)."""
@@ -405,20 +367,17 @@ class SparseHookState:
         """Unpickle onto the default process group; set ``process_group`` after loading for another."""
         state = pickled["state"]
         self.process_group = None
-        self.method_name = state["method"]
-        self.method_options = dict(state["options"])
-        self.dense_warmup_steps = state["dense_warmup_steps"]
-        self.granularity = state["granularity"]
-        self.dense_below = state["dense_below"]
-        self.use_layout = pickled["use_layout"]
         self.overlap = pickled["overlap"]
-        self.carry = ResidualCarry()
+        self.engine = GroupingEngine(MethodSpec(state["method"], state["options"]), self._private_comm,
+                                     granularity=state["granularity"],
+                                     dense_warmup_steps=state["dense_warmup_steps"],
+                                     dense_below=state["dense_below"], use_layout=pickled["use_layout"])
         self._reset_runtime()
         self.load_state_dict(state)
 
     def __repr__(self) -> str:
         groups = 0 if self.plan is None else len(self.plan.groups)
-        return (f"SparseHookState(method={self.method_name!r}, options={self.method_options}, "
+        return (f"SparseHookState(method={self.spec.name!r}, options={self.method_options}, "
                 f"granularity={self.granularity!r}, overlap={self.overlap}, iter={self.iter}, groups={groups})")
 
 

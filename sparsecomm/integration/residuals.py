@@ -1,4 +1,5 @@
-"""Residuals that belong to parameters: the DDP hook's groups, laid out in canonical parameter order.
+"""Residuals that belong to parameters: the groups of the grouping engine (:mod:`.engine`, behind the
+DDP hook and the synchronizer), laid out in canonical parameter order.
 
 GRACE (Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine Learning",
 ICDCS 2021) keeps its error-feedback ``Memory`` keyed by tensor name, not by communication bucket.
@@ -80,6 +81,7 @@ class Group:
     residual: torch.Tensor | None = None
     offsets: tuple[int, ...] = ()
     _inbuf: torch.Tensor | None = None
+    _outbuf: torch.Tensor | None = None
     arrived: int = 0
 
     def __post_init__(self) -> None:
@@ -107,9 +109,17 @@ class Group:
             self._inbuf = torch.empty(self.n, dtype=self.dtype, device=self.device)
         return self._inbuf
 
+    def outbuf(self) -> torch.Tensor:
+        """The group's reused output tensor: every call writes its result there (``out=``), so a
+        step allocates no length-n tensor. Valid until the group's next call."""
+        if self._outbuf is None:
+            self._outbuf = torch.empty(self.n, dtype=self.dtype, device=self.device)
+        return self._outbuf
+
     def call(self, grad: torch.Tensor, use_layout: bool) -> torch.Tensor:
-        """Run the method on the group's gradient; its residual stays the group's tensor."""
-        out = self.method(grad, self.layout if use_layout else None)
+        """Run the method on the group's gradient into :meth:`outbuf`; its residual stays the group's
+        tensor."""
+        out = self.method(grad, self.layout if use_layout else None, out=self.outbuf())
         if self.residual is not None and self.method.residual is not self.residual:
             # a method that replaced its residual instead of updating it in place: keep ours
             assert self.method.residual is not None
@@ -188,6 +198,15 @@ class ParamPlan:
         if dense:
             members.append((tuple(sorted(dense)), True))
         return members
+
+    def replace_method(self, group: Group, method: Method) -> None:
+        """Give ``group`` a new method instance (a switch of methods), with a zero residual of its own
+        when the method keeps one."""
+        group.method = method
+        group.residual = None
+        if method.has_residual:
+            group.residual = torch.zeros(group.n, dtype=group.dtype, device=group.device)
+            method.residual = group.residual
 
     def set_groups(self, members: Sequence[tuple[tuple[int, ...], bool]]) -> None:
         """Use these groups from now on. A group with the same parameters as a current one is that

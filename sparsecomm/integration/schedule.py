@@ -6,6 +6,7 @@ would not scale, and then switch to the dense 2D-torus all-reduce. A schedule sa
 from which epoch on::
 
     schedule = MethodSchedule.parse("hitopk", "13:torus2d")   # hitopk for epochs 0-12, then torus2d
+    schedule = MethodSchedule(MethodSpec("hitopk", {"density": 0.01}), ((13, MethodSpec("torus2d")),))
 
 At a switch nothing is lost: the residuals the old method kept (what it did not send) are *flushed*,
 added to the next gradient that the new method synchronizes, so the error-feedback conservation law
@@ -18,30 +19,33 @@ from dataclasses import dataclass
 
 import torch
 
-from ..methods import method_class
+from ..methods import MethodSpec, is_sparse
 
 __all__ = ["MethodSchedule", "ResidualCarry"]
 
 
 @dataclass(frozen=True)
 class MethodSchedule:
-    """The method of each epoch: ``initial`` from epoch 0, then each ``(epoch, name)`` switch in order.
+    """The method of each epoch: ``initial`` from epoch 0, then each ``(epoch, method)`` switch in order.
+
+    Each method is a :class:`~sparsecomm.methods.MethodSpec` (options included) or a name whose
+    options the owner of the schedule supplies (:meth:`spec_at`).
 
     Raises:
         ValueError: a switch epoch that is not an integer >= 1 or not increasing, or an unknown method.
     """
 
-    initial: str
-    switches: tuple[tuple[int, str], ...] = ()
+    initial: MethodSpec | str
+    switches: tuple[tuple[int, MethodSpec | str], ...] = ()
 
     def __post_init__(self) -> None:
-        method_class(self.initial)
+        _check_method(self.initial)
         last = 0
-        for epoch, name in self.switches:
+        for epoch, method in self.switches:
             if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= last:
                 raise ValueError(f"schedule switch epoch {epoch!r} must be an integer >= 1 and larger than "
                                  f"the previous switch's ({last})")
-            method_class(name)
+            _check_method(method)
             last = epoch
 
     @classmethod
@@ -57,21 +61,42 @@ class MethodSchedule:
             switches.append((int(epoch), name.strip()))
         return cls(initial, tuple(switches))
 
-    def method_at(self, epoch: int) -> str:
-        """The method that synchronizes epoch ``epoch`` (0-based)."""
+    def _entry_at(self, epoch: int) -> MethodSpec | str:
         current = self.initial
-        for start, name in self.switches:
+        for start, method in self.switches:
             if epoch >= start:
-                current = name
+                current = method
         return current
+
+    def method_at(self, epoch: int) -> str:
+        """The name of the method that synchronizes epoch ``epoch`` (0-based)."""
+        return _name(self._entry_at(epoch))
+
+    def spec_at(self, epoch: int, density: float | None = None) -> MethodSpec:
+        """The method of epoch ``epoch`` as a spec; a method given by name gets ``density`` when it is
+        sparse."""
+        entry = self._entry_at(epoch)
+        if isinstance(entry, MethodSpec):
+            return entry
+        return MethodSpec(entry, {"density": density} if is_sparse(entry) else {})
 
     @property
     def methods(self) -> list[str]:
         """Every method the schedule uses, in order of first use."""
-        return list(dict.fromkeys([self.initial, *(name for _, name in self.switches)]))
+        return list(dict.fromkeys([_name(self.initial), *(_name(method) for _, method in self.switches)]))
 
     def __str__(self) -> str:
-        return ",".join([f"0:{self.initial}", *(f"{epoch}:{name}" for epoch, name in self.switches)])
+        return ",".join([f"0:{_name(self.initial)}", *(f"{epoch}:{_name(method)}" for epoch, method in self.switches)])
+
+
+def _name(method: MethodSpec | str) -> str:
+    return method.name if isinstance(method, MethodSpec) else method
+
+
+def _check_method(method: MethodSpec | str) -> None:
+    """A spec was checked when it was made; a name must be a known method (ValueError listing them)."""
+    if not isinstance(method, MethodSpec):
+        is_sparse(method)
 
 
 class ResidualCarry:

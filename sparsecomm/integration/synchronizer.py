@@ -8,10 +8,13 @@
         loss_fn(model(x), y).backward()
         sync.step()             # synchronize the gradients, then optimizer.step()
 
-The model's gradients are flattened into buckets (one by default, or buckets of at most
+The model's gradients are gathered into buckets (one by default, or buckets of at most
 ``bucket_elements`` elements), each with its layer layout; each bucket has its own method instance
-(and residual); the averaged result is written back into ``param.grad``. Parameters are broadcast
-from rank 0 at construction, as DDP does.
+(and residual); the averaged result is written back into ``param.grad``. The buckets are the groups
+of the grouping engine the DDP hook shares (:class:`~.engine.GroupingEngine`: flat buffers, the
+small-tensor rule ``dense_below``, warm-up, switches, residual carry, stats, checkpoint); this class
+keeps ``param.grad`` and the optimizer-side techniques. Parameters are broadcast from rank 0 at
+construction, as DDP does.
 
 Options that need the optimizer or the local gradient before compression (DGC, Lin et al. 2018;
 RedSync, Fang et al., section 4):
@@ -42,9 +45,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.validate import check_int, is_int
-from ..methods import Method, Stats, make_method, method_class
+from ..methods import Method, MethodSpec, Stats
 from ..transport.comm import Communicator
 from . import dgc
+from .engine import GroupingEngine
+from .residuals import Group
 from .schedule import ResidualCarry
 
 __all__ = ["SparseSynchronizer"]
@@ -59,11 +64,14 @@ class SparseSynchronizer:
         model: the local replica (parameters are broadcast from rank 0 at construction).
         optimizer: stepped by :meth:`step` after synchronization (may be ``None`` when only
             :meth:`synchronize` is used).
-        method: a name from :func:`sparsecomm.available_methods`.
+        method: a :class:`~sparsecomm.methods.MethodSpec`, or a name from
+            :func:`sparsecomm.available_methods` with ``method_options``.
         process_group: ``None`` for the default group.
         bucket_elements: split the flat gradient into buckets of at most this many elements
             (parameter boundaries kept); ``None``: one bucket.
         dense_warmup_steps: steps averaged densely before the method takes over.
+        dense_below: parameters with fewer elements, or whose sparse message would not be smaller
+            than the dense one, are averaged densely in one fused call; 0 (default): none.
         clip_norm: local gradient clipping threshold (scaled by P**-0.5 on each rank), or ``None``.
         momentum_correction: the momentum m of DGC momentum correction and factor masking, or
             ``None``; the optimizer must then have no momentum of its own.
@@ -75,63 +83,100 @@ class SparseSynchronizer:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 method: str = "spardl", *, process_group=None, bucket_elements: int | None = None,
-                 dense_warmup_steps: int = 0, clip_norm: float | None = None,
+                 method: MethodSpec | str = "spardl", *, process_group=None, bucket_elements: int | None = None,
+                 dense_warmup_steps: int = 0, dense_below: int = 0, clip_norm: float | None = None,
                  momentum_correction: float | None = None, density_warmup: int | None = None,
                  broadcast_parameters: bool = True, **method_options: Any) -> None:
-        method_class(method)
+        spec = MethodSpec.of(method, method_options)
         check_int("dense_warmup_steps", dense_warmup_steps, minimum=0)
+        check_int("dense_below", dense_below, minimum=0)
         if clip_norm is not None and (not isinstance(clip_norm, (int, float)) or not math.isfinite(clip_norm)
                                       or clip_norm <= 0):
             raise ValueError(f"clip_norm={clip_norm!r} must be a positive number or None")
         if bucket_elements is not None and (not isinstance(bucket_elements, int) or bucket_elements < 1):
             raise ValueError(f"bucket_elements={bucket_elements!r} must be a positive integer or None")
-        self.model = model
-        self.optimizer = optimizer
-        self.method_name = method
-        self.method_options = dict(method_options)
-        self.process_group = process_group
-        self.dense_warmup_steps = dense_warmup_steps
-        self.clip_norm = clip_norm
-        self.iter = 0
-        self.comm = Communicator(process_group)
-        self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
-        self.buckets: list[list[nn.Parameter]] = self._make_buckets(bucket_elements)
-        self.methods: list[Method] = [make_method(method, self.comm, **self.method_options)
-                                      for _ in self.buckets]
-        self.corrections: list[dgc.MomentumCorrection] | None = None
-        if momentum_correction is not None:
-            self._check_momentum_correction(momentum_correction)
-            self.corrections = [dgc.MomentumCorrection(momentum_correction) for _ in self.buckets]
-        if density_warmup is not None and (not is_int(density_warmup)
-                                           or density_warmup < 0 or "density" not in self.method_options):
+        if density_warmup is not None and (not is_int(density_warmup) or density_warmup < 0 or not spec.sparse):
             raise ValueError(f"density_warmup={density_warmup!r} must be a number of epochs (int >= 0) "
                              f"and needs a sparse method with density=")
+        self.model = model
+        self.optimizer = optimizer
+        self.process_group = process_group
+        self.clip_norm = clip_norm
+        self.comm = Communicator(process_group)
+        self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
+        if momentum_correction is not None:
+            self._check_momentum_correction(momentum_correction, spec)
+        self.engine = GroupingEngine(spec, lambda: self.comm, dense_warmup_steps=dense_warmup_steps,
+                                     dense_below=dense_below)
+        self.engine.build(self._make_buckets(bucket_elements))
+        self.corrections: list[dgc.MomentumCorrection] | None = None
+        if momentum_correction is not None:
+            self.corrections = [dgc.MomentumCorrection(momentum_correction) for _ in self.engine.groups]
         self.density_warmup = density_warmup
-        self.target_density = self.method_options.get("density")
+        self.target_density = spec.density
         self.epoch = 0.0
         self.last_stats = Stats(calls=0)
-        self._dense: Method | None = None
-        #: residuals of a method switched off, added to the next gradient of their bucket
-        self.carry = ResidualCarry()
         if broadcast_parameters:
             with torch.no_grad():
                 for tensor in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(tensor, src=dist.get_global_rank(process_group, 0)
                                    if process_group is not None else 0, group=process_group)
 
-    def _check_momentum_correction(self, momentum: float) -> None:
-        if not self.methods or not self.methods[0].tracks_sent:
+    def _check_momentum_correction(self, momentum: float, spec: MethodSpec) -> None:
+        if not spec.cls.tracks_sent:
             raise ValueError(f"momentum_correction needs a method that reports the indices it sent "
-                             f"(last_sent); {self.method_name!r} does not")
+                             f"(last_sent); {spec.name!r} does not")
         if self.optimizer is not None and any(group.get("momentum", 0) for group in self.optimizer.param_groups):
             raise ValueError("momentum_correction applies the momentum locally before compression: build "
                              "the optimizer with momentum=0 (got momentum "
                              f"{[g.get('momentum') for g in self.optimizer.param_groups]})")
         dgc.MomentumCorrection(momentum)  # validates m
 
-    def switch_method(self, method: str, **method_options: Any) -> None:
-        """Synchronize with ``method`` (built with ``method_options``) from the next step on.
+    # ------------------------------------------------------------------ what the engine holds
+    @property
+    def spec(self) -> MethodSpec:
+        """The method (name and options) that synchronizes the next step."""
+        return self.engine.spec
+
+    @property
+    def method_name(self) -> str:
+        return self.engine.spec.name
+
+    @property
+    def method_options(self) -> dict[str, Any]:
+        return dict(self.engine.spec.options)
+
+    @property
+    def methods(self) -> list[Method]:
+        """Each bucket's method instance."""
+        return [group.method for group in self.engine.groups]
+
+    @property
+    def buckets(self) -> list[list[nn.Parameter]]:
+        """Each bucket's parameters, in bucket order."""
+        return [[self.params[pid] for pid in group.ids] for group in self.engine.groups]
+
+    @property
+    def carry(self) -> ResidualCarry:
+        """Residuals of a method switched off, added to the next gradient of their bucket."""
+        return self.engine.carry
+
+    @property
+    def iter(self) -> int:
+        return self.engine.iter
+
+    @property
+    def dense_warmup_steps(self) -> int:
+        return self.engine.dense_warmup_steps
+
+    @property
+    def in_warmup(self) -> bool:
+        return self.engine.in_warmup
+
+    # ------------------------------------------------------------------ changes between steps
+    def switch_method(self, method: MethodSpec | str, **method_options: Any) -> None:
+        """Synchronize with ``method`` (a spec, or a name built with ``method_options``) from the next
+        step on.
 
         Each bucket's residual under the old method is flushed: added to that bucket's next gradient
         before the new method (or the dense warm-up) averages it, so the sum of what every rank
@@ -142,18 +187,13 @@ class SparseSynchronizer:
             ValueError / TypeError: unknown method or option, or a method that momentum correction
                 cannot use; the synchronizer is then unchanged.
         """
-        methods = [make_method(method, self.comm, **method_options) for _ in self.buckets]
-        if self.corrections is not None and methods and not methods[0].tracks_sent:
+        spec = MethodSpec.of(method, method_options)
+        if self.corrections is not None and not spec.cls.tracks_sent:
             raise ValueError(f"momentum_correction needs a method that reports the indices it sent "
-                             f"(last_sent); cannot switch to {method!r}")
-        for number, old in enumerate(self.methods):
-            self.carry.put(number, old.residual)
-        log.info("switching from %s to %s at step %d (%d residuals carried)", self.method_name, method,
-                 self.iter, len(self.carry))
-        self.methods = methods
-        self.method_name = method
-        self.method_options = dict(method_options)
-        self.target_density = self.method_options.get("density")
+                             f"(last_sent); cannot switch to {spec.name!r}")
+        spec.build(self.comm)  # probe: checks the values of the options
+        self.engine.switch_method(spec)
+        self.target_density = spec.density
 
     def set_epoch(self, epoch: float) -> None:
         """The current (fractional) epoch, for the density warm-up."""
@@ -172,52 +212,47 @@ class SparseSynchronizer:
             size += param.numel()
         return buckets
 
-    @property
-    def in_warmup(self) -> bool:
-        return self.iter < self.dense_warmup_steps
-
+    # ------------------------------------------------------------------ one step
     def synchronize(self) -> Stats:
         """Replace every ``param.grad`` by the average over ranks; returns the step's stats
         (elements, output non-zeros, density, bytes, rounds, seconds per phase)."""
         if self.clip_norm is not None:
             dgc.clip_local_gradients(self.params, self.clip_norm, self.comm.size)
-        records: list[Stats] = []
-        for number, (params, method) in enumerate(zip(self.buckets, self.methods, strict=False)):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            layout, offset = [], 0
-            for g in grads:
-                layout.append((offset, g.numel()))
-                offset += g.numel()
-            if self.in_warmup:
-                averaged = self._dense_average(self.carry.flush_into(number, flat), records)
-            else:
-                if self.density_warmup is not None and self.target_density is not None:
-                    method.density = dgc.density_schedule(self.epoch, self.target_density, self.density_warmup)
-                if self.corrections is not None:
-                    flat = self.corrections[number].update(flat)
-                flat = self.carry.flush_into(number, flat)
-                averaged = method(flat, layout)
-                records.append(method.stats)
-                if self.corrections is not None and method.last_sent is not None:
-                    self.corrections[number].mask_(method.last_sent)
-            for param, (start, numel) in zip(params, layout, strict=False):
+        engine = self.engine
+        warmup = engine.in_warmup
+        if not warmup and self.density_warmup is not None and self.target_density is not None:
+            density = dgc.density_schedule(self.epoch, self.target_density, self.density_warmup)
+            if density != engine.spec.density:
+                engine.set_density(density)
+        for group in engine.groups:
+            params = [self.params[pid] for pid in group.ids]
+            flat = self._gather(group, params)
+            correction = None if warmup or group.dense or self.corrections is None else self.corrections[group.index]
+            if correction is not None:
+                flat = correction.update(flat)
+            averaged = engine.reduce(group, flat, warmup=warmup, **({"dense_calls": 1} if warmup else {}))
+            if correction is not None and group.method.last_sent is not None:
+                correction.mask_(group.method.last_sent)
+            for param, start, numel in zip(params, group.offsets, group.numels, strict=True):
                 piece = averaged[start:start + numel].view_as(param)
                 if param.grad is None:
                     param.grad = piece.clone()
                 else:
                     param.grad.copy_(piece)
-        self.iter += 1
-        self.last_stats = Stats.total(records)
+        engine.iter += 1
+        self.last_stats = engine.end_step(keep=False)  # each step's totals are reported in last_stats
         return self.last_stats
 
-    def _dense_average(self, flat: torch.Tensor, records: list[Stats]) -> torch.Tensor:
-        if self._dense is None:
-            self._dense = make_method("dense", self.comm)
-        averaged = self._dense(flat)
-        self._dense.stats.update(warmup=True, dense_calls=1)
-        records.append(self._dense.stats)
-        return averaged
+    @staticmethod
+    def _gather(group: Group, params: list[nn.Parameter]) -> torch.Tensor:
+        """The group's gradient, gathered into its reused input tensor (zeros for a missing grad)."""
+        flat = group.inbuf()
+        for param, start, numel in zip(params, group.offsets, group.numels, strict=True):
+            if param.grad is None:
+                flat[start:start + numel].zero_()
+            else:
+                flat[start:start + numel].copy_(param.grad.reshape(-1))
+        return flat
 
     def step(self, closure=None):
         """:meth:`synchronize`, then ``optimizer.step(closure)``."""
@@ -229,29 +264,25 @@ class SparseSynchronizer:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Step counter and each bucket's method state (residual, step, extra); the optimizer's state
-        is saved by the optimizer."""
-        state = {"method": self.method_name, "iter": self.iter,
-                 "buckets": [m.state_dict() for m in self.methods], "carry": self.carry.state_dict()}
+        """Step counter, the buckets' method states and per-parameter residuals (the engine's), and
+        the momentum corrections; the optimizer's state is saved by the optimizer."""
+        state = self.engine.state_dict()
         if self.corrections is not None:
             state["momentum_correction"] = [c.state_dict() for c in self.corrections]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("method") != self.method_name:
-            raise ValueError(f"state_dict of method {state.get('method')!r} cannot load into a "
-                             f"synchronizer of method {self.method_name!r}")
-        if len(state["buckets"]) != len(self.methods):
-            raise ValueError(f"state_dict holds {len(state['buckets'])} buckets, this synchronizer "
-                             f"{len(self.methods)}; use the same model and bucket_elements")
-        self.iter = int(state["iter"])
-        for method, saved in zip(self.methods, state["buckets"], strict=False):
-            method.load_state_dict(saved)
-        self.carry.load_state_dict(state.get("carry", {}))
+        if "plan" not in state:
+            raise ValueError("this synchronizer state_dict has no per-parameter residuals ('plan'); it was "
+                             "saved by an older sparsecomm")
+        self.engine.load_state_dict(state, "synchronizer")
         if self.corrections is not None:
-            for correction, saved in zip(self.corrections, state["momentum_correction"], strict=False):
+            if len(state["momentum_correction"]) != len(self.corrections):
+                raise ValueError(f"state_dict holds {len(state['momentum_correction'])} momentum corrections, "
+                                 f"this synchronizer {len(self.corrections)} buckets; use the same bucket_elements")
+            for correction, saved in zip(self.corrections, state["momentum_correction"], strict=True):
                 correction.load_state_dict(saved)
 
     def __repr__(self) -> str:
         return (f"SparseSynchronizer(method={self.method_name!r}, options={self.method_options}, "
-                f"buckets={len(self.buckets)}, iter={self.iter})")
+                f"buckets={len(self.engine.groups)}, iter={self.iter})")

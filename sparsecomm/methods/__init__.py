@@ -1,6 +1,7 @@
 """Synchronization methods: one module per method in this package, found automatically.
 
-``make_method(name, **options)`` builds one inside a worker; ``available_methods()`` lists the
+``make_method(name, **options)`` builds one inside a worker; a :class:`MethodSpec` holds a name
+with its options, checked once, for whatever builds methods later; ``available_methods()`` lists the
 names; ``cost(name, P, n, k, ...)`` evaluates a method's registered cost formula and
 ``collective_cost(name, ...)`` a collective's. A module registers its class with
 ``@register_method("name")`` (:mod:`.base`) and its formula with ``@register_cost("name")``
@@ -23,13 +24,14 @@ from ..selection import option_names as selector_option_names
 from ..transport import collectives, sparse_collectives  # noqa: F401  (register the collectives' formulas)
 from ..transport.comm import Communicator
 from .base import METHODS, Layout, Method, register_method
+from .spec import MethodSpec, method_spec
 from .stats import Stats
 
-__all__ = ["Method", "Layout", "Stats", "register_method", "make_method", "available_methods", "method_class",
-           "check_method_options", "cost", "available_costs", "collective_cost", "available_collective_costs",
-           "load_all"]
+__all__ = ["Method", "MethodSpec", "method_spec", "Layout", "Stats", "register_method", "make_method",
+           "available_methods", "sparse_methods", "is_sparse", "method_class", "check_method_options", "cost",
+           "available_costs", "collective_cost", "available_collective_costs", "load_all"]
 
-_SHARED_MODULES = {"base", "stats", "select_allgather"}
+_SHARED_MODULES = {"base", "spec", "stats", "select_allgather"}
 _loaded = False
 
 
@@ -50,14 +52,25 @@ def available_methods() -> list[str]:
     return METHODS.names()
 
 
+def sparse_methods() -> list[str]:
+    """Names of the methods that take ``density``, sorted."""
+    return [name for name in available_methods() if method_class(name).sparse]
+
+
+def is_sparse(name: str) -> bool:
+    """Whether method ``name`` takes ``density`` (``ValueError`` listing the names when unknown)."""
+    return method_class(name).sparse
+
+
 def method_class(name: str) -> type[Method]:
     """The class registered as ``name``; ``ValueError`` listing the available names otherwise."""
     load_all()
     return METHODS.get(name)
 
 
-def make_method(name: str, comm: Communicator | None = None, **options: Any) -> Method:
-    """Build method ``name`` over ``comm`` (default: all ranks of the default process group).
+def make_method(name: str | MethodSpec, comm: Communicator | None = None, **options: Any) -> Method:
+    """Build method ``name`` (or a :class:`MethodSpec`) over ``comm`` (default: all ranks of the
+    default process group).
 
     Every sparse method takes ``density`` (k = ceil(density * n)); see each method's docstring for
     its other options. An unknown option raises :class:`~sparsecomm.core.validate.UnknownOptionError`
@@ -66,12 +79,7 @@ def make_method(name: str, comm: Communicator | None = None, **options: Any) -> 
     gradients (:attr:`Method.nonfinite`). The options are kept in ``method.options``; every call checks
     that all ranks built the method alike.
     """
-    check_method_options(name, options)
-    nonfinite = options.pop("nonfinite", "error")
-    method = method_class(name)(comm, **options)
-    method.nonfinite = nonfinite
-    method.options = dict(options)
-    return method
+    return MethodSpec.of(name, options).build(comm)
 
 
 def check_method_options(name: str, options: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from ..transport.agreement import Agreement, AgreementError, agree
 from ..transport.comm import Communicator
 from .stats import PHASES, Stats
 
-__all__ = ["Method", "Layout", "METHODS", "register_method", "selection_count", "AgreementError",
+__all__ = ["Method", "Layout", "METHODS", "register_method", "selection_count", "check_density", "AgreementError",
            "NonFiniteGradientError", "NONFINITE_POLICIES"]
 
 log = logging.getLogger(__name__)
@@ -67,13 +67,7 @@ class Method:
 
     def __init__(self, comm: Communicator | None = None, *, density: float | None = None) -> None:
         self.comm = comm if comm is not None else Communicator()
-        if self.sparse:
-            if density is None:
-                raise ValueError(f"method {self.name!r} needs density= (a fraction in (0, 1])")
-            check_fraction("density", density)
-        elif density is not None:
-            raise ValueError(f"method {self.name!r} is dense and takes no density (got {density!r})")
-        self.density = None if density is None else float(density)
+        self._density = check_density(self.name, self.sparse, density)
         self.residual: torch.Tensor | None = None
         #: local int64 indices whose accumulated value this rank sent in the last call (None when
         #: the method does not track them); DGC momentum masking uses it.
@@ -84,6 +78,25 @@ class Method:
         self.options: dict[str, Any] = {}
         self._nonfinite = "error"
         self._times: dict[str, float] = {}
+        self._call_out: torch.Tensor | None = None   # this call's out= tensor (None: a fresh result)
+        self._out_support: torch.Tensor | None = None
+        self._out_mark: tuple[int, int] | None = None
+
+    # ------------------------------------------------------------------ density
+    @property
+    def density(self) -> float | None:
+        """The fraction of elements each rank selects (``None`` for a dense method)."""
+        return self._density
+
+    @density.setter
+    def density(self, density: float) -> None:
+        self.set_density(density)
+
+    def set_density(self, density: float) -> None:
+        """Select ``ceil(density * n)`` elements from the next call on (e.g. DGC's density warm-up,
+        :func:`sparsecomm.integration.dgc.density_schedule`); same rule as at construction. Every
+        rank must set the same density before the same call (the call's agreement checks it)."""
+        self._density = check_density(self.name, self.sparse, density)
 
     # ------------------------------------------------------------------ to implement
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -120,51 +133,55 @@ class Method:
             self.residual = torch.zeros_like(grad)
         return self.residual
 
-    # ------------------------------------------------------------------ the reused output buffer
-    #: Return the method's reused output buffer (valid until the next call) instead of a fresh tensor.
-    #: Set it to False on an instance to get a fresh tensor from every call (one more length-n
-    #: allocation per call). The DDP hook and the synchronizer copy the result out before the next call.
-    reuse_output: bool = True
-    _out: torch.Tensor | None = None
-    _out_support: torch.Tensor | None = None
-
+    # ------------------------------------------------------------------ the output tensor
     def output_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """A zero tensor shaped like ``like`` to decompress into, kept between calls.
+        """The zero tensor shaped like ``like`` that this call decompresses into and returns.
 
-        The buffer is allocated once per (n, dtype, device); on later calls only the entries written
-        by the previous call (see :meth:`output_written`) are zeroed again, so a sparse call costs
-        O(k) here instead of a length-n allocation (page faults) and a full write. The returned tensor
-        is the method's output, valid until the next call: callers that keep it must clone it, and
-        must not write into it (the next call zeroes only the entries the method wrote). With
-        ``reuse_output = False`` a fresh zero tensor is returned instead.
+        Without ``out=`` it is a fresh tensor the caller owns. With ``method(grad, out=buf)`` it is
+        ``buf``, zeroed: in full, or, when ``buf`` is the tensor this method filled on its previous
+        call and nobody wrote into it since (same storage, same ``_version``), only at the entries
+        that call wrote (see :meth:`output_written`), so a sparse call costs O(k) here instead of a
+        length-n write. That is the zero-allocation path of the DDP hook and the synchronizer.
         """
-        buf = self._out
-        if not self.reuse_output:
-            self._out = self._out_support = None
+        out = self._call_out
+        if out is None:
             return torch.zeros_like(like)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
-            self._out = buf = torch.zeros_like(like)
-        elif self._out_support is None:
-            buf.zero_()
+        if self._out_support is not None and self._out_mark == (out.data_ptr(), out._version):
+            out.index_fill_(0, self._out_support, 0)
         else:
-            buf.index_fill_(0, self._out_support, 0)
+            out.zero_()
         self._out_support = None  # until the method says where it wrote: a full zero next time
-        return buf
+        return out
+
+    def output_copy(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` copied into this call's output tensor (for dense methods that reduce in place)."""
+        out = self._call_out
+        if out is None:
+            return grad.clone()
+        self._out_support = None
+        return out.copy_(grad)
 
     def output_written(self, indices: torch.Tensor | None) -> None:
         """Record the entries written into :meth:`output_buffer`'s tensor (int64 indices; repeats are
-        fine); ``None`` means anywhere, and the next call zeroes the whole buffer."""
-        self._out_support = None if indices is None or not self.reuse_output else indices.to(torch.int64)
+        fine); ``None`` means anywhere, and the next call zeroes the whole ``out=`` tensor."""
+        self._out_support = None if indices is None or self._call_out is None else indices.to(torch.int64)
 
     # ------------------------------------------------------------------ the call
-    def __call__(self, grad: torch.Tensor, layout: Layout = None) -> torch.Tensor:
+    def __call__(self, grad: torch.Tensor, layout: Layout = None, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """Average ``grad`` (this rank's 1-D float gradient) over all ranks with this method.
+
+        Returns a new tensor the caller owns; with ``out=buf`` (torch's convention) the result is
+        written into ``buf`` (same shape, dtype and device as ``grad``, not overlapping it) and ``buf``
+        is returned, without allocating a length-n tensor.
 
         Every call first agrees with the other ranks on what they are about to do
         (:meth:`_validate`); on a disagreement or a non-finite input every rank raises the same
         error (or, with ``nonfinite="skip"``, skips the step) before anything is sent, with the
         residual, the step and every other state unchanged, so the call can be retried.
         """
+        if out is not None:
+            _check_out(out, grad, self.name)
         start = time.perf_counter()
         skip = self._validate(grad, layout)
         agreed = time.perf_counter()
@@ -178,20 +195,32 @@ class Method:
             self.stats.extra.update(skip)
             self.stats.extra["time_agreement"] = agreed - start
             self.stats.time_total = time.perf_counter() - start
-            return torch.zeros_like(grad)
+            return torch.zeros_like(grad) if out is None else out.zero_()
         if n == 0:  # nothing to reduce: the average of empty gradients is empty, on every method
             self.step += 1
             self.stats.time_total = time.perf_counter() - start
-            return grad.new_zeros(0)
+            return grad.new_zeros(0) if out is None else out
         mark = self.comm.meter.snapshot()
-        with self.comm.meter.phase(self.name):
-            out = self.reduce(grad, layout)
+        self._call_out = out
+        try:
+            with self.comm.meter.phase(self.name):
+                result = self.reduce(grad, layout)
+        finally:
+            self._call_out = None
+        if out is None:
+            if result.data_ptr() == grad.data_ptr():  # a method that reduced in place: not the caller's
+                result = result.clone()
+        elif result is not out:  # a method that does not decompress into output_buffer()
+            out.copy_(result)
+            self._out_support = None
+            result = out
+        self._out_mark = None if out is None else (out.data_ptr(), out._version)
         traffic = self.comm.meter.since(mark)
         stats = self.stats
         if not self.sparse:
             stats.nnz_out = n  # a dense method sends and returns every element
         elif not stats.nnz_out:
-            stats.nnz_out = int(torch.count_nonzero(out))
+            stats.nnz_out = int(torch.count_nonzero(result))
         if not stats.modelled_bytes:
             stats.bytes_sent, stats.bytes_recv = traffic.bytes_sent, traffic.bytes_recv
             stats.inter_node_bytes_sent = traffic.inter_node_bytes_sent
@@ -206,7 +235,7 @@ class Method:
             if phase not in PHASES:
                 stats.extra[f"time_{phase}"] = seconds
         self.step += 1
-        return out
+        return result
 
     def _validate(self, grad: Any, layout: Layout) -> dict[str, Any] | None:
         """Check ``grad`` locally, then agree with every rank on the call (one header all-reduce,
@@ -294,6 +323,32 @@ class Method:
     def __repr__(self) -> str:
         dens = "" if self.density is None else f", density={self.density:g}"
         return f"{type(self).__name__}(P={self.comm.size}{dens})"
+
+
+def check_density(method: str, sparse: bool, density: Any) -> float | None:
+    """The one rule for ``density``: a sparse method needs one in (0, 1], a dense method takes none.
+    Returns it as a float (``None`` for a dense method)."""
+    if not sparse:
+        if density is not None:
+            raise ValueError(f"method {method!r} is dense and takes no density (got {density!r})")
+        return None
+    if density is None:
+        raise ValueError(f"method {method!r} needs density= (a fraction in (0, 1])")
+    try:
+        return check_fraction("density", density)
+    except ValueError as exc:
+        raise ValueError(f"method {method!r}: {exc}") from None
+
+
+def _check_out(out: Any, grad: Any, name: str) -> None:
+    """``out=`` must be a tensor like ``grad`` (shape, dtype, device) that does not overlap it."""
+    if not isinstance(out, torch.Tensor) or not isinstance(grad, torch.Tensor):
+        raise TypeError(f"{name}: out= must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != grad.shape or out.dtype != grad.dtype or out.device != grad.device:
+        raise ValueError(f"{name}: out= must match grad (shape {tuple(grad.shape)}, {grad.dtype}, {grad.device}), "
+                         f"got shape {tuple(out.shape)}, {out.dtype}, {out.device}")
+    if out.numel() and out.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+        raise ValueError(f"{name}: out= must not share memory with grad (the method reads grad while it writes out)")
 
 
 def _check_layout(layout: Layout, n: int, name: str) -> list[tuple[int, int]]:

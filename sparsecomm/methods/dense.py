@@ -22,7 +22,7 @@ class DenseAllReduce(Method):
 
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         with self.timer("comm"):
-            out = self.comm.native_all_reduce(grad.clone())
+            out = self.comm.native_all_reduce(self.output_copy(grad))
         with self.timer("decompress"):
             out.div_(self.comm.size)
         modelled = ring_cost(P=self.comm.size, n=grad.numel(), rank=self.comm.rank, itemsize=grad.element_size())

@@ -69,8 +69,8 @@ class SparsificationMetrics:
 
     track_global_error: bool = False
 
-    def __call__(self, grad: torch.Tensor, layout=None) -> torch.Tensor:
-        out = super().__call__(grad, layout)  # type: ignore[misc]
+    def __call__(self, grad: torch.Tensor, layout=None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = super().__call__(grad, layout, out=out)  # type: ignore[misc]
         stats: dict[str, Any] = self.stats  # type: ignore[attr-defined]
         if stats["skipped"] or not stats["n"]:  # nothing was sent: no metrics (Method.__call__)
             return out

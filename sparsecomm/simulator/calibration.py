@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..core.cost import fit_alpha_beta
-from ..methods import cost, method_class
+from ..methods import MethodSpec, cost, is_sparse
 from ..methods.base import selection_count
 from .model import Profile, comm_contention, fit_work, layout_options, touched_entries
 
@@ -116,8 +116,9 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
     """Worker function: build the method, run warm-up and timed calls on a fixed gradient.
 
     Returns this rank's per-call wall times (each call starts after a barrier), and the stats of the
-    last call. The gradient buffer is allocated once; each call gets a fresh copy made before the
-    clock starts. On a CUDA ``device`` the clock stops after the device has finished the call.
+    last call. The gradient and result buffers are allocated once (the result goes ``out=``, as in the
+    DDP hook and the synchronizer); each call gets a fresh copy of the gradient made before the clock
+    starts. On a CUDA ``device`` the clock stops after the device has finished the call.
     """
     import torch.distributed as dist
 
@@ -126,7 +127,7 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(seed * 7919 + rank)
     base = (torch.randn(n, generator=gen) if grad_fn is None else grad_fn(n, rank)).to(device)
-    work = torch.empty_like(base)
+    work, result = torch.empty_like(base), torch.empty_like(base)
     on_gpu = work.is_cuda
     method = make_method(name, **options)
     times, stats = [], []
@@ -134,7 +135,7 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
         work.copy_(base)
         dist.barrier()
         start = time.perf_counter()
-        method(work, layout)
+        method(work, layout, out=result)
         if on_gpu:
             torch.cuda.synchronize(work.device)
         elapsed = time.perf_counter() - start
@@ -150,7 +151,7 @@ def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, re
     runs = []
     for n in sizes:
         for name in methods:
-            options = {"density": density} if method_class(name).sparse else {}
+            options = dict(MethodSpec.at_density(name, density).options)
             result = time_method_in_worker(name, options, n, repeat, warmup, device=device)
             stats = result["stats"]
             runs.append({"method": name, "n": n, "times": result["times"],
@@ -228,14 +229,14 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
         work = min(max(0.0, own), total)
         if "time_decompress" in run:  # calibrations before issue 25 did not record it
             seconds = min(work, max(min(r["runs"][i]["time_decompress"]) for r in records))
-            k_run = selection_count(density, run["n"]) if method_class(run["method"]).sparse else 0
+            k_run = selection_count(density, run["n"]) if is_sparse(run["method"]) else 0
             touched = touched_entries(run["method"], P, run["n"], k_run, density,
                                       layout_options(run["method"], P, net, colocated))
             decompress.setdefault(run["method"], []).append((run["n"], touched, seconds))
         comm = (total - work) / contention
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
         name, n = run["method"], run["n"]
-        k = selection_count(density, n) if method_class(name).sparse else 0
+        k = selection_count(density, n) if is_sparse(name) else 0
         layout = layout_options(name, P, net, colocated)  # the workers' node layout
         costs = [cost(name, P=P, n=n, k=k, rank=r, density=density, **layout) for r in range(P)]
         formula = max(c.bytes_sent for c in costs)

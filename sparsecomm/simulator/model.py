@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.cost import METHOD_COSTS, fit_alpha_beta
-from ..methods import available_methods, cost, method_class
+from ..methods import available_methods, cost, is_sparse
 from ..methods.base import selection_count
 
 __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", "UnknownMethodError",
@@ -175,7 +175,7 @@ def layout_options(name: str, P: int, net: str, colocated: bool) -> dict[str, An
     :func:`~sparsecomm.launch.launcher.run_workers` on loopback puts all P workers on one node (L = P:
     hitopk's first stage is a dense reduce-scatter, twolevel a tree over all ranks); under a plain tc
     rate, and in a projection to a cluster, every rank is its own node (L = 1)."""
-    method_class(name)  # loads the formulas
+    is_sparse(name)  # loads the formulas (ValueError naming the known methods)
     if "local_size" not in inspect.signature(METHOD_COSTS.get(name)).parameters:
         return {}
     return {"local_size": P if net == "loopback" and colocated else 1}
@@ -187,7 +187,7 @@ def _sample_ranks(P: int) -> list[int]:
 
 def _received_elements(name: str, P: int, n: int, k: int, density: float, options: dict[str, Any]) -> float:
     """Sparse (index, value) pairs one rank receives per call, from the formula (0 for dense methods)."""
-    if not method_class(name).sparse or P == 1:
+    if not is_sparse(name) or P == 1:
         return 0.0
     c = cost(name, P=P, n=n, k=k, rank=0, density=density, **options)
     pair = 8 if n < 2 ** 31 else 12
@@ -198,7 +198,7 @@ def touched_entries(name: str, P: int, n: int, k: int, density: float, options: 
     """Sparse entries one rank's decompression touches per call: its own ``k`` and the (index,
     value) pairs it receives (:func:`_received_elements`, from the cost formula); 0 for a dense
     method."""
-    if not method_class(name).sparse:
+    if not is_sparse(name):
         return 0.0
     return k + _received_elements(name, P, n, k, density, options)
 
@@ -210,7 +210,7 @@ def work_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: floa
     ``work``): selection per gradient element plus decompression per touched entry where the
     calibration split them (``d1``); else the legacy per-element work, and ``recv_element_s`` per
     extra received entry (a one-process figure: the rest)."""
-    k = selection_count(density, n) if method_class(name).sparse else 0
+    k = selection_count(density, n) if is_sparse(name) else 0
     if "d1" in calib:
         if calib.get("decompress_per") == "element":
             decompress = calib["d1"] * n + calib["d0"]
@@ -227,7 +227,7 @@ def predict_comm(name: str, P: int, n: int, density: float, alpha: float, beta: 
                  ) -> tuple[float, int, float, bool]:
     """(seconds, rounds, bytes sent, exact) of the slowest sampled rank's communication."""
     options = options or {}
-    k = selection_count(density, n) if method_class(name).sparse else 0
+    k = selection_count(density, n) if is_sparse(name) else 0
     worst: tuple[float, int, float, bool] = (0.0, 0, 0.0, True)
     for rank in _sample_ranks(P):
         c = cost(name, P=P, n=n, k=k, rank=rank, density=density, **options)

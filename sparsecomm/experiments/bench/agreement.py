@@ -21,7 +21,7 @@ import torch
 
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
-from ...methods import available_methods, method_class
+from ...methods import MethodSpec, available_methods
 from .common import parse_count
 
 HELP = "cost of the per-call agreement header (and NaN/Inf scan): calls with and without it, interleaved"
@@ -40,14 +40,12 @@ def _worker(names: list[str], n: int, density: float, repeat: int) -> dict[str, 
 
     import torch.distributed as dist
 
-    from ...methods import make_method
-
     rank = dist.get_rank()
     base = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     out: dict[str, dict[str, list[float]]] = {}
     for name in names:
-        options: dict[str, Any] = {"density": density} if method_class(name).sparse else {}
-        variants = {"with": make_method(name, **options), "without": make_method(name, **options)}
+        spec = MethodSpec.at_density(name, density)
+        variants = {"with": spec.build(), "without": spec.build()}
         variants["without"]._validate = lambda grad, layout: None  # type: ignore[method-assign]
         times: dict[str, list[float]] = {"with": [], "without": [], "agreement": []}
         for i in range(repeat + 1):

@@ -35,7 +35,7 @@ from torch import nn
 
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
-from ...methods import available_methods, method_class
+from ...methods import is_sparse, sparse_methods
 from ...transport.collectives import ring_cost
 from .common import network_label, parse_networks
 
@@ -98,9 +98,9 @@ def powersgd_elements(model: nn.Module, rank: int) -> int:
 
 def _configs(args) -> list[dict[str, Any]]:
     names = [m.strip() for m in args.methods.split(",") if m.strip()] or \
-        [m for m in available_methods() if method_class(m).sparse]
+        sparse_methods()
     for name in names:
-        if not method_class(name).sparse:
+        if not is_sparse(name):
             raise ValueError(f"--methods: {name!r} is not a sparse method")
     configs: list[dict[str, Any]] = []
     for rank in (int(r) for r in args.powersgd_ranks.split(",") if r.strip()):

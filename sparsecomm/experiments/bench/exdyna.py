@@ -27,7 +27,7 @@ import torch
 
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
-from ...methods import method_class
+from ...methods import MethodSpec
 from .common import check_density, check_methods_option, configurations, network_label, parse_count, parse_networks
 
 HELP = "ExDyna vs Top-k, CLT-k, hard threshold, SIDCo, dense: time per step and actual density over steps"
@@ -59,14 +59,14 @@ def _stream_worker(name: str, options: dict[str, Any], n: int, steps: int, scale
 
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(1_000_003 * rank + 17)
-    grad = torch.empty(n)
+    grad, result = torch.empty(n), torch.empty(n)
     method = make_method(name, **options)
     records = []
     for _ in range(steps):
         torch.randn(n, generator=gen, out=grad).mul_(scale)
         dist.barrier()
         start = time.perf_counter()
-        method(grad)
+        method(grad, out=result)
         elapsed = time.perf_counter() - start
         s = method.stats
         records.append({"time": elapsed, "density": s["density"], "bytes_sent": s["bytes_sent"],
@@ -148,7 +148,7 @@ def run(args) -> int:
     rows, curves = [], {}
     for net, name in configurations([(net, name) for net in nets for name in names], "exdyna",
                                     lambda c: f"{c[1]} on {network_label(c[0])}"):
-        options = {"density": args.density} if method_class(name).sparse else {}
+        options = dict(MethodSpec.at_density(name, args.density).options)
         per_rank = run_workers(args.workers, _stream_worker, name, options, n, args.warmup + args.steps,
                                scale, net=net, timeout=args.timeout)
         rows.append(_row(net, name, per_rank, args.warmup))

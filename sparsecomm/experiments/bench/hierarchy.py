@@ -25,7 +25,7 @@ from typing import Any
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
 from ...launch.netemu import parse_net, parse_rate, unavailable_reason
-from ...methods import method_class
+from ...methods import is_sparse
 from ...methods.hitopk import paper_bytes
 from ...simulator.calibration import time_method_in_worker
 from .common import parse_count, summarize
@@ -94,7 +94,7 @@ def check(args: argparse.Namespace) -> tuple[int, list[tuple[str, int, int]]]:
     if not args.densities or not all(0 < d <= 1 for d in args.densities):
         raise ValueError(f"--densities={args.densities} must be numbers in (0, 1]")
     for name in args.methods:
-        method_class(name)   # raises naming the known methods
+        is_sparse(name)   # raises naming the known methods
     layouts = []
     for layout in args.layouts:
         parts = layout.lower().split("x")
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         P = nodes * local
         net = f"{layout}:{args.rate}" + (f"/{args.intra_rate}" if args.intra_rate else "")
         for name in args.methods:
-            sparse = method_class(name).sparse
+            sparse = is_sparse(name)
             for density in (args.densities if sparse else [None]):
                 options = {} if density is None else {"density": density}
                 per_rank = run_workers(P, time_method_in_worker, name, options, n, args.repeat, args.warmup,

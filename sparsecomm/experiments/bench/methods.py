@@ -11,7 +11,7 @@ import math
 
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
-from ...methods import available_costs, cost, method_class
+from ...methods import MethodSpec, available_costs, cost
 from ...simulator.calibration import time_method_in_worker
 from .common import (
     add_common_arguments,
@@ -47,14 +47,13 @@ def run(args) -> int:
     rows = []
     for net, name in configurations([(net, name) for net in nets for name in names], "methods",
                                     lambda c: f"{c[1]} on {network_label(c[0])}"):
-        sparse = method_class(name).sparse
-        options = {"density": args.density} if sparse else {}
+        options = dict(MethodSpec.at_density(name, args.density).options)
         s = summarize(run_workers(args.workers, time_method_in_worker, name, options, n, args.repeat,
                                   args.warmup, net=net, timeout=args.timeout))
         model = cost(name, P=args.workers, n=n, k=k, rank=0, **options) if name in formulas else None
         rows.append({
             "network": network_label(net), "method": name,
-            "density": args.density if sparse else 1.0,
+            "density": options.get("density", 1.0),
             "time (ms)": 1e3 * s["time_s"],
             "select (ms)": 1e3 * s.get("time_select", 0.0),
             "comm (ms)": 1e3 * s.get("time_comm", 0.0),

@@ -61,13 +61,13 @@ def fresh_gradient_worker(name: str, options: dict[str, Any], n: int, repeat: in
 
     rank = dist.get_rank()
     method = make_method(name, **options)
-    grad = torch.empty(n)
+    grad, result = torch.empty(n), torch.empty(n)
     times, stats = [], []
     for i in range(warmup + repeat):
         grad.normal_(generator=torch.Generator().manual_seed(rank * 1_000_003 + i))
         dist.barrier()
         start = time.perf_counter()
-        method(grad)
+        method(grad, out=result)
         elapsed = time.perf_counter() - start
         if i >= warmup:
             times.append(elapsed)

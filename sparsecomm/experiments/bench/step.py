@@ -29,7 +29,7 @@ import torch
 
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
-from ...methods import available_methods, method_class
+from ...methods import sparse_methods
 from ...selection import scan
 from .common import parse_count
 
@@ -65,7 +65,7 @@ def _worker(n: int, densities: list[float], methods: list[str], repeat: int, war
 
     rank = dist.get_rank()
     base = torch.randn(n, generator=torch.Generator().manual_seed(17 + rank))
-    grad = torch.empty_like(base)
+    grad, result = torch.empty_like(base), torch.empty_like(base)  # result: out=, as the hook does
     scratch = scan.Scratch()
     results: dict[str, Any] = {}
     for density in densities:
@@ -78,7 +78,7 @@ def _worker(n: int, densities: list[float], methods: list[str], repeat: int, war
                 seconds, cpu_pass = one_pass(grad, scratch)
                 dist.barrier()
                 cpu = time.thread_time()
-                method(grad)
+                method(grad, out=result)
                 cpu = time.thread_time() - cpu
                 if call >= warmup:
                     stats = method.stats
@@ -119,7 +119,7 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     n = parse_count(args.n)
-    sparse = [name for name in available_methods() if method_class(name).sparse]
+    sparse = sparse_methods()
     methods = args.methods or sparse
     unknown = sorted(set(methods) - set(sparse))
     if unknown:

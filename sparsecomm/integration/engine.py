@@ -1,0 +1,240 @@
+"""The grouping engine behind the DDP hook and the synchronizer.
+
+Both integrations synchronize a model's gradients the same way; they differ only in where the
+gradients come from and where the results go. The DDP hook (:mod:`.hook`) gets them in DDP's buckets,
+on a communication thread, and answers futures; the synchronizer (:mod:`.synchronizer`) reads
+``param.grad`` after backward and applies the optimizer-side techniques (DGC momentum correction,
+local clipping). Everything else is this engine's:
+
+* **Groups** (:class:`~.residuals.ParamPlan`): the parameters in canonical order, one method call per
+  group and step, each group with its flat input and output tensors, its layer layout and its method
+  instance; parameters that :func:`~.residuals.goes_dense` (``dense_below``) form one dense group.
+* **Residuals** belong to parameters: each group's residual is one flat tensor the method updates in
+  place, a parameter's residual a view of it (:meth:`GroupingEngine.residuals`).
+* **The dense warm-up** (the first ``dense_warmup_steps`` steps averaged densely: DGC, RedSync).
+* **Switching methods** (:meth:`GroupingEngine.switch_method`): the groups stay, each gets the new
+  method, and its residual under the old one is carried to its next gradient (:class:`.ResidualCarry`),
+  so nothing is lost across the switch.
+* **Stats** of every call of a step, and the **checkpoint** (step counter, groups, method states,
+  one residual per parameter, carried residuals).
+
+The hot path allocates no length-n tensor: a group's method writes into the group's output tensor
+(``method(grad, layout, out=...)``), and gathering a gradient that no bucket holds contiguously
+reuses the group's input tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..methods import Method, MethodSpec, Stats
+from ..transport.comm import Communicator
+from .overlap import hidden_seconds
+from .residuals import Group, ParamPlan, goes_dense
+from .schedule import ResidualCarry
+
+__all__ = ["GroupingEngine"]
+
+log = logging.getLogger(__name__)
+
+#: The dense method of the warm-up and of the small-tensor group.
+_DENSE = MethodSpec("dense")
+
+
+class GroupingEngine:
+    """Groups of parameters, their methods, residuals, warm-up, switches, stats and checkpoint.
+
+    Args:
+        spec: the method (a :class:`~sparsecomm.methods.MethodSpec`).
+        comm: called once, when the first method is built, for the communicator to use.
+        granularity: ``"bucket"`` (one group per bucket given to :meth:`build`) or ``"model"`` (one
+            group for every parameter that does not go dense).
+        dense_warmup_steps: steps averaged densely before the method takes over.
+        dense_below: the small-tensor rule of :func:`~.residuals.goes_dense` (0: off).
+        use_layout: pass each group's layer layout to its method.
+    """
+
+    def __init__(self, spec: MethodSpec, comm: Callable[[], Communicator], *, granularity: str = "bucket",
+                 dense_warmup_steps: int = 0, dense_below: int = 0, use_layout: bool = True) -> None:
+        self.spec = spec
+        self.granularity = granularity
+        self.dense_warmup_steps = dense_warmup_steps
+        self.dense_below = dense_below
+        self.use_layout = bool(use_layout)
+        #: steps begun so far (the owner advances it: the hook on DDP's last bucket, the synchronizer
+        #: after each step)
+        self.iter = 0
+        #: residuals of a method switched off, by group index, for the group's next gradient
+        self.carry = ResidualCarry()
+        #: steps whose method call was skipped on every rank for NaN/Inf (``nonfinite="skip"``)
+        self.skipped_calls = 0
+        self.plan: ParamPlan | None = None
+        self._comm_factory = comm
+        self._comm: Communicator | None = None
+        self._warmup_method: Method | None = None
+        self._loaded: dict[str, Any] | None = None        # a loaded plan state, until the groups exist
+        self._deferred_switch: MethodSpec | None = None     # a switch after loading it
+        self._calls: list[tuple[Stats, float, float]] = []  # this step's (stats, start, end)
+        self._stats: list[Stats] = []                       # finished steps' records, until taken
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def comm(self) -> Communicator:
+        if self._comm is None:
+            self._comm = self._comm_factory()
+        return self._comm
+
+    @property
+    def in_warmup(self) -> bool:
+        return self.iter < self.dense_warmup_steps
+
+    @property
+    def groups(self) -> list[Group]:
+        return [] if self.plan is None else self.plan.groups
+
+    def _new_method(self, dense: bool) -> Method:
+        return (_DENSE if dense else self.spec).build(self.comm)
+
+    def _is_dense(self, numel: int, itemsize: int) -> bool:
+        return self.spec.sparse and goes_dense(numel, itemsize, self.spec.density, self.dense_below)
+
+    def build(self, buckets: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Number the parameters of ``buckets`` (lists of parameters, in order) and form the groups,
+        or take a loaded checkpoint's groups."""
+        self.plan = plan = ParamPlan(self.granularity, self._is_dense, self._new_method)
+        plan.number(buckets)
+        if self._loaded is not None:
+            plan.load_state_dict(self._loaded)
+            self._loaded = None
+        else:
+            plan.set_groups(plan.members_of(buckets))
+        if self._deferred_switch is not None:
+            self._swap_methods(self._deferred_switch)
+            self._deferred_switch = None
+
+    def regroup(self, buckets: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Form the groups on new buckets (DDP rebuilt its own); groups that stay keep their state."""
+        assert self.plan is not None
+        self.plan.set_groups(self.plan.members_of(buckets))
+
+    # ------------------------------------------------------------------ one step
+    def reduce(self, group: Group, grad: torch.Tensor, *, warmup: bool = False, **figures: Any) -> torch.Tensor:
+        """The average over ranks of ``grad``, the gradient of ``group`` (plus a residual carried from
+        a switched-off method), written into the group's output tensor; the call's stats get
+        ``figures``. ``warmup``: averaged densely instead (the dense warm-up)."""
+        grad = self.carry.flush_into(group.index, grad)
+        if warmup:
+            return self.warmup_reduce(grad, out=group.outbuf(), **figures)
+        start = time.perf_counter()
+        out = group.call(grad, self.use_layout)
+        self._record(group.method, start, dense_calls=int(group.dense), **figures)
+        if group.dense:
+            group.method.stats["dense_params"] = len(group.ids)
+        return out
+
+    def warmup_reduce(self, grad: torch.Tensor, *, out: torch.Tensor | None = None, **figures: Any) -> torch.Tensor:
+        """The dense average of ``grad`` (into ``out`` when given), recorded as a warm-up call."""
+        if self._warmup_method is None:
+            self._warmup_method = _DENSE.build(self.comm)
+        start = time.perf_counter()
+        result = self._warmup_method(grad, out=out)
+        self._record(self._warmup_method, start, warmup=True, **figures)
+        return result
+
+    def _record(self, method: Method, start: float, **figures: Any) -> None:
+        self._calls.append((method.stats, start, time.perf_counter()))
+        method.stats.update(**figures)
+        if method.stats.skipped:
+            self._on_nonfinite(method)
+
+    def _on_nonfinite(self, method: Method) -> None:
+        """The one place where the engine learns of a call skipped for NaN/Inf gradients.
+
+        The method has already decided, on every rank alike (its ``nonfinite`` policy,
+        :attr:`~sparsecomm.methods.Method.nonfinite`): ``"error"`` raised before anything was sent,
+        ``"skip"`` returned zeros with the residual and step unchanged. Here the skip is counted."""
+        self.skipped_calls += 1
+
+    def end_step(self, backward_end: float | None = None, keep: bool = True) -> Stats:
+        """Close a step: each call's ``hidden_time`` (its seconds before ``backward_end``, when the
+        calls overlapped backward) is set, the records are kept for :meth:`take_stats` (``keep``),
+        and their total is returned."""
+        records = [stats for stats, _, _ in self._calls]
+        if backward_end is not None:
+            for stats, start, end in self._calls:
+                stats.hidden_time = hidden_seconds([(start, end)], backward_end)
+        self._calls = []
+        if keep:
+            with self._lock:
+                self._stats.extend(records)
+        return Stats.total(records)
+
+    def take_stats(self) -> Stats:
+        """Totals over the calls of the steps closed since the last call; then start afresh."""
+        with self._lock:
+            total = Stats.total(self._stats)
+            self._stats.clear()
+        return total
+
+    # ------------------------------------------------------------------ changes between steps
+    def switch_method(self, spec: MethodSpec) -> None:
+        """Synchronize with ``spec`` from the next step on: each non-dense group gets a new method,
+        and its residual under the old one is carried to its next gradient (Shi et al., section 5.6)."""
+        if self.plan is None and self._loaded is not None:
+            self._deferred_switch = spec  # the loaded groups, formed later, hold the old method's state
+            return
+        self._swap_methods(spec)
+
+    def _swap_methods(self, spec: MethodSpec) -> None:
+        old, self.spec = self.spec, spec
+        if self.plan is None:
+            return
+        for group in self.plan.groups:
+            if group.dense:
+                continue
+            self.carry.put(group.index, group.residual)
+            self.plan.replace_method(group, spec.build(self.comm))
+        log.info("switched from %s to %s at step %d (%d residuals carried)", old.label(), spec.label(),
+                 self.iter, len(self.carry))
+
+    def set_density(self, density: float) -> None:
+        """Select this density from the next call on, in every group the method sparsifies."""
+        self.spec = self.spec.replace(density=density)
+        for group in self.groups:
+            if not group.dense:
+                group.method.set_density(density)
+
+    # ------------------------------------------------------------------ residuals and checkpoints
+    def residuals(self) -> dict[int, torch.Tensor]:
+        """Each parameter's residual (a view, by canonical id)."""
+        if self.plan is None:
+            return {}
+        found = {pid: self.plan.residual_of(pid) for pid in range(len(self.plan.numels))}
+        return {pid: r for pid, r in found.items() if r is not None}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The method, the step counter, the groups (their methods' state, one residual per
+        parameter) and the carried residuals."""
+        plan = self.plan.state_dict() if self.plan is not None else self._loaded
+        return {"method": self.spec.name, "options": dict(self.spec.options), "iter": self.iter,
+                "plan": plan, "carry": self.carry.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], owner: str) -> None:
+        """Restore a :meth:`state_dict` (method states per group: now, or when the groups form)."""
+        if state.get("method") != self.spec.name:
+            raise ValueError(f"state_dict of method {state.get('method')!r} cannot load into a {owner} of "
+                             f"method {self.spec.name!r}")
+        self.iter = int(state["iter"])
+        self.carry.load_state_dict(state.get("carry", {}))
+        saved = state["plan"]
+        if saved is not None and self.plan is not None:
+            self.plan.load_state_dict(saved)
+        else:
+            self._loaded = saved
