@@ -71,7 +71,7 @@ def test_bad_out_is_named(kind, needle):
 
 # ---------------------------------------------------------------------------------------------- MethodSpec
 def test_spec_checks_once_and_names_the_method():
-    with pytest.raises(TypeError, match=r"method 'spardl' has no option 'bogus'; valid options: density, teams"):
+    with pytest.raises(TypeError, match=r"spardl: unknown option 'bogus'; valid options: density, teams"):
         MethodSpec("spardl", {"density": 0.1, "bogus": 1})
     with pytest.raises(ValueError, match=r"method 'topka': density=1.5 must be a number in \(0, 1\]"):
         MethodSpec("topka", {"density": 1.5})

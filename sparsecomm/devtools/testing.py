@@ -1,4 +1,4 @@
-"""Invariant checks shared by every method's tests (DESIGN.md, "Invariants every method is tested against").
+"""Invariant checks shared by every method's tests (docs/architecture.md, "Invariants every method keeps").
 
 Typical use in a test::
 

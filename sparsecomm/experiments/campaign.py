@@ -14,7 +14,7 @@ against training wall time and against epochs).
 The time to target is the training wall time (evaluation excluded) of the first evaluation that
 meets the target: test accuracy at or above it, or test perplexity at or below it.
 
-Protocol (issue 25):
+Protocol:
 
 * **The floor.** Every workload and network also runs ``nosync`` (DDP with torch's no-op comm hook,
   :data:`~sparsecomm.experiments.training.FLOOR`): the same model, batch and P workers exchanging no

@@ -1,6 +1,6 @@
 """An emulated switched network on one machine: network namespaces, a bridge and tc rate limits.
 
-DESIGN.md, "Benchmarks and measurement": a network of a given bandwidth is emulated on one machine
+docs/architecture.md, "Measurement": a network of a given bandwidth is emulated on one machine
 where the kernel allows it. :class:`EmulatedNetwork` builds, for ``world_size`` ranks in nodes of
 ``local_size`` ranks (default 1: every rank is its own node)::
 

@@ -13,7 +13,7 @@ give the median.
 
 A (method, density) is **within tolerance** on a workload when its loss is at most the reference's
 loss plus the tolerance: the reference is the best PowerSGD rank of the same campaign (the recipe of
-issue 25: no worse than PowerSGD's best rank plus 0.5% perplexity, minus 0.5 accuracy points), or
+the project's goal: no worse than PowerSGD's best rank plus 0.5% perplexity, minus 0.5 accuracy points), or
 DDP (loss 0). :func:`assess` gives the worst over the workloads the campaign measured, and the
 epochs to the target over DDP's (time to accuracy is step time times that). A run that sent as much
 as a dense one (a dense warm-up that outlasted the budget) gives no verdict: its accuracy is not its

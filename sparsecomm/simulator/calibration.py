@@ -227,7 +227,7 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
         own = max(min(t - c for t, c in zip(r["runs"][i]["times"], r["runs"][i]["time_comm"], strict=True))
                   for r in records)
         work = min(max(0.0, own), total)
-        if "time_decompress" in run:  # calibrations before issue 25 did not record it
+        if "time_decompress" in run:  # older calibrations did not record it
             seconds = min(work, max(min(r["runs"][i]["time_decompress"]) for r in records))
             k_run = selection_count(density, run["n"]) if is_sparse(run["method"]) else 0
             touched = touched_entries(run["method"], P, run["n"], k_run, density,

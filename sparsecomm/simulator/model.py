@@ -24,7 +24,7 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   ``g`` (``recv_element_s``, a one-process scatter-add) per extra received entry:
   ``work = (w1 * n + w0) * contention(P) / contention(P_cal) + g * (received(P) - received(P_cal))``.
   Without the split the simulator under-predicted held-out points (P = 6, n = 5M, calibrated at
-  P = 2, n = 1M) by a third to a half (issue 25).
+  P = 2, n = 1M) by a third to a half.
 * ``contention(P)`` is ``max(1, P / cores)`` when the P workers share one machine of ``cores``
   cores (as in this repository's validation), 1 for a cluster with a device per worker.
 * ``compute_scale`` (an assumption the user gives, e.g. a GPU's memory bandwidth over this
