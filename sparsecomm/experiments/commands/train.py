@@ -9,7 +9,6 @@ into a one-line ``error:`` and exit status 2).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -90,16 +89,13 @@ def parse_method_options(text: str, method: str) -> dict[str, Any]:
             raise ValueError(f"--method {method} is a torch DDP baseline and takes no --method-options "
                              f"(got {sorted(options)})")
         return options
-    from ...methods import method_class
+    from ...core.validate import UnknownOptionError
+    from ...methods import check_method_options
 
-    parameters = inspect.signature(method_class(method).__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return options  # the method passes the rest on (e.g. to its selector), which checks them
-    valid = [name for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise ValueError(f"--method-options: {method} has no option {', '.join(map(repr, unknown))}; "
-                         f"valid options: {', '.join(valid)}")
+    try:
+        check_method_options(method, options)
+    except UnknownOptionError as err:
+        raise ValueError(f"--method-options: {err}") from None
     return options
 
 
