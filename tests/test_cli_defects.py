@@ -43,7 +43,10 @@ def _one_line_error(capsys, command: str) -> str:
 # -- train: option errors are one line, exit 2, before any worker -----------------------------------
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--method-options", '{"foo": 3}'], r"spardl has no option 'foo'; valid options: density, teams, sag"),
+    (["--method-options", '{"foo": 3}'], r"--method-options: spardl: unknown option 'foo'; valid options: density"),
+    (["--method", "topka", "--method-options", '{"teams": 2}'],
+     r"--method-options: topka: unknown option 'teams'; valid options: density, selector, cap, nonfinite; and those "
+     r"of its selector 'exact_topk'"),
     (["--method-options", "{bad"], r"--method-options '\{bad' is not valid JSON"),
     (["--method-options", "[1, 2]"], r"must be a JSON object"),
     (["--method", "ddp", "--method-options", '{"teams": 2}'], r"ddp is a torch DDP baseline"),

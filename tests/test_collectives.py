@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from sparsecomm import Communicator, run_workers
 from sparsecomm.core.cost import chunk_offsets
-from sparsecomm.methods import cost
+from sparsecomm.methods import collective_cost
 from sparsecomm.transport import collectives as C
 from sparsecomm.transport import sparse_collectives as SC
 
@@ -52,10 +52,12 @@ def _collectives_worker(n: int):
 def test_collectives_equal_torch_and_cost_model(P, n):
     results = run_workers(P, _collectives_worker, n, timeout=60)
     for rank, res in enumerate(results):
-        for name in ["ring", "rabenseifner", "recursive_doubling_allgather", "bruck_allgather"]:
+        for name, formula in [("ring", "ring_allreduce"), ("rabenseifner", "rabenseifner_allreduce"),
+                              ("recursive_doubling_allgather", "recursive_doubling_allgather"),
+                              ("bruck_allgather", "bruck_allgather")]:
             equal, rounds, sent, recv, _ = res[name]
             assert equal, f"{name} differs from torch at P={P} n={n} rank={rank}"
-            model = cost(name, P=P, n=n, rank=rank)
+            model = collective_cost(formula, P=P, n=n, rank=rank)
             assert (rounds, sent, recv) == (model.rounds, model.bytes_sent, model.bytes_recv), \
                 f"{name} P={P} n={n} rank={rank}: meter {(rounds, sent, recv)} != model {model}"
         assert res["reduce_scatter"] == (True, P - 1)

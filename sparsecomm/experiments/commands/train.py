@@ -89,15 +89,13 @@ def parse_method_options(text: str, method: str) -> dict[str, Any]:
             raise ValueError(f"--method {method} is a torch DDP baseline and takes no --method-options "
                              f"(got {sorted(options)})")
         return options
-    from ...methods.spec import option_names
+    from ...core.validate import UnknownOptionError
+    from ...methods import check_method_options
 
-    valid, passes_on = option_names(method)
-    if passes_on:
-        return options  # the method passes the rest on (e.g. to its selector), which checks them
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise ValueError(f"--method-options: {method} has no option {', '.join(map(repr, unknown))}; "
-                         f"valid options: {', '.join(valid)}")
+    try:
+        check_method_options(method, options)
+    except UnknownOptionError as err:
+        raise ValueError(f"--method-options: {err}") from None
     return options
 
 
