@@ -35,6 +35,7 @@ GRACE needs no adaptation (its all-gather path has no CUDA call when the sizes a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
@@ -45,6 +46,7 @@ import platform
 import queue
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -202,6 +204,15 @@ def mpirun_command(args: argparse.Namespace) -> list[str]:
             *btl, "-x", "OMP_NUM_THREADS=1"]
 
 
+def kill_session(session: int) -> None:
+    """SIGKILL every process of ``session`` (mpirun's ranks get process groups of their own)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(entry)) == session:
+                    os.kill(int(entry), signal.SIGKILL)
+
+
 def run_spardl_official(args: argparse.Namespace, n: int) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="spardl-official-") as tmp:
         out_path = os.path.join(tmp, "result.json")
@@ -211,10 +222,19 @@ def run_spardl_official(args: argparse.Namespace, n: int) -> list[dict]:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if hasattr(os, "geteuid") and os.geteuid() == 0:   # Open MPI refuses root without these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-        if done.returncode != 0 or not os.path.exists(out_path):
-            raise SystemExit(f"official SparDL under mpirun failed (exit {done.returncode}):\n"
-                             f"{shlex.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        # a session of its own, so that a timeout ends mpirun and every rank it started
+        with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as mpirun:
+            try:
+                stdout, stderr = mpirun.communicate(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                kill_session(mpirun.pid)
+                mpirun.communicate()
+                raise SystemExit(f"official SparDL under mpirun took more than {args.timeout} s (killed): "
+                                 f"{shlex.join(command)}") from None
+        if mpirun.returncode != 0 or not os.path.exists(out_path):
+            raise SystemExit(f"official SparDL under mpirun failed (exit {mpirun.returncode}):\n"
+                             f"{shlex.join(command)}\n{stdout[-3000:]}\n{stderr[-3000:]}")
         with open(out_path) as f:
             return json.load(f)
 
