@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from sparsecomm.app.data import load_dataset
-from sparsecomm.app.models import make_model
+from sparsecomm.experiments.data import load_dataset
+from sparsecomm.experiments.models import make_model
 
 
 def sweep(model_name: str, data_name: str, batch: int, steps: int, lrs: list[float]) -> None:
