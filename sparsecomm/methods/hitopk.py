@@ -57,6 +57,7 @@ from ..core.cost import Cost, chunk_offsets, chunk_sizes, register_cost
 from ..transport.chunk import SparseChunk, add_chunks, pair_bytes
 from ..transport.collectives import ring_reduce_scatter
 from ..transport.comm import Communicator
+from ..transport.merge import average_into
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_traffic
 from ..transport.topology import resolve_local_size, split_nodes
 from .base import Layout, Method, register_method, selection_count
@@ -123,11 +124,13 @@ class HiTopKComm(SelectorStateMixin, Method):
             shards = allgather_chunks(self.node, union)
         with self.timer("decompress"):
             out = self.output_buffer(grad)
-            where = torch.cat([shard_chunk.indices.long() for shard_chunk in shards])
-            out[where] = torch.cat([shard_chunk.values for shard_chunk in shards]).to(out.dtype) / self.comm.size
+            # the shards are disjoint and each sorted: one write per index, divided on the way
+            where, nonzero = average_into(out, [shard.indices for shard in shards],
+                                          [shard.values for shard in shards], self.comm.size)
             self.output_written(where)
         self.stats["union_nnz"] = union.nnz
-        self.stats.nnz_out = int(torch.count_nonzero(out.index_select(0, where)))  # shards are disjoint
+        if nonzero is not None:  # else the base class counts the non-zeros of out
+            self.stats.nnz_out = nonzero
         self.stats["local_size"] = self.local_size
         self.stats.dense_fallback = self.one_node
         return out
