@@ -91,13 +91,14 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
         n, P, r = grad.numel(), self.comm.size, self.comm.rank
         k = self.k(n)
         leader = self.step % P
-        with self.timer("residual"):
-            acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
-        with self.timer("select"):
-            if r == leader:
-                indices = torch.sort(self.selector(acc, k)).values.to(index_dtype(n))
-            else:
-                indices = torch.empty(k, dtype=index_dtype(n), device=grad.device)
+        acc = self.residual_for(grad)                 # acc is self.residual, updated in place
+        if r == leader:
+            with self.timer("select"):                # acc += grad inside the selector's scan
+                indices = torch.sort(self.selector.accumulate(acc, grad, k)).values.to(index_dtype(n))
+        else:
+            with self.timer("residual"):
+                acc.add_(grad)
+            indices = torch.empty(k, dtype=index_dtype(n), device=grad.device)
         with self.timer("comm"):
             binomial_broadcast(self.comm, indices, leader)
             chosen = indices.long()

@@ -106,12 +106,10 @@ class HiTopKComm(SelectorStateMixin, Method):
         start, size = chunk_offsets(n, self.node.size)[self.node.rank]
         with self.timer("comm"):
             shard = ring_reduce_scatter(self.node, grad) if self.node.size > 1 else grad.clone()
-        with self.timer("residual"):
-            acc = self.residual_for(grad)[start:start + size]   # a view: the residual is updated in place
-            acc.add_(shard)
+        acc = self.residual_for(grad)[start:start + size]   # a view: the residual is updated in place
         with self.timer("select"):
             k = self.k(size)
-            idx = torch.sort(self.selector(acc, k)).values if k else acc.new_empty(0, dtype=torch.int64)
+            idx = torch.sort(self.selector.accumulate(acc, shard, k)).values  # acc += shard in the scan
             mine = SparseChunk.gather(acc, idx, offset=start, n=n)
         with self.timer("residual"):
             acc.index_fill_(0, idx, 0)

@@ -4,7 +4,9 @@ threshold, SIDCo): a base class, not a registered method.
 Per call, on every rank r:
 
 1. ``acc = grad + residual``; ``idx = self.select(acc)`` (subclasses choose the entries);
-   ``residual = acc`` with the entries at ``idx`` set to zero (error feedback).
+   ``residual = acc`` with the entries at ``idx`` set to zero (error feedback). With the default
+   selection the addition happens inside the selector's scan (one read of the gradient and the
+   residual, :meth:`SelectAllGather.accumulate_select`).
 2. All-gather of the packed message ``(indices, values)``; the receivers do not know its length, so
    the element counts travel first as the size header of :meth:`Communicator.exchange_many` (the
    "initial element which indicates the length" of RedSync section 2.3), by
@@ -130,12 +132,20 @@ class SelectAllGather(SelectorStateMixin, Method):
         """
         return self.selector(acc, self.k(acc.numel()))
 
+    def accumulate_select(self, acc: Tensor, grad: Tensor) -> Tensor:
+        """``acc += grad`` (the residual, in place), then :meth:`select`. With the configured selector
+        (``select`` not overridden) the selector does both in one pass where it can
+        (:meth:`~sparsecomm.blocks.selectors.base.Selector.accumulate`)."""
+        if type(self).select is SelectAllGather.select:
+            return self.selector.accumulate(acc, grad, self.k(acc.numel()))
+        acc.add_(grad)
+        return self.select(acc)
+
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n = grad.numel()
-        with self.timer("residual"):
-            acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
         with self.timer("select"):
-            idx = self.select(acc).to(torch.int64)
+            acc = self.residual_for(grad)       # acc is self.residual, updated in place
+            idx = self.accumulate_select(acc, grad).to(torch.int64)
             picked = idx.numel()
             limit = cap_limit(self.cap, self.k(n))
             if limit is not None and picked > limit:

@@ -79,8 +79,8 @@ class TopkDSA(Method):
         n, P = grad.numel(), self.comm.size
         k = self.k(n)
         with self.timer("select"):
-            acc = self.residual_for(grad).add_(grad)
-            idx = self.selector(acc, k)
+            acc = self.residual_for(grad)                 # acc += grad inside the selector's scan
+            idx = self.selector.accumulate(acc, grad, k)
             stream = Stream.sparse(n, idx, acc[idx])
             acc[idx] = 0                                  # acc is the residual: what stays
         self.last_sent = idx
