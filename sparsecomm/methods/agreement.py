@@ -10,7 +10,10 @@ naming the offending ranks. The transport module holds the header's collective; 
 what a method call puts in it and how a verdict is read.
 
 The non-finite count costs one sum over the gradient per call (a finite sum means every element is
-finite; only a non-finite sum pays for the exact count).
+finite; only a non-finite sum pays for the exact count). The header is not folded into a method's
+first message: a rank with another dtype or n could not be read safely there, and a verdict after
+``acc = residual + grad`` (done in place, in the selection's scan) could not restore the residual
+exactly (docs/reliability.md, "Why the header travels on its own").
 """
 
 from __future__ import annotations
