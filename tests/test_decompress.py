@@ -131,7 +131,8 @@ def _sent_and_result(name: str, n: int, steps: int):
 
 @pytest.mark.parametrize("name", ["topka", "topk", "threshold", "redsync"])
 @pytest.mark.parametrize("P", [3, 4, 5])
-def test_method_output_is_the_exact_average_of_what_was_sent(name, P):
+def test_method_output_is_the_exact_average_of_what_was_sent(name, P, path):
+    """On the C merge and on the torch path (the workers are forked with the parent's choice)."""
     n = 3001
     traces = run_workers(P, _sent_and_result, name, n, 3, timeout=120)
     for step in range(3):

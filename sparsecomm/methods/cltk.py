@@ -26,6 +26,7 @@ from ..core.cost import Cost, register_cost
 from ..transport.chunk import index_dtype
 from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator
+from ..transport.merge import ascending
 from .base import Layout, Method, register_method
 
 __all__ = ["CyclicLocalTopk", "binomial_broadcast"]
@@ -94,7 +95,7 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
         acc = self.residual_for(grad)                 # acc is self.residual, updated in place
         if r == leader:
             with self.timer("select"):                # acc += grad inside the selector's scan
-                indices = torch.sort(self.selector.accumulate(acc, grad, k)).values.to(index_dtype(n))
+                indices = ascending(self.selector.accumulate(acc, grad, k)).to(index_dtype(n))
         else:
             with self.timer("residual"):
                 acc.add_(grad)

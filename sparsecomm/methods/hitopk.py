@@ -49,7 +49,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from ..blocks.selectors import make as make_selector
@@ -57,7 +56,7 @@ from ..core.cost import Cost, chunk_offsets, chunk_sizes, register_cost
 from ..transport.chunk import SparseChunk, add_chunks, pair_bytes
 from ..transport.collectives import ring_reduce_scatter
 from ..transport.comm import Communicator
-from ..transport.merge import average_into
+from ..transport.merge import ascending, average_into
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_traffic
 from ..transport.topology import resolve_local_size, split_nodes
 from .base import Layout, Method, register_method, selection_count
@@ -109,7 +108,7 @@ class HiTopKComm(SelectorStateMixin, Method):
         acc = self.residual_for(grad)[start:start + size]   # a view: the residual is updated in place
         with self.timer("select"):
             k = self.k(size)
-            idx = torch.sort(self.selector.accumulate(acc, shard, k)).values  # acc += shard in the scan
+            idx = ascending(self.selector.accumulate(acc, shard, k))  # acc += shard in the scan
             mine = SparseChunk.gather(acc, idx, offset=start, n=n)
         with self.timer("residual"):
             acc.index_fill_(0, idx, 0)

@@ -39,7 +39,7 @@ from ..blocks.selectors import make as make_selector
 from ..core.cost import Cost, ceil_log2, register_cost
 from ..transport.chunk import index_dtype
 from ..transport.comm import Communicator
-from ..transport.merge import average_into
+from ..transport.merge import ascending, average_into
 from ..transport.sparse_collectives import allgatherv, allgatherv_cost
 from .base import Layout, Method, register_method
 
@@ -242,12 +242,12 @@ class RedSync(Method):
             return part, torch.arange(spec.numel, device=x.device)
         k = self.k(spec.numel)
         if not spec.quantized:
-            idx = torch.sort(self._selectors[i](x, k)).values  # sorted: the receivers merge, not sort
+            idx = ascending(self._selectors[i](x, k))  # sorted: the receivers merge, not sort
             part = LayerPart(idx + spec.offset, x[idx])
             x[idx] = 0
             return part, idx
         signed = x * sign
-        idx = torch.sort(self._selectors[i](signed.clamp_(min=0), k)).values
+        idx = ascending(self._selectors[i](signed.clamp_(min=0), k))
         idx = idx[signed[idx] > 0]  # fewer than k entries of this sign: send only those
         selected = x[idx]
         mean = selected.sum().div_(max(idx.numel(), 1)).reshape(1)

@@ -40,7 +40,7 @@ from ..blocks.selectors.threshold import cap_selection
 from ..core.cost import Cost
 from ..transport.chunk import SparseChunk, pair_bytes
 from ..transport.comm import Communicator
-from ..transport.merge import average_into
+from ..transport.merge import ascending, average_into
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_cost
 from .base import Layout, Method
 
@@ -150,7 +150,7 @@ class SelectAllGather(SelectorStateMixin, Method):
             limit = cap_limit(self.cap, self.k(n))
             if limit is not None and picked > limit:
                 idx = cap_selection(acc, idx, limit)  # the rest stays in the residual
-            idx = torch.sort(idx).values
+            idx = ascending(idx)  # sorted: the receivers merge the messages
             chunk = SparseChunk.gather(acc, idx, n=n)
         with self.timer("residual"):
             acc.index_fill_(0, idx, 0)  # what was not sent stays

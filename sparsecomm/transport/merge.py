@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["merge_sum", "average_into", "compiled"]
+__all__ = ["merge_sum", "average_into", "ascending", "compiled"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,14 @@ def _mergeable(indices: Sequence[Tensor], values: Sequence[Tensor], value_dtype:
 
 def _pointers(indices: Sequence[Tensor], values: Sequence[Tensor]) -> tuple[list[int], list[int], list[int]]:
     return [i.data_ptr() for i in indices], [v.data_ptr() for v in values], [i.numel() for i in indices]
+
+
+def ascending(indices: Tensor) -> Tensor:
+    """``indices`` in increasing order: as they are when they already are (one compare over them,
+    as most selectors return them), else sorted."""
+    if indices.numel() < 2 or bool((indices[1:] >= indices[:-1]).all()):
+        return indices
+    return torch.sort(indices).values
 
 
 def merge_sum(indices: Sequence[Tensor], values: Sequence[Tensor]) -> tuple[Tensor, Tensor] | None:

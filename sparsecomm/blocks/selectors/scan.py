@@ -345,12 +345,29 @@ class MagnitudeView:
         return above.indices[above.values < hi]
 
     def topk_at_or_above(self, t: float, k: int) -> Tensor:
-        """Indices of the ``k`` largest elements among ``|x| >= t`` (needs ``count(t) >= k``).
+        """Increasing indices of the ``k`` largest elements among ``|x| >= t`` (needs ``count(t) >= k``).
 
         When ``t`` is at or below the floor and the candidates number at least ``k``, the candidates
         hold the ``k`` largest elements of all of ``|x|``, so they answer without a pass.
         """
         if self.indices is not None and self.floor is not None and t <= self.floor and self.n_candidates >= k:
-            return self.indices.index_select(0, torch.topk(self.values, k, sorted=False).indices)
+            return largest_in_order(self.indices, self.values, k)
         above = self._at_or_above(t)
-        return above.indices.index_select(0, torch.topk(above.values, k, sorted=False).indices)
+        return largest_in_order(above.indices, above.values, k)
+
+
+def largest_in_order(indices: Tensor, values: Tensor, k: int) -> Tensor:
+    """The ``indices`` (increasing) of the ``k`` largest ``values``, still in increasing order: the
+    k-th largest value by ``torch.topk``, then one compare over the values, so the senders that need
+    sorted indices sort nothing. Among values tied with the k-th largest the first ones are kept."""
+    if k >= values.numel():
+        return indices
+    kth = torch.topk(values, k, sorted=False).values.min()
+    keep = values > kth
+    short = k - int(keep.sum())
+    if short > 0:
+        keep[torch.nonzero(values == kth).squeeze(1)[:short]] = True
+    chosen = indices[keep]
+    if chosen.numel() != k:  # NaN among the values (unchecked input): torch.topk's own choice, sorted
+        return torch.sort(indices.index_select(0, torch.topk(values, k, sorted=False).indices)).values
+    return chosen

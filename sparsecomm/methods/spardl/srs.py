@@ -31,6 +31,7 @@ import torch
 from ...core.cost import ceil_log2
 from ...transport.chunk import SparseChunk, index_dtype
 from ...transport.comm import Communicator
+from ...transport.merge import ascending
 
 __all__ = ["SrsStep", "srs_schedule", "Accumulator", "BlockSelector", "spar_reduce_scatter", "srs_traffic"]
 
@@ -134,7 +135,7 @@ class BlockSelector:
         keeps the rest, i.e. what this selection discarded.
         """
         block = work.tensor[start:start + size]
-        local = torch.sort(self.indices(block, count)).values  # sorted: receivers merge, not sort
+        local = ascending(self.indices(block, count))  # sorted: receivers merge, not sort
         values = block[local]
         work.record(local + start, values)
         block.index_fill_(0, local, 0)
