@@ -25,6 +25,8 @@
 #include <stdlib.h>
 
 #define MERGE_MAX_CHUNKS 4096
+#define CHUNK_BITS 12 /* a heap key is (index << CHUNK_BITS) | chunk: one compare orders both */
+#define MAX_INDEX (INT64_C(1) << (62 - CHUNK_BITS))
 
 typedef struct {
     int nchunks;
@@ -32,30 +34,42 @@ typedef struct {
     const void *val[MERGE_MAX_CHUNKS];
     int64_t len[MERGE_MAX_CHUNKS];
     int64_t pos[MERGE_MAX_CHUNKS];
-    int heap[MERGE_MAX_CHUNKS];
-    int64_t head[MERGE_MAX_CHUNKS];
-    int wide_index; /* int64 indices (else int32) */
+    int64_t heap[MERGE_MAX_CHUNKS]; /* keys of the chunks' heads, a binary min-heap */
+    int wide_index;                 /* int64 indices (else int32) */
 } merge_t;
 
 static inline int64_t index_at(const merge_t *m, int c, int64_t i) {
     return m->wide_index ? ((const int64_t *)m->idx[c])[i] : (int64_t)((const int32_t *)m->idx[c])[i];
 }
 
-static inline int before(const merge_t *m, int a, int b) {
-    return m->head[a] < m->head[b] || (m->head[a] == m->head[b] && a < b);
+/* 0 when every chunk is sorted with indices in [0, MAX_INDEX) (and, with n >= 0, in [0, n));
+ * -1 when a chunk is out of order or holds an index the keys cannot carry, -2 when one lies outside n. */
+static int check_chunks(const merge_t *m, int64_t n) {
+    for (int c = 0; c < m->nchunks; c++) {
+        int64_t previous = 0;
+        for (int64_t i = 0; i < m->len[c]; i++) {
+            int64_t index = index_at(m, c, i);
+            if (index < previous) return index < 0 && n >= 0 ? -2 : -1;
+            previous = index;
+        }
+        if (previous >= MAX_INDEX) return -1;
+        if (n >= 0 && previous >= n) return -2;
+    }
+    return 0;
 }
 
-static void sift_down(merge_t *m, int size, int at) {
+static inline void sift_down(int64_t *heap, int size) {
+    int at = 0;
+    int64_t moving = heap[0];
     for (;;) {
-        int left = 2 * at + 1, right = left + 1, least = at;
-        if (left < size && before(m, m->heap[left], m->heap[least])) least = left;
-        if (right < size && before(m, m->heap[right], m->heap[least])) least = right;
-        if (least == at) return;
-        int t = m->heap[at];
-        m->heap[at] = m->heap[least];
-        m->heap[least] = t;
-        at = least;
+        int child = 2 * at + 1;
+        if (child >= size) break;
+        if (child + 1 < size && heap[child + 1] < heap[child]) child++;
+        if (heap[child] >= moving) break;
+        heap[at] = heap[child];
+        at = child;
     }
+    heap[at] = moving;
 }
 
 static int heap_build(merge_t *m) {
@@ -63,40 +77,33 @@ static int heap_build(merge_t *m) {
     for (int c = 0; c < m->nchunks; c++) {
         m->pos[c] = 0;
         if (m->len[c] > 0) {
-            m->head[c] = index_at(m, c, 0);
-            m->heap[size++] = c;
+            /* insert, sifting up */
+            int64_t key = (index_at(m, c, 0) << CHUNK_BITS) | c;
+            int at = size++;
+            while (at > 0 && m->heap[(at - 1) / 2] > key) {
+                m->heap[at] = m->heap[(at - 1) / 2];
+                at = (at - 1) / 2;
+            }
+            m->heap[at] = key;
         }
     }
-    for (int at = size / 2 - 1; at >= 0; at--) sift_down(m, size, at);
     return size;
 }
 
-/* 0 when every chunk is sorted (and, with n >= 0, every index lies in [0, n)); -1 / -2 otherwise. */
-static int check_chunks(const merge_t *m, int64_t n) {
-    for (int c = 0; c < m->nchunks; c++) {
-        int64_t previous = INT64_MIN;
-        for (int64_t i = 0; i < m->len[c]; i++) {
-            int64_t index = index_at(m, c, i);
-            if (index < previous) return -1;
-            previous = index;
-        }
-        if (n >= 0 && m->len[c] > 0 && (index_at(m, c, 0) < 0 || previous >= n)) return -2;
-    }
-    return 0;
-}
-
-/* Advance the chunk at the top of the heap; returns the new heap size. */
+/* Consume the head of the chunk at the top of the heap; returns the new heap size. */
 static inline int heap_advance(merge_t *m, int size) {
-    int c = m->heap[0];
+    int c = (int)(m->heap[0] & ((1 << CHUNK_BITS) - 1));
     int64_t next = ++m->pos[c];
-    if (next < m->len[c]) {
-        m->head[c] = index_at(m, c, next);
-    } else {
+    if (next < m->len[c])
+        m->heap[0] = (index_at(m, c, next) << CHUNK_BITS) | c;
+    else
         m->heap[0] = m->heap[--size];
-    }
-    sift_down(m, size, 0);
+    sift_down(m->heap, size);
     return size;
 }
+
+#define TOP_INDEX(m) ((m)->heap[0] >> CHUNK_BITS)
+#define TOP_CHUNK(m) ((int)((m)->heap[0] & ((1 << CHUNK_BITS) - 1)))
 
 /* The two merges, once per value type (float, double), on chunks check_chunks accepted. `out_idx` is
  * int64 for merge_average and the chunks' index type for merge_sum. Returns the unique indices. */
@@ -105,10 +112,10 @@ static inline int heap_advance(merge_t *m, int size) {
         int size = heap_build(m);                                                                           \
         int64_t count = 0;                                                                                  \
         while (size > 0) {                                                                                  \
-            int64_t index = m->head[m->heap[0]];                                                            \
+            int64_t index = TOP_INDEX(m);                                                                   \
             T sum = (T)0;                                                                                   \
-            while (size > 0 && m->head[m->heap[0]] == index) {                                              \
-                int c = m->heap[0];                                                                         \
+            while (size > 0 && TOP_INDEX(m) == index) {                                                     \
+                int c = TOP_CHUNK(m);                                                                       \
                 sum += ((const T *)m->val[c])[m->pos[c]];                                                   \
                 size = heap_advance(m, size);                                                               \
             }                                                                                               \
@@ -125,10 +132,10 @@ static inline int heap_advance(merge_t *m, int size) {
         int size = heap_build(m);                                                                           \
         int64_t count = 0, nz = 0;                                                                          \
         while (size > 0) {                                                                                  \
-            int64_t index = m->head[m->heap[0]];                                                            \
+            int64_t index = TOP_INDEX(m);                                                                   \
             T sum = (T)0;                                                                                   \
-            while (size > 0 && m->head[m->heap[0]] == index) {                                              \
-                int c = m->heap[0];                                                                         \
+            while (size > 0 && TOP_INDEX(m) == index) {                                                     \
+                int c = TOP_CHUNK(m);                                                                       \
                 sum += ((const T *)m->val[c])[m->pos[c]];                                                   \
                 size = heap_advance(m, size);                                                               \
             }                                                                                               \
