@@ -127,7 +127,7 @@ static inline int heap_advance(merge_t *m, int size) {
         }                                                                                                   \
         return count;                                                                                       \
     }                                                                                                       \
-    static int64_t merge_average_##T(merge_t *m, T *dense, int64_t n, T divisor, int64_t *out_idx,          \
+    static int64_t merge_average_##T(merge_t *m, T *dense, T divisor, int64_t *out_idx,                    \
                                      int64_t *nonzero) {                                                    \
         int size = heap_build(m);                                                                           \
         int64_t count = 0, nz = 0;                                                                          \
@@ -237,10 +237,10 @@ static PyObject *merge_average(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     count = check_chunks(m, n);
     if (count == 0 && wide_value)
-        count = merge_average_double(m, (double *)(uintptr_t)dense, n, divisor, (int64_t *)(uintptr_t)out_idx,
+        count = merge_average_double(m, (double *)(uintptr_t)dense, divisor, (int64_t *)(uintptr_t)out_idx,
                                      &nonzero);
     else if (count == 0)
-        count = merge_average_float(m, (float *)(uintptr_t)dense, n, (float)divisor, (int64_t *)(uintptr_t)out_idx,
+        count = merge_average_float(m, (float *)(uintptr_t)dense, (float)divisor, (int64_t *)(uintptr_t)out_idx,
                                     &nonzero);
     Py_END_ALLOW_THREADS
     free(m);
