@@ -22,7 +22,7 @@ data:
 			$(DATA_PACKAGES) >/dev/null) || echo "warning: could not install $(DATA_PACKAGES); tests needing them skip"; \
 	else echo "note: install the Debian packages $(DATA_PACKAGES) for the Fashion-MNIST and fortunes data"; fi
 
-$(STAMP): pyproject.toml setup.py sparsecomm/selection/_scan.c
+$(STAMP): pyproject.toml setup.py sparsecomm/selection/_scan.c sparsecomm/transport/_merge.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"

@@ -202,3 +202,41 @@ def test_sample_floor_keeps_candidates_few_even_for_tiny_counts(count):
 def test_sample_floor_gives_up_on_small_inputs():
     assert scan.sample_floor(torch.randn(5000), 10) is None
     assert scan.sample_floor(torch.randn(5000), 0) is None
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@settings(max_examples=25, deadline=None)
+@given(values=st.lists(st.floats(-1e6, 1e6, width=32), min_size=0, max_size=300),
+       floor_pick=st.floats(0, 1), seed=st.integers(0, 2**31))
+def test_scan_with_an_addend_writes_the_sum_and_scans_it(kernel, values, floor_pick, seed):
+    x = torch.tensor(values, dtype=torch.float32)
+    addend = torch.randn(x.numel(), generator=torch.Generator().manual_seed(seed)) * 100
+    expected = x + addend
+    floor = floor_pick * float(expected.abs().max()) if x.numel() else 0.0
+    with scan.use_kernel(kernel):
+        result = scan.Scratch().scan(x, floor, name="t", check_finite=True, addend=addend, expected=2)
+    assert torch.equal(x, expected)  # written back, bit for bit the torch addition
+    assert_scan_matches(result, expected, floor)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("name", ["topk", "trimmed", "binary_search", "block_topk"])
+@pytest.mark.parametrize("n, k", [(1000, 7), (200_003, 2000), (200_003, 1)])
+def test_accumulate_equals_the_addition_then_the_selection(kernel, name, n, k):
+    g = torch.Generator().manual_seed(n + k)
+    residual, grad = torch.randn(n, generator=g), torch.randn(n, generator=g) * 3
+    added, fused = residual.clone(), residual.clone()
+    options = {"block_size": 16} if name == "block_topk" else {}
+    with scan.use_kernel(kernel):
+        expected = selectors.make(name, **options)(added.add_(grad), k)
+        got = selectors.make(name, **options).accumulate(fused, grad, k)
+    assert torch.equal(fused, added)
+    assert torch.equal(torch.sort(got).values, torch.sort(expected).values)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_accumulate_refuses_non_finite_sums(kernel):
+    x, grad = torch.randn(100_000), torch.randn(100_000)
+    grad[777] = math.nan
+    with scan.use_kernel(kernel), pytest.raises(NonFiniteInputError):
+        selectors.make("topk").accumulate(x, grad, 100)

@@ -12,11 +12,8 @@ input raises on every rank instead of hanging one), times phases and reads the t
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
-import struct
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -24,26 +21,15 @@ import torch
 
 from ..core.registry import Registry
 from ..core.validate import check_fraction
-from ..selection import NonFiniteInputError
-from ..transport.agreement import Agreement, AgreementError, agree
 from ..transport.comm import Communicator
+from .agreement import NONFINITE_POLICIES, AgreementError, NonFiniteGradientError, check_call
 from .stats import PHASES, Stats
 
 __all__ = ["Method", "Layout", "METHODS", "register_method", "selection_count", "check_density", "AgreementError",
            "NonFiniteGradientError", "NONFINITE_POLICIES"]
 
-log = logging.getLogger(__name__)
-
 Layout = Sequence[tuple[int, int]] | None
 """Optional (offset, numel) of each layer packed in the flat gradient, in order."""
-
-#: What a call does when a rank's gradient holds NaN/Inf (see :attr:`Method.nonfinite`).
-NONFINITE_POLICIES = ("error", "skip")
-
-
-class NonFiniteGradientError(NonFiniteInputError, AgreementError):
-    """A rank's gradient holds NaN/Inf: raised on every rank, before anything is sent."""
-
 
 class Method:
     """Base class of every synchronization method.
@@ -238,53 +224,11 @@ class Method:
         return result
 
     def _validate(self, grad: Any, layout: Layout) -> dict[str, Any] | None:
-        """Check ``grad`` locally, then agree with every rank on the call (one header all-reduce,
-        :func:`sparsecomm.transport.agreement.agree`). Raises the same error on every rank when a
-        rank's input is unusable, the ranks disagree, or (policy ``"error"``) a rank's gradient holds
-        NaN/Inf. Returns ``None`` to go on, or the figures of a step skipped for non-finite input."""
-        problem = _local_problem(grad, layout, self.name)
-        tensor = isinstance(grad, torch.Tensor)
-        with self.comm.meter.phase("agreement"):
-            verdict = agree(self.comm, self._header(grad, layout, problem), zero=("input", "nonfinite"),
-                            device=grad.device if tensor else None)
-        if verdict is None:
-            return None
-        bad_input = verdict.nonzero_ranks("input")
-        if bad_input:
-            if problem is not None:
-                raise problem[1](f"{problem[2]} (input rejected on {_ranks_text(bad_input)}; nothing was sent)")
-            raise AgreementError(f"{self.name}: {_ranks_text(bad_input)} passed an unusable gradient "
-                                 f"({', '.join(_PROBLEMS[c][1] for c in sorted(set(verdict.column('input'))) if c)});"
-                                 f" nothing was sent", bad_input, "input")
-        mismatched = [name for name in verdict.mismatched() if name != "nonfinite"]
-        if mismatched:
-            odd = sorted({r for name in mismatched for r in verdict.outliers(name)[1]})
-            details = "; ".join(
-                f"{_LABELS[name]} ({_range(verdict, name)}{verdict.describe(name, _SHOW.get(name, str))})"
-                for name in mismatched)
-            hints = "".join(_HINTS[name] for name in mismatched if name in _HINTS)
-            raise AgreementError(
-                f"{self.name}: {details}. Every rank must call the same method on the same kind of gradient; "
-                f"nothing was sent and the state is unchanged.{hints}", odd, mismatched[0])
-        bad = verdict.nonzero_ranks("nonfinite")
-        counts = ", ".join(f"rank {r}: {verdict.column('nonfinite')[r]}" for r in bad)
-        if self.nonfinite == "skip":
-            log.warning("%s: step %d skipped on every rank: NaN/Inf in the gradient of %s (%s)",
-                        self.name, self.step, _ranks_text(bad), counts)
-            return {"skipped_reason": "nonfinite", "nonfinite_ranks": bad}
-        raise NonFiniteGradientError(
-            f"{self.name}: NaN/Inf in the gradient of {_ranks_text(bad)} ({counts} non-finite elements); "
-            f"raised on every rank before anything was sent, residual and step unchanged "
-            f"(make_method(..., nonfinite='skip') skips such steps instead)", bad, "nonfinite")
-
-    def _header(self, grad: Any, layout: Layout, problem: tuple | None) -> dict[str, int]:
-        """This rank's description of the call, as int64 fields (see :mod:`..transport.agreement`)."""
-        if problem is not None:
-            return {"input": problem[0], **dict.fromkeys(_HEADER_FIELDS, 0)}
-        n = grad.numel()
-        return {"input": 0, "n": n, "dtype": _dtype_code(grad.dtype), "density": _float_bits(self.density),
-                "step": self.step, "method": zlib.crc32(self.name.encode()), "options": self._options_hash(),
-                "layout": 0 if layout is None else _layout_hash(layout), "nonfinite": _count_nonfinite(grad)}
+        """Check ``grad`` locally, then agree with every rank on the call (:func:`.agreement.check_call`:
+        one header all-reduce). Raises the same error on every rank when a rank's input is unusable,
+        the ranks disagree, or (policy ``"error"``) a rank's gradient holds NaN/Inf. Returns ``None``
+        to go on, or the figures of a step skipped for non-finite input."""
+        return check_call(self, grad, layout, METHODS.names())
 
     @property
     def nonfinite(self) -> str:
@@ -298,13 +242,6 @@ class Method:
         if policy not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={policy!r} must be one of {NONFINITE_POLICIES}")
         self._nonfinite = policy
-
-    def _options_hash(self) -> int:
-        """CRC-32 of the options ``make_method`` recorded (plain values only), 0 without."""
-        if not self.options:
-            return 0
-        plain = sorted((k, v) for k, v in self.options.items() if isinstance(v, str | int | float | bool | type(None)))
-        return zlib.crc32(repr(plain).encode())
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -349,104 +286,6 @@ def _check_out(out: Any, grad: Any, name: str) -> None:
                          f"got shape {tuple(out.shape)}, {out.dtype}, {out.device}")
     if out.numel() and out.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
         raise ValueError(f"{name}: out= must not share memory with grad (the method reads grad while it writes out)")
-
-
-def _check_layout(layout: Layout, n: int, name: str) -> list[tuple[int, int]]:
-    spans = [(int(o), int(m)) for o, m in layout]  # type: ignore[union-attr]
-    end = 0
-    for offset, numel in spans:
-        if offset < end or numel < 0 or offset + numel > n:
-            raise ValueError(f"{name}: layout entry (offset={offset}, numel={numel}) must be in order, "
-                             f"non-overlapping and inside [0, n={n})")
-        end = offset + numel
-    return spans
-
-
-# The header of a call (after its first field, "input": 0 or the code of a local problem).
-_HEADER_FIELDS = ("n", "dtype", "density", "step", "method", "options", "layout", "nonfinite")
-
-# code -> (exception type on the offending rank, short cause for the other ranks)
-_PROBLEMS: dict[int, tuple[type[Exception], str]] = {
-    1: (TypeError, "not a torch.Tensor"), 2: (ValueError, "not 1-D"), 3: (TypeError, "not floating-point"),
-    4: (ValueError, "bad layout")}
-
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-def _local_problem(grad: Any, layout: Layout, name: str) -> tuple[int, type[Exception], str] | None:
-    """(code, exception type, message) of what makes ``grad`` / ``layout`` unusable here, or None."""
-    if not isinstance(grad, torch.Tensor):
-        return 1, TypeError, f"{name}: grad must be a torch.Tensor, got {type(grad).__name__}"
-    if grad.dim() != 1:
-        return 2, ValueError, f"{name}: grad must be a 1-D (flat) tensor, got shape {tuple(grad.shape)}"
-    if not grad.is_floating_point():
-        return 3, TypeError, f"{name}: grad must be a floating-point tensor, got dtype {grad.dtype}"
-    if layout is not None:
-        try:
-            _check_layout(layout, grad.numel(), name)
-        except (ValueError, TypeError) as exc:
-            return 4, ValueError, str(exc)
-    return None
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPES.index(dtype) + 1 if dtype in _DTYPES else zlib.crc32(str(dtype).encode())
-
-
-def _float_bits(value: float | None) -> int:
-    """The IEEE-754 bits of ``value`` as an int64 (0 for None): equal bits, equal floats."""
-    return 0 if value is None else int(struct.unpack("<q", struct.pack("<d", float(value)))[0])
-
-
-def _layout_hash(layout: Layout) -> int:
-    spans = [int(v) for span in layout for v in span]  # type: ignore[union-attr]
-    return zlib.crc32(struct.pack(f"<{len(spans)}q", *spans))
-
-
-def _count_nonfinite(grad: torch.Tensor) -> int:
-    """NaN/Inf elements of ``grad``. One sum decides in the common case: a finite sum means every
-    element is finite; only a non-finite sum (NaN/Inf, or an overflow) pays for the exact count."""
-    if grad.numel() == 0 or math.isfinite(float(grad.sum())):
-        return 0
-    return int(grad.numel() - int(torch.isfinite(grad).sum()))
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
-
-
-def _show_dtype(code: int) -> str:
-    return str(_DTYPES[code - 1]) if 0 < code <= len(_DTYPES) else f"<dtype crc {code}>"
-
-
-def _show_density(bits: int) -> str:
-    return "None" if bits == 0 else f"{struct.unpack('<d', struct.pack('<q', bits))[0]:g}"
-
-
-_LABELS = {"n": "gradient length differs across ranks", "dtype": "gradient dtype differs across ranks",
-           "density": "density differs across ranks", "step": "step counter differs across ranks",
-           "method": "method differs across ranks", "options": "method options differ across ranks",
-           "layout": "layout differs across ranks"}
-
-
-def _range(verdict: Agreement, name: str) -> str:
-    """``"min 10, max 12; "`` for the counting fields, else ``""``."""
-    if name not in ("n", "step"):
-        return ""
-    column = verdict.column(name)
-    return f"min {min(column)}, max {max(column)}; "
-
-
-def _show_method(code: int) -> str:
-    names = {zlib.crc32(name.encode()): name for name in METHODS.names()}
-    return names.get(code, f"<method crc {code}>")
-
-
-_SHOW: dict[str, Callable[[int], str]] = {"dtype": _show_dtype, "density": _show_density, "method": _show_method}
-_HINTS = {"step": " A differing step means a rank went on after an error the others did not see, or resumed "
-                  "from another checkpoint.",
-          "method": " Every rank must use the same method.",
-          "options": " Every rank must build the method with the same options."}
 
 
 def selection_count(density: float, n: int) -> int:

@@ -26,6 +26,7 @@ from ..selection.metrics import SparsificationMetrics
 from ..transport.chunk import index_dtype
 from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator
+from ..transport.merge import ascending
 from .base import Layout, Method, register_method
 
 __all__ = ["CyclicLocalTopk", "binomial_broadcast"]
@@ -91,13 +92,14 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
         n, P, r = grad.numel(), self.comm.size, self.comm.rank
         k = self.k(n)
         leader = self.step % P
-        with self.timer("residual"):
-            acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
-        with self.timer("select"):
-            if r == leader:
-                indices = torch.sort(self.selector(acc, k)).values.to(index_dtype(n))
-            else:
-                indices = torch.empty(k, dtype=index_dtype(n), device=grad.device)
+        acc = self.residual_for(grad)                 # acc is self.residual, updated in place
+        if r == leader:
+            with self.timer("select"):                # acc += grad inside the selector's scan
+                indices = ascending(self.selector.accumulate(acc, grad, k)).to(index_dtype(n))
+        else:
+            with self.timer("residual"):
+                acc.add_(grad)
+            indices = torch.empty(k, dtype=index_dtype(n), device=grad.device)
         with self.timer("comm"):
             binomial_broadcast(self.comm, indices, leader)
             chosen = indices.long()

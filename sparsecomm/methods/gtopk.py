@@ -64,10 +64,9 @@ class GlobalTopk(Method):
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         comm, n = self.comm, grad.numel()
         k = self.k(n)
-        with self.timer("residual"):
-            acc = self.residual_for(grad).add_(grad)   # the residual buffer now holds grad + residual
+        acc = self.residual_for(grad)   # the residual buffer, which will hold grad + residual
         with self.timer("select"):
-            local_idx = self.selector(acc, k)
+            local_idx = self.selector.accumulate(acc, grad, k)   # acc += grad inside the selector's scan
             held = SparseChunk.gather(acc, local_idx)
         with self.timer("residual"):
             acc.index_fill_(0, local_idx, 0)           # residual = acc minus what is sent

@@ -49,7 +49,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from ..core.cost import Cost, chunk_offsets, chunk_sizes, register_collective_cost, register_cost
@@ -57,6 +56,7 @@ from ..selection import make as make_selector
 from ..transport.chunk import SparseChunk, add_chunks, pair_bytes
 from ..transport.collectives import ring_reduce_scatter
 from ..transport.comm import Communicator
+from ..transport.merge import ascending, average_into
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_traffic
 from ..transport.topology import resolve_local_size, split_nodes
 from .base import Layout, Method, register_method, selection_count
@@ -105,12 +105,10 @@ class HiTopKComm(SelectorStateMixin, Method):
         start, size = chunk_offsets(n, self.node.size)[self.node.rank]
         with self.timer("comm"):
             shard = ring_reduce_scatter(self.node, grad) if self.node.size > 1 else grad.clone()
-        with self.timer("residual"):
-            acc = self.residual_for(grad)[start:start + size]   # a view: the residual is updated in place
-            acc.add_(shard)
+        acc = self.residual_for(grad)[start:start + size]   # a view: the residual is updated in place
         with self.timer("select"):
             k = self.k(size)
-            idx = torch.sort(self.selector(acc, k)).values if k else acc.new_empty(0, dtype=torch.int64)
+            idx = ascending(self.selector.accumulate(acc, shard, k))  # acc += shard in the scan
             mine = SparseChunk.gather(acc, idx, offset=start, n=n)
         with self.timer("residual"):
             acc.index_fill_(0, idx, 0)
@@ -123,11 +121,13 @@ class HiTopKComm(SelectorStateMixin, Method):
             shards = allgather_chunks(self.node, union)
         with self.timer("decompress"):
             out = self.output_buffer(grad)
-            where = torch.cat([shard_chunk.indices.long() for shard_chunk in shards])
-            out[where] = torch.cat([shard_chunk.values for shard_chunk in shards]).to(out.dtype) / self.comm.size
+            # the shards are disjoint and each sorted: one write per index, divided on the way
+            where, nonzero = average_into(out, [shard.indices for shard in shards],
+                                          [shard.values for shard in shards], self.comm.size)
             self.output_written(where)
         self.stats["union_nnz"] = union.nnz
-        self.stats.nnz_out = int(torch.count_nonzero(out.index_select(0, where)))  # shards are disjoint
+        if nonzero is not None:  # else the base class counts the non-zeros of out
+            self.stats.nnz_out = nonzero
         self.stats["local_size"] = self.local_size
         self.stats.dense_fallback = self.one_node
         return out

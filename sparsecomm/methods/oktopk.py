@@ -56,6 +56,7 @@ from ..transport.alltoallv import alltoallv, alltoallv_traffic
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype, pair_bytes
 from ..transport.collectives import allreduce, allreduce_cost
 from ..transport.comm import Communicator
+from ..transport.merge import average_into
 from ..transport.sparse_collectives import allgatherv, allgatherv_traffic
 from .base import Layout, Method, register_method
 
@@ -168,10 +169,10 @@ class OkTopk(Method):
                 self.global_threshold = self.global_threshold / self.global_scale  # type: ignore[operator]
             elif chosen.nnz > 5 * k / 4:
                 self.global_threshold = self.global_threshold * self.global_scale  # type: ignore[operator]
-            out = chosen.to_dense(n).div_(P)
-            in_result = torch.zeros(n, dtype=torch.bool, device=grad.device)
-            in_result[chosen.indices.long()] = True
-            sent = idx[in_result[idx]]
+            out = self.output_buffer(grad)
+            written, _ = average_into(out, [chosen.indices], [chosen.values], P)  # sorted: one write each
+            self.output_written(written)
+            sent = idx[_members(idx, chosen.indices)]
             acc[sent] = 0                      # the residual keeps what did not reach the result
         self.last_sent = sent
         self.stats.update(nnz_out=chosen.nnz)
@@ -233,6 +234,16 @@ class OkTopk(Method):
     def __repr__(self) -> str:
         return (f"OkTopk(P={self.comm.size}, density={self.density:g}, warmup_steps={self.warmup_steps}, "
                 f"threshold_interval={self.threshold_interval}, partition_interval={self.partition_interval})")
+
+
+def _members(sorted_indices: Tensor, sorted_set: Tensor) -> Tensor:
+    """Mask of the entries of ``sorted_indices`` found in ``sorted_set`` (both increasing): a binary
+    search per entry, no length-n mark vector."""
+    if sorted_set.numel() == 0:
+        return torch.zeros(sorted_indices.numel(), dtype=torch.bool, device=sorted_indices.device)
+    wanted = sorted_set.to(sorted_indices.dtype)
+    at = torch.searchsorted(wanted, sorted_indices).clamp_(max=wanted.numel() - 1)
+    return wanted[at] == sorted_indices
 
 
 @register_cost("oktopk")

@@ -76,9 +76,13 @@ class OmniReduce(Method):
         with self.timer("comm"):
             ids, sums, counts = block_allreduce(self.comm, blocks, values, num_blocks)
         with self.timer("decompress"):
-            out = torch.zeros(num_blocks * B, dtype=grad.dtype, device=grad.device)
-            out.view(num_blocks, B)[ids.long()] = sums
-            out = out[:n].div_(P)
+            out = self.output_buffer(grad)       # zero where the last call wrote
+            elements = ids.long().unsqueeze(1) * B + offsets
+            inside = elements < n                 # the last block may overhang the gradient
+            written, averages = elements[inside], sums.div(P)[inside]
+            out[written] = averages
+            self.output_written(written)
+        self.stats.nnz_out = int(torch.count_nonzero(averages))
         self.stats["blocks_sent"] = blocks.numel()
         self.stats["block_counts"] = counts["sent"]
         self.stats["result_blocks"] = counts["result"]

@@ -38,8 +38,9 @@ from torch import Tensor
 from ..core.cost import Cost, ceil_log2, register_cost
 from ..selection import current_name as current_selector_name
 from ..selection import make as make_selector
-from ..transport.chunk import SparseChunk, index_dtype
+from ..transport.chunk import index_dtype
 from ..transport.comm import Communicator
+from ..transport.merge import ascending, average_into
 from ..transport.sparse_collectives import allgatherv, allgatherv_cost
 from .base import Layout, Method, register_method
 
@@ -244,12 +245,12 @@ class RedSync(Method):
             return part, torch.arange(spec.numel, device=x.device)
         k = self.k(spec.numel)
         if not spec.quantized:
-            idx = self._selectors[i](x, k)
+            idx = ascending(self._selectors[i](x, k))  # sorted: the receivers merge, not sort
             part = LayerPart(idx + spec.offset, x[idx])
             x[idx] = 0
             return part, idx
         signed = x * sign
-        idx = self._selectors[i](signed.clamp_(min=0), k)
+        idx = ascending(self._selectors[i](signed.clamp_(min=0), k))
         idx = idx[signed[idx] > 0]  # fewer than k entries of this sign: send only those
         selected = x[idx]
         mean = selected.sum().div_(max(idx.numel(), 1)).reshape(1)
@@ -278,17 +279,19 @@ class RedSync(Method):
             gathered = allgatherv(self.comm, message)
         with self.timer("decompress"):
             out = self.output_buffer(grad)
-            touched = [_scatter_message(out, specs, unpack_message(specs, counts, indices, values))
-                       for counts, indices, values in gathered]
-            if any(spec.dense for spec in specs):
+            received = [_sparse_entries(out, specs, unpack_message(specs, counts, indices, values))
+                        for counts, indices, values in gathered]
+            if any(spec.dense for spec in specs):  # dense layers were added in place: divide all of out
+                for indices, values in received:
+                    out.index_add_(0, indices.long(), values.to(out.dtype))
                 out.div_(self.comm.size)
                 self.output_written(None)
-            else:
-                union = torch.cat(touched)
-                if self.comm.size > 1:
-                    out[union] = out[union].div_(self.comm.size)
+            else:  # each rank's indices are sorted (layer by layer, in layer order): one merge
+                union, nonzero = average_into(out, [i for i, _ in received], [v for _, v in received],
+                                              self.comm.size)
                 self.output_written(union)
-                self.stats.nnz_out = int(torch.count_nonzero(out.index_select(0, torch.unique(union))))
+                if nonzero is not None:  # else the base class counts the non-zeros of out
+                    self.stats.nnz_out = nonzero
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -302,9 +305,9 @@ class RedSync(Method):
                 self._selectors[i].load_state_dict(self._pending_selector_state.pop(i))
 
 
-def _scatter_message(out: Tensor, specs: Sequence[LayerSpec], parts: Sequence[LayerPart]) -> Tensor:
-    """Add one rank's unpacked message into ``out`` (dense slices, then one scatter-add); returns the
-    int64 indices of the sparse layers' entries it added."""
+def _sparse_entries(out: Tensor, specs: Sequence[LayerSpec], parts: Sequence[LayerPart]) -> tuple[Tensor, Tensor]:
+    """Add one rank's dense layers into ``out`` (slices) and return the (indices, values) of its
+    sparse layers' entries, in layer order (a quantized layer's mean repeated over its indices)."""
     indices, values = [], []
     for spec, part in zip(specs, parts, strict=False):
         if spec.dense:
@@ -313,10 +316,9 @@ def _scatter_message(out: Tensor, specs: Sequence[LayerSpec], parts: Sequence[La
             indices.append(part.indices)
             values.append(part.values.expand(part.indices.numel()) if spec.quantized else part.values)
     if not indices:
-        return torch.empty(0, dtype=torch.int64, device=out.device)
-    chunk = SparseChunk(torch.cat(indices), torch.cat(values))
-    chunk.scatter_add_(out)
-    return chunk.indices.long()
+        return (torch.empty(0, dtype=index_dtype(out.numel()), device=out.device),
+                torch.empty(0, dtype=out.dtype, device=out.device))
+    return torch.cat(indices), torch.cat(values)
 
 
 # ---------------------------------------------------------------------- cost model

@@ -4,14 +4,18 @@ threshold, SIDCo): a base class, not a registered method.
 Per call, on every rank r:
 
 1. ``acc = grad + residual``; ``idx = self.select(acc)`` (subclasses choose the entries);
-   ``residual = acc`` with the entries at ``idx`` set to zero (error feedback).
+   ``residual = acc`` with the entries at ``idx`` set to zero (error feedback). With the default
+   selection the addition happens inside the selector's scan (one read of the gradient and the
+   residual, :meth:`SelectAllGather.accumulate_select`).
 2. All-gather of the packed message ``(indices, values)``; the receivers do not know its length, so
    the element counts travel first as the size header of :meth:`Communicator.exchange_many` (the
    "initial element which indicates the length" of RedSync section 2.3), by
    :func:`~sparsecomm.transport.sparse_collectives.allgather_chunks`.
-3. Every rank adds the P messages into the method's reused output buffer (zeroed where the last
-   call wrote, :meth:`~.base.Method.output_buffer`) in rank order and divides the touched entries by
-   P, so the result is the same bit for bit on every rank; no length-n vector is allocated per call.
+3. Every rank merges the P messages (each sorted by index) into the method's reused output buffer
+   (zeroed where the last call wrote, :meth:`~.base.Method.output_buffer`): each index's sum is taken
+   in rank order and written once, divided by P (:func:`~sparsecomm.transport.merge.average_into`),
+   so the result is the same bit for bit on every rank; no length-n vector is allocated per call, and
+   nothing is sorted or counted again.
 
 The hard cap (``cap``, default 2): a selector whose count can exceed k (a threshold, SIDCo, a band
 selector) is cut to the ``ceil(cap * k)`` largest magnitudes it picked; what is cut stays in the
@@ -36,6 +40,7 @@ from ..selection import make as make_selector
 from ..selection.threshold import cap_selection
 from ..transport.chunk import SparseChunk, pair_bytes
 from ..transport.comm import Communicator
+from ..transport.merge import ascending, average_into
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_cost
 from .base import Layout, Method
 
@@ -58,18 +63,12 @@ def cap_limit(cap: float | None, target: float) -> int | None:
     return None if cap is None else max(1, math.ceil(cap * target))
 
 
-def add_messages(out: Tensor, chunks: Sequence[SparseChunk], P: int) -> Tensor:
-    """Add ``chunks`` into ``out`` in order (``index_add_``) and divide the touched entries by P; returns
-    the int64 indices touched (repeats possible), for :meth:`~.base.Method.output_written`."""
-    touched = []
-    for chunk in chunks:
-        idx = chunk.indices.long()
-        out.index_add_(0, idx, chunk.values.to(out.dtype))
-        touched.append(idx)
-    union = torch.cat(touched) if touched else torch.empty(0, dtype=torch.int64, device=out.device)
-    if P > 1 and union.numel():
-        out[union] = out[union].div_(P)
-    return union
+def add_messages(out: Tensor, chunks: Sequence[SparseChunk], P: int) -> tuple[Tensor, int | None]:
+    """Write the average of ``chunks`` (their sum in chunk order, divided by P) into ``out``, which
+    is zero at their indices (:func:`~sparsecomm.transport.merge.average_into`: a merge of the sorted
+    chunks, one write per index). Returns (the int64 indices written, for
+    :meth:`~.base.Method.output_written`; the non-zero results, or ``None`` when not counted)."""
+    return average_into(out, [c.indices for c in chunks], [c.values for c in chunks], P)
 
 
 class SelectorStateMixin:
@@ -133,17 +132,25 @@ class SelectAllGather(SelectorStateMixin, Method):
         """
         return self.selector(acc, self.k(acc.numel()))
 
+    def accumulate_select(self, acc: Tensor, grad: Tensor) -> Tensor:
+        """``acc += grad`` (the residual, in place), then :meth:`select`. With the configured selector
+        (``select`` not overridden) the selector does both in one pass where it can
+        (:meth:`~sparsecomm.selection.base.Selector.accumulate`)."""
+        if type(self).select is SelectAllGather.select:
+            return self.selector.accumulate(acc, grad, self.k(acc.numel()))
+        acc.add_(grad)
+        return self.select(acc)
+
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n = grad.numel()
-        with self.timer("residual"):
-            acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
         with self.timer("select"):
-            idx = self.select(acc).to(torch.int64)
+            acc = self.residual_for(grad)       # acc is self.residual, updated in place
+            idx = self.accumulate_select(acc, grad).to(torch.int64)
             picked = idx.numel()
             limit = cap_limit(self.cap, self.k(n))
             if limit is not None and picked > limit:
                 idx = cap_selection(acc, idx, limit)  # the rest stays in the residual
-            idx = torch.sort(idx).values
+            idx = ascending(idx)  # sorted: the receivers merge the messages
             chunk = SparseChunk.gather(acc, idx, n=n)
         with self.timer("residual"):
             acc.index_fill_(0, idx, 0)  # what was not sent stays
@@ -153,10 +160,10 @@ class SelectAllGather(SelectorStateMixin, Method):
             gathered = allgather_chunks(self.comm, chunk)
         with self.timer("decompress"):
             out = self.output_buffer(grad)
-            union = add_messages(out, gathered, self.comm.size)
+            union, nonzero = add_messages(out, gathered, self.comm.size)
             self.output_written(union)
-            # without this the base class would count the non-zeros of all of out (a full pass)
-            self.stats.nnz_out = int(torch.count_nonzero(out.index_select(0, torch.unique(union))))
+            if nonzero is not None:  # else the base class counts the non-zeros of out
+                self.stats.nnz_out = nonzero
         self.stats["message_bytes"] = chunk.nbytes()
         self.stats["counts"] = [received.nnz for received in gathered]
         self.stats["received_nnz"] = sum(self.stats["counts"])

@@ -35,6 +35,7 @@ from ..core.cost import Cost, register_cost
 from ..core.validate import check_choice
 from ..selection import make as make_selector
 from ..transport.comm import Communicator
+from ..transport.merge import average_into
 from ..transport.sparse_stream import Stream, dense_switch_count, dsa_allreduce, dsa_cost, split_allreduce, split_cost
 from .base import Layout, Method, register_method
 
@@ -78,8 +79,8 @@ class TopkDSA(Method):
         n, P = grad.numel(), self.comm.size
         k = self.k(n)
         with self.timer("select"):
-            acc = self.residual_for(grad).add_(grad)
-            idx = self.selector(acc, k)
+            acc = self.residual_for(grad)                 # acc += grad inside the selector's scan
+            idx = self.selector.accumulate(acc, grad, k)
             stream = Stream.sparse(n, idx, acc[idx])
             acc[idx] = 0                                  # acc is the residual: what stays
         self.last_sent = idx
@@ -91,8 +92,15 @@ class TopkDSA(Method):
             else:
                 total, kinds = split_allreduce(self.comm, stream), []
         with self.timer("decompress"):
-            out = total.to_dense().reshape(-1)
-            out.div_(P)
+            if total.dense:
+                out = total.to_dense().reshape(-1).div_(P)
+            else:  # sorted unique indices: the average written straight into the output buffer
+                assert total.indices is not None
+                out = self.output_buffer(grad)
+                written, nonzero = average_into(out, [total.indices], [total.values.reshape(-1)], P)
+                self.output_written(written)
+                if nonzero is not None:  # else the base class counts the non-zeros of out
+                    self.stats.nnz_out = nonzero
         self.stats["algorithm"] = variant
         self.stats["sent_representation"] = kinds
         self.stats["dense_result"] = total.dense

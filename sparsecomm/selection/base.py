@@ -59,6 +59,17 @@ class Selector:
         """Indices for ``0 < k < n``; implemented by subclasses. Must honour ``self.check_finite``."""
         raise NotImplementedError
 
+    def accumulate(self, x: Tensor, addend: Tensor, k: int) -> Tensor:
+        """``x += addend`` (in place), then ``self(x, k)``: error feedback's ``acc = residual + grad``
+        followed by the selection. Selectors whose scan can do the addition (exact top-k) override
+        this to read each vector once; the result is the same either way."""
+        if not isinstance(addend, Tensor) or addend.shape != getattr(x, "shape", None):
+            got = tuple(addend.shape) if isinstance(addend, Tensor) else type(addend).__name__
+            raise ValueError(f"selector {self.name!r}: addend must be a tensor shaped like x "
+                             f"({tuple(getattr(x, 'shape', ()))}), got {got}")
+        x.add_(addend)
+        return self(x, k)
+
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The state carried from one call to the next (empty for stateless selectors)."""

@@ -150,16 +150,24 @@ class Scratch:
 
     # -- the scan ---------------------------------------------------------------------------------------
     def scan(self, x: Tensor, floor: float, *, name: str, check_finite: bool, need_total: bool = True,
-             expected: int = 0) -> ScanResult:
+             expected: int = 0, addend: Tensor | None = None) -> ScanResult:
         """Candidates ``|x| >= floor`` with ``sum |x|`` and ``max |x|``, in one pass where possible.
+
+        With ``addend`` (same shape as ``x``), ``x += addend`` is written first, in the same pass on the
+        kernel's path (error feedback's ``acc = residual + grad`` and the scan in one read of each),
+        and the scan is of the sum.
 
         With ``check_finite``, NaN or Inf in ``x`` raises :class:`~sparsecomm.selection.NonFiniteInputError`
         (naming the selector ``name``). ``expected`` sizes the kernel's output buffer (a guess; more
         candidates cost a second pass). ``need_total=False`` lets the torch path skip the sum when the
         caller needs neither the mean nor the check.
         """
+        if addend is not None and not (self._use_compiled(x) and self._use_compiled(addend)
+                                       and addend.shape == x.shape):
+            x.add_(addend)
+            addend = None
         if self._use_compiled(x):
-            result = self._scan_compiled(x, floor, expected)
+            result = self._scan_compiled(x, floor, expected, addend)
         elif self.uses_triton(x):
             result = self._scan_triton(x, floor)
         else:
@@ -195,19 +203,20 @@ class Scratch:
         return (_kernel in ("avx2", "scalar") and x.device.type == "cpu" and x.dtype == torch.float32
                 and x.is_contiguous())
 
-    def _run_compiled(self, x: Tensor, floor: float, capacity: int) -> tuple:
-        """(count, total, max) of one kernel call writing up to ``capacity`` candidates."""
+    def _run_compiled(self, x: Tensor, floor: float, capacity: int, addend: Tensor | None = None) -> tuple:
+        """(count, total, max) of one kernel call writing up to ``capacity`` candidates (and, with
+        ``addend``, ``x += addend`` in the same pass)."""
         idx_ptr = val_ptr = 0
         if capacity:
             idx_ptr, val_ptr = self._out_indices.data_ptr(), self._out_values.data_ptr()
         return _compiled.scan_ge(x.data_ptr(), x.numel(), float(floor), idx_ptr, val_ptr, capacity,
-                                 _kernel == "avx2")
+                                 _kernel == "avx2", 0 if addend is None else addend.data_ptr())
 
-    def _scan_compiled(self, x: Tensor, floor: float, expected: int) -> ScanResult:
+    def _scan_compiled(self, x: Tensor, floor: float, expected: int, addend: Tensor | None = None) -> ScanResult:
         if self._out_indices.numel() < expected:
             self._grow(max(expected, 1024))
-        count, total, top = self._run_compiled(x, floor, self._out_indices.numel())
-        if count > self._out_indices.numel():  # more candidates than fit: grow and scan again
+        count, total, top = self._run_compiled(x, floor, self._out_indices.numel(), addend)
+        if count > self._out_indices.numel():  # more candidates than fit: grow and scan again (x holds the sum)
             log.debug("scan: %d candidates overflowed a buffer of %d; scanning again", count,
                       self._out_indices.numel())
             self._grow(count + count // 4)
@@ -255,8 +264,10 @@ def _sum_of_magnitudes(a: Tensor) -> float:
     return float(a.sum(dtype=torch.float64))
 
 
-def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 4.0) -> float | None:
-    """A threshold with more than ``count`` elements of ``|x|`` at or above it, with high probability.
+def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 4.0,
+                 addend: Tensor | None = None) -> float | None:
+    """A threshold with more than ``count`` elements of ``|x|`` at or above it, with high probability
+    (of ``|x + addend|`` with ``addend``: the sampled elements are added, nothing is written).
 
     Takes a strided sample of ``|x|`` large enough to hold about ``min_hits`` elements above the
     ``count``-th largest value, and returns the sample's order statistic ``sigmas`` standard deviations
@@ -275,7 +286,8 @@ def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 
     count = max(count, math.ceil(min_hits * n / size))
     if count > n * _MAX_SAMPLE_FRACTION:
         return None
-    sample = x[:: n // size].abs()
+    stride = n // size
+    sample = (x[::stride] + addend[::stride] if addend is not None else x[::stride]).abs()
     hits = count * sample.numel() / n
     rank = min(sample.numel(), int(hits + sigmas * math.sqrt(hits)) + 2)
     return float(torch.topk(sample, rank, sorted=False).values.min())
@@ -285,18 +297,19 @@ class MagnitudeView:
     """Exact counts and index sets of ``|x| >= t``, cheap at thresholds above a floor.
 
     Built with one scan (:meth:`Scratch.scan`) gathering the candidates ``|x| >= floor`` and the sum
-    and max of ``|x|``; with ``floor=None`` every element is a candidate. ``count`` is the number of
+    and max of ``|x|``; with ``floor=None`` every element is a candidate. With ``addend`` the scan
+    first adds it into ``x`` (written back), and the view is of the sum. ``count`` is the number of
     elements the floor was placed above (it sizes the scan's output buffer).
     """
 
     def __init__(self, x: Tensor, scratch: Scratch, floor: float | None, *, name: str, check_finite: bool,
-                 count: int = 0, need_mean: bool = True) -> None:
+                 count: int = 0, need_mean: bool = True, addend: Tensor | None = None) -> None:
         self.x = x
         self.scratch = scratch
         self.floor = floor
         self.name = name
         scan = scratch.scan(x, math.inf if floor is None else floor, name=name, check_finite=check_finite,
-                            need_total=need_mean, expected=count + count // 2)
+                            need_total=need_mean, expected=count + count // 2, addend=addend)
         self.mean = scan.total / max(1, x.numel())
         self._max = scan.max
         self._sorted: tuple | None = None
@@ -388,12 +401,29 @@ class MagnitudeView:
         return above.indices[above.values < hi]
 
     def topk_at_or_above(self, t: float, k: int) -> Tensor:
-        """Indices of the ``k`` largest elements among ``|x| >= t`` (needs ``count(t) >= k``).
+        """Increasing indices of the ``k`` largest elements among ``|x| >= t`` (needs ``count(t) >= k``).
 
         When ``t`` is at or below the floor and the candidates number at least ``k``, the candidates
         hold the ``k`` largest elements of all of ``|x|``, so they answer without a pass.
         """
         if self.indices is not None and self.floor is not None and t <= self.floor and self.n_candidates >= k:
-            return self.indices.index_select(0, torch.topk(self.values, k, sorted=False).indices)
+            return largest_in_order(self.indices, self.values, k)
         above = self._at_or_above(t)
-        return above.indices.index_select(0, torch.topk(above.values, k, sorted=False).indices)
+        return largest_in_order(above.indices, above.values, k)
+
+
+def largest_in_order(indices: Tensor, values: Tensor, k: int) -> Tensor:
+    """The ``indices`` (increasing) of the ``k`` largest ``values``, still in increasing order: the
+    k-th largest value by ``torch.topk``, then one compare over the values, so the senders that need
+    sorted indices sort nothing. Among values tied with the k-th largest the first ones are kept."""
+    if k >= values.numel():
+        return indices
+    kth = torch.topk(values, k, sorted=False).values.min()
+    keep = values > kth
+    short = k - int(keep.sum())
+    if short > 0:
+        keep[torch.nonzero(values == kth).squeeze(1)[:short]] = True
+    chosen = indices[keep]
+    if chosen.numel() != k:  # NaN among the values (unchecked input): torch.topk's own choice, sorted
+        return torch.sort(indices.index_select(0, torch.topk(values, k, sorted=False).indices)).values
+    return chosen

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .merge import merge_sum
+
 __all__ = ["SparseChunk", "index_dtype", "pair_bytes", "add_chunks"]
 
 _INT32_LIMIT = 2 ** 31
@@ -96,11 +98,15 @@ def add_chunks(chunks: Iterable[SparseChunk]) -> SparseChunk:
     Deterministic on every device: the chunks are added one after another in the order given, each
     with one ``index_add_`` whose target positions are distinct when the chunk is coalesced (so even
     CUDA's atomic adds have one operand per position); every rank that adds the same chunks in the
-    same order gets the same bits.
+    same order gets the same bits. On the CPU, chunks whose indices are sorted (as every sender's
+    are) are merged instead (:func:`.merge.merge_sum`, one ordered pass, no sort), with the same bits.
     """
     chunks = list(chunks)
     if not chunks:
         raise ValueError("add_chunks needs at least one chunk")
+    merged = merge_sum([c.indices for c in chunks], [c.values for c in chunks])
+    if merged is not None:
+        return SparseChunk(*merged)
     indices = torch.cat([c.indices for c in chunks])
     values = torch.cat([c.values for c in chunks])
     if indices.numel() == 0:

@@ -41,6 +41,7 @@ from .alltoallv import alltoallv, alltoallv_traffic
 from .chunk import index_dtype
 from .collectives import fold_roles
 from .comm import Communicator
+from .merge import merge_sum
 from .sparse_collectives import allgatherv, allgatherv_traffic
 
 __all__ = ["Stream", "dense_switch_count", "stream_bytes", "add_streams", "dsa_allreduce", "dsa_traffic",
@@ -134,6 +135,10 @@ def add_streams(a: Stream, b: Stream) -> Stream:
         out.index_add_(0, other.indices.long(), other.values)
         return Stream(a.N, out)
     assert a.indices is not None and b.indices is not None
+    if a.width == 1:  # both sorted: a merge, no sort (the same bits as below)
+        merged = merge_sum([a.indices, b.indices], [a.values.reshape(-1), b.values.reshape(-1)])
+        if merged is not None:
+            return Stream(a.N, merged[1].reshape(-1, 1), merged[0]).settle()
     indices = torch.cat([a.indices, b.indices])
     if indices.numel() == 0:
         return a

@@ -3,7 +3,8 @@
 SparDL: Distributed Deep Learning Training with Efficient Sparse Communication (Zhao et al.),
 section III. Per call, on every rank:
 
-1. G = gradient + residual; a copy of G is kept (Algorithm 1, lines 1-3).
+1. G = gradient + residual (Algorithm 1, lines 1-3); instead of a copy of G, the changes made to G
+   are journaled (:class:`.srs.Accumulator`) and undone where step 5 needs G back.
 2. The P ranks form d teams of m = P/d consecutive ranks. Inside each team, Spar-Reduce-Scatter
    (:mod:`.spardl_srs`) leaves rank w with block w of its team's sum, top-(k/m) sparse.
 3. With d > 1, Spar-All-Gather between the teams (:mod:`.spardl_sag`): R-SAG when d is a power of 2,
@@ -38,10 +39,11 @@ from ...core.validate import check_int, is_int, is_number
 from ...selection import make as make_selector
 from ...transport.chunk import pair_bytes
 from ...transport.comm import Communicator
+from ...transport.merge import average_into
 from ...transport.sparse_collectives import allgather_chunks, bruck_traffic
 from ..base import Layout, Method, register_method
 from .sag import HAdjuster, bruck_sag, bsag_traffic, recursive_sag, rsag_traffic
-from .srs import BlockSelector, spar_reduce_scatter, srs_traffic
+from .srs import Accumulator, BlockSelector, spar_reduce_scatter, srs_traffic
 
 __all__ = ["SparDL", "table1_cost", "team_candidates"]
 
@@ -190,12 +192,10 @@ class SparDL(Method):
         counts = chunk_sizes(k, m)
 
         residual = self.residual_for(grad)
-        # The dense accumulator lives in the reused output buffer: it is zeroed and receives the
-        # result at the end, so the method keeps two length-n buffers between calls (residual, output).
-        work = self.output_buffer(grad)
         with self.timer("residual"):
-            residual.add_(grad)                   # G = gradient + residual (Algorithm 1, line 1),
-            work.copy_(residual)                  # G_copy (line 3) stays in the residual's buffer
+            residual.add_(grad)                   # G = gradient + residual (Algorithm 1, line 1)
+        # The accumulator is G itself, changed in place; its journal stands for G_copy (line 3)
+        work = Accumulator(residual)
 
         own, selected = spar_reduce_scatter(team, work, bounds, counts, self._blocks, self.timer)
         if sag == "recursive":
@@ -217,12 +217,14 @@ class SparDL(Method):
 
         with self.timer("residual"):
             indices = torch.cat([b.indices for b in blocks]).long()
-            values = torch.cat([b.values for b in blocks])
-            residual[indices] = work[indices]     # Algorithm 1, lines 13-15
+            discarded = residual.index_select(0, indices)  # what this rank discarded there
+            work.restore()                        # G everywhere else (G_copy, line 3) ...
+            residual.index_copy_(0, indices, discarded)  # ... Algorithm 1, lines 13-15
         with self.timer("decompress"):
-            out = work.zero_()                    # the accumulator becomes the output
-            out[indices] = values / P
-            self.output_written(indices)
+            out = self.output_buffer(grad)        # zero where the last call wrote
+            # the blocks are disjoint and each sorted: one write per index, divided on the way
+            written, _ = average_into(out, [b.indices for b in blocks], [b.values for b in blocks], P)
+            self.output_written(written)
         self.stats.update(selected=selected, nnz_out=int(indices.numel()), teams=d, sag=sag, k=k)
         if self.teams is None:
             self._record_trial(d, time.perf_counter() - started)

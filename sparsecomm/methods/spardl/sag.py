@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ...transport.chunk import SparseChunk, add_chunks
 from ...transport.comm import Communicator
 from ...transport.sparse_collectives import allgather_chunks, bruck_traffic
-from .srs import BlockSelector
+from .srs import Accumulator, BlockSelector
 
 __all__ = ["HAdjuster", "recursive_sag", "bruck_sag", "rsag_traffic", "bsag_traffic"]
 
@@ -80,14 +78,14 @@ class HAdjuster:
         self.h, self.step, self.flag = float(state["h"]), float(state["step"]), bool(state["flag"])
 
 
-def _keep_share(work: torch.Tensor, dropped: SparseChunk, holders: int) -> None:
+def _keep_share(work: Accumulator, dropped: SparseChunk, holders: int) -> None:
     """Add 1/``holders`` of ``dropped`` into this rank's residual accumulator ``work``."""
     if dropped.nnz:
-        work.index_add_(0, dropped.indices, dropped.values / holders if holders > 1 else dropped.values)
+        work.index_add_(dropped.indices, dropped.values / holders if holders > 1 else dropped.values)
 
 
 def recursive_sag(cross: Communicator, chunk: SparseChunk, L: int, blocks: BlockSelector,
-                  work: torch.Tensor) -> SparseChunk:
+                  work: Accumulator) -> SparseChunk:
     """R-SAG over ``cross`` (d ranks, d a power of 2): the top-L block of the global sum."""
     d, me = cross.size, cross.rank
     chunk = add_chunks([chunk])  # coalesced: index order, so partners see the same layout
@@ -95,7 +93,7 @@ def recursive_sag(cross: Communicator, chunk: SparseChunk, L: int, blocks: Block
     while mask < d:
         partner = me ^ mask
         theirs = SparseChunk(*cross.exchange_many(partner, [chunk.indices, chunk.values], partner, count=2,
-                                                  device=work.device))
+                                                  device=work.tensor.device))
         summed = add_chunks([chunk, theirs] if me < partner else [theirs, chunk])
         chunk, dropped = blocks.split(summed, L)
         _keep_share(work, dropped, 2 * mask)
@@ -104,7 +102,7 @@ def recursive_sag(cross: Communicator, chunk: SparseChunk, L: int, blocks: Block
 
 
 def bruck_sag(cross: Communicator, chunk: SparseChunk, L: int, h: int, blocks: BlockSelector,
-              work: torch.Tensor) -> tuple[SparseChunk, int]:
+              work: Accumulator) -> tuple[SparseChunk, int]:
     """B-SAG over ``cross`` (any d): returns (the top-L block of the global sum, N = its entries
     before that top-L, the count Algorithm 2 needs)."""
     d = cross.size

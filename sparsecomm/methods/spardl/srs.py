@@ -9,10 +9,11 @@ holds (the paper's Theorem 1); it adds them into its own copies. Before each sen
 blocks about to leave (the paper's "optimization for SRS"), it keeps the top-(k/m) entries of each
 block; after the last step it selects the top-(k/m) of the one block it reduced.
 
-The blocks live in one dense accumulator (the rank's gradient plus residual): a selection copies the
-chosen entries out and zeroes them there, so what stays in the accumulator is exactly what this rank
-discarded (its local and in-procedure residuals, Algorithm 1 line 7), and a received bag is added
-with one ``index_add_``. Messages carry global int32/int64 indices and values in one packed payload.
+The blocks live in one dense accumulator (the rank's gradient plus residual, :class:`Accumulator`,
+which journals every change): a selection copies the chosen entries out and zeroes them there, so
+what stays in the accumulator is exactly what this rank discarded (its local and in-procedure
+residuals, Algorithm 1 line 7), and a received bag is added with one ``index_add_``. Messages carry
+global int32/int64 indices and values in one packed payload.
 
 Cost (Table I, eq. 2, per rank): ceil(log2 m) rounds; the rank sends every block but its own once,
 so with equal blocks of k/m entries 2k(m-1)/m elements (indices and values). Blocks may hold fewer
@@ -30,8 +31,9 @@ import torch
 from ...core.cost import ceil_log2
 from ...transport.chunk import SparseChunk, index_dtype
 from ...transport.comm import Communicator
+from ...transport.merge import ascending
 
-__all__ = ["SrsStep", "srs_schedule", "BlockSelector", "spar_reduce_scatter", "srs_traffic"]
+__all__ = ["SrsStep", "srs_schedule", "Accumulator", "BlockSelector", "spar_reduce_scatter", "srs_traffic"]
 
 SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
 Timer = Callable[[str], contextlib.AbstractContextManager[None]]
@@ -67,6 +69,37 @@ def srs_schedule(m: int, w: int) -> list[SrsStep]:
     return steps
 
 
+class Accumulator:
+    """SparDL's dense accumulator G, changed in place, with a journal of what changed.
+
+    Algorithm 1 keeps a copy of G (line 3) to restore every entry outside the final gradient's
+    indices (lines 13-15). Here G lives in the residual's buffer itself and every change records the
+    entries' values before it (the selections' zeroing, the received bags' additions, the shares of
+    SAG's discards), so :meth:`restore` brings back G in O(entries changed) instead of a copy and a
+    zeroing of all n elements.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._journal: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def record(self, indices: torch.Tensor, before: torch.Tensor) -> None:
+        """Note that the entries at int64 ``indices`` held ``before`` until the change about to happen."""
+        self._journal.append((indices, before))
+
+    def index_add_(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """``tensor[indices] += values`` (distinct indices), journaled."""
+        idx = indices.long()
+        self.record(idx, self.tensor.index_select(0, idx))
+        self.tensor.index_add_(0, idx, values)
+
+    def restore(self) -> None:
+        """Every journaled entry back to its value before the first change (latest change undone first)."""
+        for indices, before in reversed(self._journal):
+            self.tensor.index_copy_(0, indices, before)
+        self._journal.clear()
+
+
 class BlockSelector:
     """Top-c of a slice of the dense accumulator, taken out of it.
 
@@ -95,20 +128,21 @@ class BlockSelector:
         magnitude = torch.abs(x, out=scratch[:x.numel()])
         return torch.topk(magnitude, count, sorted=False).indices
 
-    def take(self, work: torch.Tensor, start: int, size: int, count: int) -> SparseChunk:
-        """Move the top-``count`` entries of ``work[start:start+size]`` out of ``work``.
+    def take(self, work: Accumulator, start: int, size: int, count: int) -> SparseChunk:
+        """Move the top-``count`` entries of ``work[start:start+size]`` out of ``work``, in index order.
 
         Returns them as a chunk with global indices (zeros dropped: they carry nothing); ``work``
         keeps the rest, i.e. what this selection discarded.
         """
-        block = work[start:start + size]
-        local = self.indices(block, count)
+        block = work.tensor[start:start + size]
+        local = ascending(self.indices(block, count))  # sorted: receivers merge, not sort
         values = block[local]
+        work.record(local + start, values)
         block.index_fill_(0, local, 0)
         nonzero = values != 0
         if not bool(nonzero.all()):
             local, values = local[nonzero], values[nonzero]
-        return SparseChunk((local + start).to(index_dtype(work.numel())), values)
+        return SparseChunk((local + start).to(index_dtype(work.tensor.numel())), values)
 
     def split(self, chunk: SparseChunk, count: int) -> tuple[SparseChunk, SparseChunk]:
         """(the top-``count`` entries of ``chunk`` without zeros, the rest); both in index order."""
@@ -128,7 +162,7 @@ def _no_timer(_: str) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
-def spar_reduce_scatter(comm: Communicator, work: torch.Tensor, bounds: Sequence[tuple[int, int]],
+def spar_reduce_scatter(comm: Communicator, work: Accumulator, bounds: Sequence[tuple[int, int]],
                         counts: Sequence[int], blocks: BlockSelector,
                         timer: Timer = _no_timer) -> tuple[SparseChunk, int]:
     """SRS over ``comm`` (a team of m ranks): returns (this rank's reduced block, entries selected).
@@ -139,7 +173,8 @@ def spar_reduce_scatter(comm: Communicator, work: torch.Tensor, bounds: Sequence
     """
     m, w = comm.size, comm.rank
     selected = 0
-    index_type = index_dtype(work.numel())
+    dense = work.tensor
+    index_type = index_dtype(dense.numel())
     for step in srs_schedule(m, w):
         with timer("select"):
             chunks = [blocks.take(work, *bounds[j], counts[j]) for j in step.send_blocks]
@@ -148,10 +183,10 @@ def spar_reduce_scatter(comm: Communicator, work: torch.Tensor, bounds: Sequence
             selected += indices.numel()
         with timer("comm"):
             got_indices, got_values = comm.exchange_many(step.dst, [indices, values], step.src, count=2,
-                                                         dtypes=[index_type, work.dtype],
-                                                         device=work.device)
+                                                         dtypes=[index_type, dense.dtype],
+                                                         device=dense.device)
         with timer("decompress"):
-            work.index_add_(0, got_indices, got_values)
+            work.index_add_(got_indices, got_values)
     with timer("select"):
         own = blocks.take(work, *bounds[w], counts[w])
         selected += own.nnz
