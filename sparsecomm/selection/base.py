@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Selector", "NonFiniteInputError"]
+__all__ = ["Selector", "NonFiniteInputError", "validate_input", "assert_finite"]
 
 
 class NonFiniteInputError(ValueError):
@@ -45,7 +45,7 @@ class Selector:
 
     # -- the call -------------------------------------------------------------------------------------
     def __call__(self, x: Tensor, k: int) -> Tensor:
-        n = _validate(x, k, self.name)
+        n = validate_input(x, k, self.name)
         k = operator.index(k)
         if k == 0:
             return torch.empty(0, dtype=torch.int64, device=x.device)
@@ -84,7 +84,8 @@ class Selector:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-def _validate(x: Tensor, k: Any, name: str) -> int:
+def validate_input(x: Tensor, k: Any, name: str) -> int:
+    """Check the call ``sel(x, k)`` of selector ``name`` (1-D floating tensor, integer k >= 0); returns n."""
     if not isinstance(x, Tensor):
         raise TypeError(f"selector {name!r}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 1:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Selector, _validate, assert_finite
+from .base import Selector, validate_input, assert_finite
 from .registry import register_selector
 from .scan import MagnitudeView, Scratch, sample_floor
 
@@ -63,7 +63,7 @@ class TopK(Selector):
         """``x += addend``, then the top-k of ``x``: on the sampled path the addition happens inside
         the scan (one read of ``x`` and ``addend``, one write of ``x``; the floor is sampled from the
         sums), with the same result as the addition followed by :meth:`select`."""
-        n = _validate(x, k, self.name)
+        n = validate_input(x, k, self.name)
         fusable = isinstance(addend, Tensor) and addend.shape == x.shape and addend.dtype == x.dtype \
             and addend.device == x.device
         sampled = self.algorithm == "sampled" or (self.algorithm == "auto" and n >= _SAMPLED_MIN_N)
