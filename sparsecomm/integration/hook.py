@@ -195,7 +195,7 @@ class SparseHookState:
     def _process(self, bucket: _Bucket) -> None:
         try:
             if self._error is not None:
-                raise RuntimeError(f"an earlier bucket failed: {self._error}") from self._error
+                raise self._error
             if self.plan is None:  # DDP's first iteration: the groups exist once every bucket is seen
                 self._first.append(bucket)
                 if not bucket.is_last:
@@ -286,12 +286,22 @@ class SparseHookState:
     def _fail(self, exc: BaseException, current: _Bucket) -> None:
         """Fail every bucket DDP is waiting on: those of this iteration handed over so far and
         ``current`` (which may not have reached them), so that backward raises instead of hanging."""
-        self._error = exc
-        error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+        if self._error is None:  # later buckets fail with the first error, unchanged
+            self._error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+        error = self._error
         for bucket in [*self._pending, *self._first, current]:
             if not bucket.future.done():
                 bucket.future.set_exception(error)
         self._pending, self._first = [], []
+
+    def raise_if_failed(self, bucket: "_Bucket") -> None:
+        """Raise the error that failed ``bucket`` (after the thread finished the iteration, for its
+        last bucket), so that ``backward()`` raises the library's own exception: a future failed with
+        ``set_exception`` reaches DDP's reducer as "Unable to cast <message> to Tensor"."""
+        if self.overlap and bucket.is_last:
+            self.wait_idle()
+        if bucket.future.done() and self._error is not None:
+            raise self._error
 
     def wait_idle(self) -> None:
         """Block until the communication thread has finished everything handed to it so far."""
@@ -435,4 +445,5 @@ def hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Futur
                    state.in_warmup, time.perf_counter(), future)
     state.maybe_increase_iter(bucket)
     state.submit(item)
+    state.raise_if_failed(item)
     return future

@@ -27,6 +27,7 @@ from ..core.registry import Registry
 from ..core.validate import check_fraction
 from ..transport.agreement import Agreement, AgreementError, agree
 from ..transport.comm import Communicator
+from ..transport.deadline import ProtocolBroken, explain_timeout, is_peer_failure, report_failure
 from .stats import PHASES, Stats
 
 __all__ = ["Method", "Layout", "METHODS", "register_method", "selection_count", "AgreementError",
@@ -84,6 +85,8 @@ class Method:
         self.options: dict[str, Any] = {}
         self._nonfinite = "error"
         self._times: dict[str, float] = {}
+        #: why an earlier call failed after the ranks agreed (the ranks are out of step), or None
+        self._broken: str | None = None
 
     # ------------------------------------------------------------------ to implement
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -165,8 +168,39 @@ class Method:
         error (or, with ``nonfinite="skip"``, skips the step) before anything is sent, with the
         residual, the step and every other state unchanged, so the call can be retried.
         """
+        if self._broken is not None:
+            raise ProtocolBroken(f"{self.name}: an earlier call failed after the ranks agreed to communicate "
+                                 f"({self._broken}); the ranks are out of step and this method cannot be "
+                                 "called again: restart the job (e.g. from its last checkpoint)")
+        try:
+            return self._call(grad, layout)
+        except Exception as exc:
+            error = self._deadline_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            self._agreed = False
+
+    def _deadline_error(self, exc: Exception) -> Exception:
+        """What a failed call raises: a collective timeout becomes a :class:`RankStalledError` naming
+        the ranks that did not take part; any failure after the agreement is posted for the other
+        ranks (who are then left waiting) and the method refuses further calls."""
+        if is_peer_failure(exc):
+            self._broken = "a collective timed out or lost a peer"
+            return explain_timeout(exc, self.comm.ranks)
+        if self._agreed:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            report_failure(self._broken)
+        return exc
+
+    _agreed = False  # set while a call runs past its agreement
+
+    def _call(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         start = time.perf_counter()
+        self._agreed = False
         skip = self._validate(grad, layout)
+        self._agreed = skip is None
         agreed = time.perf_counter()
         self._times = {}
         n = grad.numel()
@@ -213,11 +247,16 @@ class Method:
         :func:`sparsecomm.transport.agreement.agree`). Raises the same error on every rank when a
         rank's input is unusable, the ranks disagree, or (policy ``"error"``) a rank's gradient holds
         NaN/Inf. Returns ``None`` to go on, or the figures of a step skipped for non-finite input."""
-        problem = _local_problem(grad, layout, self.name)
+        problem = _local_problem(grad, layout, self.name, self.residual)
         tensor = isinstance(grad, torch.Tensor)
+        try:
+            header = self._header(grad, layout, problem)
+        except Exception as exc:  # noqa: BLE001 - any local failure is told to every rank in the agreement
+            problem = (9, RuntimeError, f"{self.name}: reading the gradient failed: {type(exc).__name__}: {exc}")
+            header = self._header(grad, layout, problem)
         with self.comm.meter.phase("agreement"):
-            verdict = agree(self.comm, self._header(grad, layout, problem), zero=("input", "nonfinite"),
-                            device=grad.device if tensor else None)
+            verdict = agree(self.comm, header, zero=("input", "nonfinite"),
+                            device=grad.device if tensor and not grad.is_meta else None)
         if verdict is None:
             return None
         bad_input = verdict.nonzero_ranks("input")
@@ -313,15 +352,33 @@ _HEADER_FIELDS = ("n", "dtype", "density", "step", "method", "options", "layout"
 # code -> (exception type on the offending rank, short cause for the other ranks)
 _PROBLEMS: dict[int, tuple[type[Exception], str]] = {
     1: (TypeError, "not a torch.Tensor"), 2: (ValueError, "not 1-D"), 3: (TypeError, "not floating-point"),
-    4: (ValueError, "bad layout")}
+    4: (ValueError, "bad layout"), 5: (ValueError, "requires grad"), 6: (ValueError, "meta tensor"),
+    7: (TypeError, "not a dense (strided) tensor"), 8: (ValueError, "not on the residual's device"),
+    9: (RuntimeError, "gradient could not be read")}
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _local_problem(grad: Any, layout: Layout, name: str) -> tuple[int, type[Exception], str] | None:
-    """(code, exception type, message) of what makes ``grad`` / ``layout`` unusable here, or None."""
+def _local_problem(grad: Any, layout: Layout, name: str,
+                   residual: torch.Tensor | None = None) -> tuple[int, type[Exception], str] | None:
+    """(code, exception type, message) of what makes ``grad`` / ``layout`` unusable here, or None.
+
+    Everything that could make this rank fail on its own once the payload exchange has begun is
+    checked here, before the agreement, so that the other ranks learn it there instead of waiting
+    for a rank that left the protocol (issue 23, item 5)."""
     if not isinstance(grad, torch.Tensor):
         return 1, TypeError, f"{name}: grad must be a torch.Tensor, got {type(grad).__name__}"
+    if grad.layout != torch.strided:
+        return 7, TypeError, (f"{name}: grad must be a dense (strided) tensor, got layout {grad.layout} "
+                              "(sparse gradients go through sparsecomm.integration.embedding)")
+    if grad.is_meta:
+        return 6, ValueError, f"{name}: grad is a meta tensor (it has no data to communicate)"
+    if grad.requires_grad:
+        return 5, ValueError, (f"{name}: grad must not require grad (got a tensor with requires_grad=True); "
+                               "pass grad.detach()")
+    if residual is not None and residual.device != grad.device:
+        return 8, ValueError, (f"{name}: grad is on {grad.device}, the method's residual on {residual.device}; "
+                               "keep every call of a method instance on one device")
     if grad.dim() != 1:
         return 2, ValueError, f"{name}: grad must be a 1-D (flat) tensor, got shape {tuple(grad.shape)}"
     if not grad.is_floating_point():
