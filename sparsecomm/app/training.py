@@ -44,7 +44,7 @@ from ..integration.hook import SparseHookState, hook
 from ..integration.schedule import MethodSchedule
 from ..integration.synchronizer import SparseSynchronizer
 from ..methods import Stats, method_class
-from .checkpoint import checkpoint_path, resume_checkpoint, save_checkpoint
+from .checkpoint import checkpoint_path, checkpoints_present, parameter_checksum, resume_checkpoint, save_checkpoint
 from .data import Dataset, load_dataset
 from .launcher import STALL_TIMEOUT, run_workers
 from .models import MODEL_DEFAULTS, make_model, model_defaults
@@ -113,7 +113,9 @@ class TrainConfig:
     target_perplexity: float | None = None  # language models: reached when exp(test loss) <= it
     stop_at_target: bool = False
     checkpoint_dir: str | None = None
-    resume: bool = False            # continue from the checkpoint in checkpoint_dir
+    #: continue from the checkpoint in checkpoint_dir (True), or "auto": when every rank has one,
+    #: else start afresh (for torchrun's --max-restarts, which re-runs the same command line)
+    resume: bool | str = False
     timeout: float = 3600.0
     #: seconds after which a rank that stopped taking part in collectives is reported, by name
     collective_timeout: float = STALL_TIMEOUT
@@ -151,6 +153,8 @@ class TrainConfig:
         needs_synchronizer = self.momentum_correction or self.clip_norm or self.density_warmup is not None
         if needs_synchronizer and self.sync != "synchronizer":
             raise ValueError("momentum_correction, clip_norm and density_warmup need sync='synchronizer'")
+        if self.resume not in (True, False, "auto"):
+            raise ValueError(f"resume={self.resume!r} must be True, False or 'auto'")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs checkpoint_dir")
         if not self.collective_timeout > 0:
@@ -295,7 +299,9 @@ def _evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 512) -> dict
 def _checkpoint_meta(config: TrainConfig, world: int) -> dict[str, Any]:
     """What a checkpoint must match to be resumed by ``config`` (checked by ``resume_checkpoint``)."""
     return {"method": config.method, "options": config.method_kwargs(), "sync": config.sync,
-            "model": config.model, "world_size": world}
+            "model": config.model, "model_options": config.model_options, "data": config.data,
+            "data_options": config.data_options, "seed": config.seed, "batch_size": config.batch_size,
+            "world_size": world}
 
 
 def train_worker(config: TrainConfig, dataset: Dataset,
@@ -327,7 +333,12 @@ def train_worker(config: TrainConfig, dataset: Dataset,
     start_epoch = 0
     torch.manual_seed(config.seed * 7919 + rank)
     schedule = config.method_schedule() if config.schedule else None
-    if config.resume:
+    resume = bool(config.resume)
+    if config.resume == "auto":
+        assert config.checkpoint_dir is not None  # validate() requires it with resume
+        resume = checkpoints_present(config.checkpoint_dir)
+        log.info("--resume auto: %s", "resuming" if resume else "no checkpoint yet, starting afresh")
+    if resume:
         assert config.checkpoint_dir is not None  # validate() requires it with resume
         saved = resume_checkpoint(config.checkpoint_dir, _checkpoint_meta(config, world))
         sync.local_model.load_state_dict(saved["model"])
@@ -397,7 +408,7 @@ def train_worker(config: TrainConfig, dataset: Dataset,
                              "rng": torch.get_rng_state(), "epoch": epoch + 1,
                              "step": (epoch + 1) * steps_per_epoch, "train_time": train_time,
                              "history": history, "epochs": epochs, "steps": steps},
-                            _checkpoint_meta(config, world))
+                            {**_checkpoint_meta(config, world), "param_checksum": parameter_checksum(state_model)})
         if config.stop_at_target and reached:
             break
     params = [p.detach().clone() for p in model.parameters()]
