@@ -84,7 +84,7 @@ def _bad_policy():
 
 
 def test_unknown_nonfinite_policy_is_refused():
-    with pytest.raises(WorkerError, match=r"nonfinite='ignore' must be one of \('error', 'skip'\)"):
+    with pytest.raises(WorkerError, match=r"nonfinite='ignore' must be one of \('error', 'skip', 'propagate'\)"):
         run_workers(1, _bad_policy, timeout=30)
 
 

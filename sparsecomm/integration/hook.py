@@ -49,6 +49,7 @@ import torch.distributed as dist
 from ..core.validate import check_choice, check_int
 from ..methods import Method, Stats, make_method, method_class
 from ..transport.comm import Communicator
+from .nonfinite import HOOK_DEFAULT, Overflow, check_policy
 from .overlap import CommThread, hidden_seconds, private_group
 from .residuals import ParamPlan, Route, goes_dense
 from .schedule import ResidualCarry
@@ -95,6 +96,10 @@ class SparseHookState:
             the hook (``False``, the synchronous path).
         dense_below: parameters with fewer elements, or whose sparse message would not be smaller
             than the dense one, are all-reduced densely in one fused call; 0: none (sparse methods).
+        nonfinite: when any rank's gradient holds NaN/Inf: ``"propagate"`` (default; every rank gets
+            NaN, nothing is sent, state untouched, so ``GradScaler`` skips the step as under plain
+            DDP), ``"skip"`` (zeros) or ``"error"`` (raise); for every group, dense ones and the
+            warm-up included (:mod:`.nonfinite`).
         **method_options: passed to :func:`sparsecomm.make_method`, e.g. ``density=0.01``.
 
     Raises:
@@ -111,6 +116,7 @@ class SparseHookState:
         check_int("dense_warmup_steps", dense_warmup_steps, minimum=0)
         check_choice("granularity", granularity, GRANULARITIES)
         check_int("dense_below", dense_below, minimum=0)
+        self.nonfinite = check_policy(method_options.pop("nonfinite", HOOK_DEFAULT))
         self.process_group = process_group
         self.method_name = method
         self.method_options = dict(method_options)
@@ -124,7 +130,7 @@ class SparseHookState:
         self.carry = ResidualCarry()
         self._reset_runtime()
         if dist.is_available() and dist.is_initialized():
-            make_method(method, Communicator(process_group), **self.method_options)  # probe: validates options
+            make_method(method, Communicator(process_group), **self._options())  # probe: validates options
             self._comm = Communicator(private_group(process_group))
         else:
             log.info("process group not initialized yet: %r options are checked on the first bucket", method)
@@ -147,6 +153,7 @@ class SparseHookState:
         self._error: BaseException | None = None
         self._stats: list[Stats] = []
         self._lock = threading.Lock()
+        self._overflow = Overflow(getattr(self, "nonfinite", HOOK_DEFAULT))
 
     # ------------------------------------------------------------------ setup
     @property
@@ -160,9 +167,12 @@ class SparseHookState:
     def in_warmup(self) -> bool:
         return self.iter < self.dense_warmup_steps
 
+    def _options(self, dense: bool = False) -> dict[str, Any]:
+        return {"nonfinite": self.nonfinite} if dense else {**self.method_options, "nonfinite": self.nonfinite}
+
     def _new_method(self, dense: bool) -> Method:
-        return make_method("dense", self.comm) if dense else \
-            make_method(self.method_name, self.comm, **self.method_options)
+        return make_method("dense", self.comm, **self._options(dense)) if dense else \
+            make_method(self.method_name, self.comm, **self._options())
 
     def _is_dense(self, numel: int, itemsize: int) -> bool:
         if not method_class(self.method_name).sparse:
@@ -220,7 +230,7 @@ class SparseHookState:
         self._bucket_params.append(bucket.params)
         if bucket.warmup:
             if self._warmup_method is None:
-                self._warmup_method = make_method("dense", self.comm)
+                self._warmup_method = make_method("dense", self.comm, **self._options(dense=True))
             bucket.result = self._call(self._warmup_method, self._warmup_method, bucket.buffer, warmup=True)
             return
         if route.direct is not None:
@@ -242,10 +252,14 @@ class SparseHookState:
 
     def _call(self, method: Method, run: Any, *args: Any, **figures: Any) -> torch.Tensor:
         """``run(*args)``, timed; ``method``'s stats of the call get ``figures``."""
+        skipped = self._overflow.short_circuit(args[0])
+        if skipped is not None:  # an earlier group of this iteration overflowed: no call
+            return skipped
         start = time.perf_counter()
         out = run(*args)
         self._calls.append((method.stats, start, time.perf_counter()))
         method.stats.update(**figures)
+        self._overflow.note(method)
         return out
 
     def _answer(self, bucket: _Bucket) -> None:
@@ -281,6 +295,7 @@ class SparseHookState:
             plan.set_groups(plan.members_of(self._bucket_params))  # DDP rebuilt its buckets
         self._last_bucketing = self._bucketing
         self._pending, self._calls, self._outputs, self._inputs = [], [], {}, {}
+        self._overflow.reset()
         self._bucketing, self._bucket_params = [], []
 
     def _fail(self, exc: BaseException, current: _Bucket) -> None:
@@ -346,8 +361,10 @@ class SparseHookState:
             ValueError / TypeError: unknown method or option; the state is then unchanged.
         """
         method_class(method)
+        nonfinite = check_policy(method_options.pop("nonfinite", self.nonfinite))
         if dist.is_available() and dist.is_initialized():
-            make_method(method, self.comm, **method_options)  # probe: validates the options
+            make_method(method, self.comm, **method_options, nonfinite=nonfinite)  # probe: validates options
+        self.nonfinite = self._overflow.policy = nonfinite
         self.wait_idle()
         if self.plan is None and self._loaded is not None:
             # a loaded state whose groups form on the first bucket: its methods are the old method's
@@ -385,7 +402,7 @@ class SparseHookState:
         plan = self.plan.state_dict() if self.plan is not None else self._loaded
         return {"version": _STATE_VERSION, "method": self.method_name, "options": dict(self.method_options),
                 "dense_warmup_steps": self.dense_warmup_steps, "granularity": self.granularity,
-                "dense_below": self.dense_below, "iter": self.iter, "plan": plan,
+                "dense_below": self.dense_below, "nonfinite": self.nonfinite, "iter": self.iter, "plan": plan,
                 "carry": self.carry.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -420,6 +437,7 @@ class SparseHookState:
         self.dense_warmup_steps = state["dense_warmup_steps"]
         self.granularity = state["granularity"]
         self.dense_below = state["dense_below"]
+        self.nonfinite = state.get("nonfinite", HOOK_DEFAULT)
         self.use_layout = pickled["use_layout"]
         self.overlap = pickled["overlap"]
         self.carry = ResidualCarry()

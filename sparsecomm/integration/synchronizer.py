@@ -45,6 +45,7 @@ from ..core.validate import check_int, is_int
 from ..methods import Method, Stats, make_method, method_class
 from ..transport.comm import Communicator
 from . import dgc
+from .nonfinite import Overflow
 from .schedule import ResidualCarry
 
 __all__ = ["SparseSynchronizer"]
@@ -68,6 +69,9 @@ class SparseSynchronizer:
         momentum_correction: the momentum m of DGC momentum correction and factor masking, or
             ``None``; the optimizer must then have no momentum of its own.
         density_warmup: number of epochs of DGC's density warm-up, or ``None``.
+        nonfinite (a method option): ``"error"`` (default), ``"skip"`` or ``"propagate"`` (NaN on every
+            rank, nothing sent, for ``GradScaler``; :mod:`.nonfinite`); applies to the dense warm-up
+            too, and a skipped step leaves the momentum-correction buffer as it was.
         **method_options: for :func:`sparsecomm.make_method` (e.g. ``density=0.01``).
 
     Raises:
@@ -114,6 +118,7 @@ class SparseSynchronizer:
         self._dense: Method | None = None
         #: residuals of a method switched off, added to the next gradient of their bucket
         self.carry = ResidualCarry()
+        self._overflow = Overflow(self.method_options.get("nonfinite", "error"))
         if broadcast_parameters:
             with torch.no_grad():
                 for tensor in list(model.parameters()) + list(model.buffers()):
@@ -153,6 +158,7 @@ class SparseSynchronizer:
         self.methods = methods
         self.method_name = method
         self.method_options = dict(method_options)
+        self._overflow = Overflow(self.method_options.get("nonfinite", "error"))
         self.target_density = self.method_options.get("density")
 
     def set_epoch(self, epoch: float) -> None:
@@ -189,17 +195,25 @@ class SparseSynchronizer:
             for g in grads:
                 layout.append((offset, g.numel()))
                 offset += g.numel()
-            if self.in_warmup:
+            skipped = self._overflow.short_circuit(flat)
+            if skipped is not None:  # an earlier bucket of this step overflowed: no call
+                averaged = skipped
+            elif self.in_warmup:
                 averaged = self._dense_average(self.carry.flush_into(number, flat), records)
             else:
                 if self.density_warmup is not None and self.target_density is not None:
                     method.density = dgc.density_schedule(self.epoch, self.target_density, self.density_warmup)
+                before = None
                 if self.corrections is not None:
+                    before = self.corrections[number].state_dict()  # restored if the step is skipped
                     flat = self.corrections[number].update(flat)
                 flat = self.carry.flush_into(number, flat)
                 averaged = method(flat, layout)
                 records.append(method.stats)
-                if self.corrections is not None and method.last_sent is not None:
+                self._overflow.note(method)
+                if self.corrections is not None and before is not None and self._overflow.seen:
+                    self.corrections[number].load_state_dict(before)  # never poisoned by NaN/Inf
+                elif self.corrections is not None and method.last_sent is not None:
                     self.corrections[number].mask_(method.last_sent)
             for param, (start, numel) in zip(params, layout, strict=False):
                 piece = averaged[start:start + numel].view_as(param)
@@ -208,15 +222,17 @@ class SparseSynchronizer:
                 else:
                     param.grad.copy_(piece)
         self.iter += 1
+        self._overflow.reset()
         self.last_stats = Stats.total(records)
         return self.last_stats
 
     def _dense_average(self, flat: torch.Tensor, records: list[Stats]) -> torch.Tensor:
         if self._dense is None:
-            self._dense = make_method("dense", self.comm)
+            self._dense = make_method("dense", self.comm, nonfinite=self._overflow.policy)
         averaged = self._dense(flat)
         self._dense.stats.update(warmup=True, dense_calls=1)
         records.append(self._dense.stats)
+        self._overflow.note(self._dense)
         return averaged
 
     def step(self, closure=None):

@@ -56,7 +56,8 @@ def make_method(name: str, comm: Communicator | None = None, **options: Any) -> 
 
     Every sparse method takes ``density`` (k = ceil(density * n)); see each method's docstring for
     its other options. Unknown options raise ``TypeError`` naming them. ``nonfinite`` (``"error"``,
-    the default, or ``"skip"``) is every method's policy for NaN/Inf gradients (:attr:`Method.nonfinite`).
+    the default, ``"skip"`` or ``"propagate"``) is every method's policy for NaN/Inf gradients
+    (:attr:`Method.nonfinite`).
     The options are kept in ``method.options``; every call checks that all ranks built the method alike.
     """
     nonfinite = options.pop("nonfinite", "error")

@@ -39,7 +39,7 @@ Layout = Sequence[tuple[int, int]] | None
 """Optional (offset, numel) of each layer packed in the flat gradient, in order."""
 
 #: What a call does when a rank's gradient holds NaN/Inf (see :attr:`Method.nonfinite`).
-NONFINITE_POLICIES = ("error", "skip")
+NONFINITE_POLICIES = ("error", "skip", "propagate")
 
 
 class NonFiniteGradientError(NonFiniteInputError, AgreementError):
@@ -212,6 +212,8 @@ class Method:
             self.stats.extra.update(skip)
             self.stats.extra["time_agreement"] = agreed - start
             self.stats.time_total = time.perf_counter() - start
+            if self.nonfinite == "propagate":  # as plain DDP's sum would: GradScaler sees it and skips
+                return torch.full_like(grad, float("nan"))
             return torch.zeros_like(grad)
         if n == 0:  # nothing to reduce: the average of empty gradients is empty, on every method
             self.step += 1
@@ -278,6 +280,10 @@ class Method:
                 f"nothing was sent and the state is unchanged.{hints}", odd, mismatched[0])
         bad = verdict.nonzero_ranks("nonfinite")
         counts = ", ".join(f"rank {r}: {verdict.column('nonfinite')[r]}" for r in bad)
+        if self.nonfinite == "propagate":
+            log.info("%s: step %d not communicated: NaN/Inf in the gradient of %s (%s); NaN returned on every "
+                     "rank", self.name, self.step, _ranks_text(bad), counts)
+            return {"skipped_reason": "nonfinite", "nonfinite_ranks": bad}
         if self.nonfinite == "skip":
             log.warning("%s: step %d skipped on every rank: NaN/Inf in the gradient of %s (%s)",
                         self.name, self.step, _ranks_text(bad), counts)
@@ -299,8 +305,11 @@ class Method:
     @property
     def nonfinite(self) -> str:
         """What a call does when a rank's gradient holds NaN/Inf: ``"error"`` (default) raises on
-        every rank, ``"skip"`` skips the step on every rank (returns zeros, ``stats.skipped = 1``);
-        in both cases residual and step stay unchanged."""
+        every rank, ``"skip"`` skips the step on every rank (returns zeros, ``stats.skipped = 1``),
+        ``"propagate"`` returns NaN everywhere on every rank without communicating
+        (``stats.skipped = 1``), as plain DDP's all-reduce passes an overflow on, so that
+        ``torch.amp.GradScaler`` skips the optimizer step and lowers its scale (the DDP hook's
+        default). In every case residual, step and every other state stay unchanged."""
         return self._nonfinite
 
     @nonfinite.setter
