@@ -422,6 +422,27 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _init_under_torchrun(timeout: datetime.timedelta) -> None:
+    """``init_process_group`` for a torchrun worker, on a store prefix of its own per restart.
+
+    torch 2.13's elastic agent re-runs the workers after a failure (``--max-restarts``) against the
+    same agent store; there the restarted workers' gloo full-mesh connect read addresses left by the
+    killed attempt and failed ("Gloo connectFullMesh failed ... Connection refused"; see
+    docs/reliability.md, "Restart under torchrun"). A prefix that holds the restart count and the run
+    id keeps every attempt's keys apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:  # a plain env:// launch
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timeout)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    store = dist.PrefixStore(f"sparsecomm/{run_id}/attempt{attempt}", client)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None = None,
           keep_params: bool = False,
           step_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -439,7 +460,7 @@ def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None
     if _under_torchrun():
         config = dataclasses.replace(config, workers=int(os.environ["WORLD_SIZE"]))
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.collective_timeout))
+            _init_under_torchrun(datetime.timedelta(seconds=config.collective_timeout))
         results = [train_worker(config, dataset, progress, step_progress)]
         network = f"torchrun cluster ({os.environ['WORLD_SIZE']} ranks)"
     else:
