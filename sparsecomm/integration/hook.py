@@ -53,6 +53,7 @@ from .nonfinite import HOOK_DEFAULT, Overflow, check_policy
 from .overlap import CommThread, hidden_seconds, private_group
 from .residuals import ParamPlan, Route, goes_dense
 from .schedule import ResidualCarry
+from .sparse_buckets import SparseBuckets
 
 __all__ = ["SparseHookState", "hook", "GRANULARITIES", "DENSE_BELOW"]
 
@@ -151,6 +152,7 @@ class SparseHookState:
         self._last_bucketing: list[tuple[int, ...]] | None = None
         self._bucket_params: list[list[torch.Tensor]] = []
         self._error: BaseException | None = None
+        self._sparse = SparseBuckets(lambda: self.comm)  # buckets of sparse gradients (nn.Embedding(sparse=True))
         self._stats: list[Stats] = []
         self._lock = threading.Lock()
         self._overflow = Overflow(getattr(self, "nonfinite", HOOK_DEFAULT))
@@ -206,7 +208,13 @@ class SparseHookState:
         try:
             if self._error is not None:
                 raise self._error
-            if self.plan is None:  # DDP's first iteration: the groups exist once every bucket is seen
+            todo: list[_Bucket] = []
+            if bucket.buffer.is_sparse:  # its own bucket, outside the groups (:mod:`.sparse_buckets`)
+                self._reduce_sparse(bucket)
+                if bucket.is_last and self.plan is None and self._first:
+                    self._build(self._first)
+                    todo, self._first = self._first, []
+            elif self.plan is None:  # DDP's first iteration: the groups exist once every bucket is seen
                 self._first.append(bucket)
                 if not bucket.is_last:
                     return
@@ -216,10 +224,17 @@ class SparseHookState:
                 todo = [bucket]
             for item in todo:
                 self._step(item)
-            if bucket.is_last:
+            if bucket.is_last and self.plan is not None:
                 self._finish(bucket)
         except BaseException as exc:  # noqa: BLE001 - fail every waiting future, DDP raises it
             self._fail(exc, bucket)
+
+    def _reduce_sparse(self, bucket: _Bucket) -> None:
+        """A bucket of one sparse gradient: averaged by the row-sparse reducer, answered at once."""
+        result, stats = self._sparse.reduce(bucket.index, bucket.buffer, self.method_name)
+        with self._lock:
+            self._stats.append(stats)
+        bucket.future.set_result(result)
 
     def _step(self, bucket: _Bucket) -> None:
         plan = self.plan
