@@ -50,6 +50,7 @@ from ..core.validate import check_choice, check_int
 from ..methods import Method, Stats, make_method, method_class
 from ..transport.comm import Communicator
 from .nonfinite import HOOK_DEFAULT, Overflow, check_policy
+from .options import check_options_offline
 from .overlap import CommThread, hidden_seconds, private_group
 from .residuals import ParamPlan, Route, goes_dense
 from .schedule import ResidualCarry
@@ -118,6 +119,7 @@ class SparseHookState:
         check_choice("granularity", granularity, GRANULARITIES)
         check_int("dense_below", dense_below, minimum=0)
         self.nonfinite = check_policy(method_options.pop("nonfinite", HOOK_DEFAULT))
+        check_options_offline(method, method_options)  # before the process group exists too
         self.process_group = process_group
         self.method_name = method
         self.method_options = dict(method_options)
@@ -134,7 +136,8 @@ class SparseHookState:
             make_method(method, Communicator(process_group), **self._options())  # probe: validates options
             self._comm = Communicator(private_group(process_group))
         else:
-            log.info("process group not initialized yet: %r options are checked on the first bucket", method)
+            log.info("process group not initialized yet: %r options that depend on the ranks are checked "
+                     "on the first bucket", method)
 
     def _reset_runtime(self) -> None:
         self._comm = None

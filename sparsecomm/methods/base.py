@@ -28,6 +28,7 @@ from ..core.validate import check_fraction
 from ..transport.agreement import Agreement, AgreementError, agree
 from ..transport.comm import Communicator
 from ..transport.deadline import ProtocolBroken, explain_timeout, is_peer_failure, report_failure
+from ..transport.disagreement import describe_options, gather_texts, options_text
 from .stats import PHASES, Stats
 
 __all__ = ["Method", "Layout", "METHODS", "register_method", "selection_count", "AgreementError",
@@ -272,7 +273,8 @@ class Method:
         if mismatched:
             odd = sorted({r for name in mismatched for r in verdict.outliers(name)[1]})
             details = "; ".join(
-                f"{_LABELS[name]} ({_range(verdict, name)}{verdict.describe(name, _SHOW.get(name, str))})"
+                f"{_LABELS[name]} ({self._describe_mismatch(name, grad, layout)})" if name in _NO_CRC
+                else f"{_LABELS[name]} ({_range(verdict, name)}{verdict.describe(name, _SHOW.get(name, str))})"
                 for name in mismatched)
             hints = "".join(_HINTS[name] for name in mismatched if name in _HINTS)
             raise AgreementError(
@@ -292,6 +294,17 @@ class Method:
             f"{self.name}: NaN/Inf in the gradient of {_ranks_text(bad)} ({counts} non-finite elements); "
             f"raised on every rank before anything was sent, residual and step unchanged "
             f"(make_method(..., nonfinite='skip') skips such steps instead)", bad, "nonfinite")
+
+    def _describe_mismatch(self, name: str, grad: Any, layout: Layout) -> str:
+        """What differs in field ``name`` (``options``, ``layout``), named, not as CRCs: every rank
+        sends its value as text (error path only, :mod:`..transport.disagreement`)."""
+        device = grad.device if isinstance(grad, torch.Tensor) and not grad.is_meta else None
+        if name == "options":
+            plain = {k: v for k, v in self.options.items() if isinstance(v, str | int | float | bool | type(None))}
+            return describe_options(gather_texts(self.comm, options_text(plain), device))
+        spans = [] if layout is None else [[int(o), int(m)] for o, m in layout]
+        texts = gather_texts(self.comm, options_text({"layout": spans}), device)
+        return describe_options(texts).replace("option 'layout' differs: ", "")
 
     def _header(self, grad: Any, layout: Layout, problem: tuple | None) -> dict[str, int]:
         """This rank's description of the call, as int64 fields (see :mod:`..transport.agreement`)."""
@@ -433,6 +446,9 @@ def _show_dtype(code: int) -> str:
 def _show_density(bits: int) -> str:
     return "None" if bits == 0 else f"{struct.unpack('<d', struct.pack('<q', bits))[0]:g}"
 
+
+# fields whose header value is a CRC: the message names what differs instead (_describe_mismatch)
+_NO_CRC = ("options", "layout")
 
 _LABELS = {"n": "gradient length differs across ranks", "dtype": "gradient dtype differs across ranks",
            "density": "density differs across ranks", "step": "step counter differs across ranks",
