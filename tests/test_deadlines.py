@@ -34,7 +34,7 @@ def _stuck_under_hook(method, stuck_rank):
     for step in range(3):
         loss = ddp(torch.randn(8, 20)).pow(2).mean()
         if step == 1 and rank == stuck_rank:
-            time.sleep(40)  # alive (its heartbeat goes on) but stuck before backward
+            time.sleep(14)  # alive (its heartbeat goes on) but stuck before backward, past 4 s + naming
             return "stuck", 0.0
         start = time.monotonic()
         try:
