@@ -44,6 +44,12 @@ _PEER_MARKERS = ("Timed out waiting", "timed out", "Timeout", "timeout", "Connec
                  "Connection reset by peer", "Broken pipe")
 
 
+#: Incidents this process has explained so far: the store keys of incident i live under ``.../i/``, so a
+#: later incident on the same store (another method or group after a caught error) does not read the
+#: keys of an earlier one. The ranks count alike as long as they meet the same incidents in the same order.
+_incident = 0
+
+
 class RankStalledError(RuntimeError):
     """A collective timed out because ``ranks`` did not take part (stuck, frozen, dead, or failed
     mid-call); raised on every rank that was left waiting."""
@@ -93,7 +99,7 @@ def report_failure(message: str) -> None:
     if store is None:
         return
     try:
-        store.set(f"{_PREFIX}/failed/{dist.get_rank()}", message[:2000])
+        store.set(f"{_PREFIX}/{_incident}/failed/{dist.get_rank()}", message[:2000])
     except Exception:  # noqa: BLE001 - the store may be gone too; the others still time out
         log.debug("could not post the failure to the store", exc_info=True)
 
@@ -102,7 +108,10 @@ def explain_timeout(exc: BaseException, members: Sequence[int], grace: float = N
     """The error to raise instead of the backend's timeout or lost connection ``exc``: names the ranks of ``members``
     (global ranks of the communicator that timed out) that did not time out themselves within
     ``grace`` seconds, i.e. that never entered the collective, with the message of any that failed."""
-    me = dist.get_rank()
+    global _incident
+    me, incident = dist.get_rank(), _incident
+    _incident += 1
+    prefix = f"{_PREFIX}/{incident}"
     timeout = group_timeout()
     seconds = f"{timeout.total_seconds():g} s" if timeout is not None else "the process group's timeout"
     store = _store()
@@ -112,15 +121,15 @@ def explain_timeout(exc: BaseException, members: Sequence[int], grace: float = N
     arrived: set[int] = set()
     failures: dict[int, str] = {}
     try:
-        store.set(f"{_PREFIX}/timedout/{me}", "1")
+        store.set(f"{prefix}/timedout/{me}", "1")
         end = time.monotonic() + grace
         while True:
-            arrived = {r for r in members if store.check([f"{_PREFIX}/timedout/{r}"])}
+            arrived = {r for r in members if store.check([f"{prefix}/timedout/{r}"])}
             if arrived == set(members) or time.monotonic() >= end:
                 break
             time.sleep(0.05)
         for rank in members:
-            key = f"{_PREFIX}/failed/{rank}"
+            key = f"{prefix}/failed/{rank}"
             if store.check([key]):
                 failures[rank] = store.get(key).decode(errors="replace")
     except Exception as store_error:  # noqa: BLE001 - a dead store: say what we know
