@@ -105,3 +105,69 @@ def test_training_resume_refuses_checkpoints_of_another_method(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["rank0.pt", "rank1.pt"]
     with pytest.raises(WorkerError, match=r"method='topk' in the checkpoint, 'gtopk' in this run"):
         train(dataclasses.replace(config, method="gtopk", epochs=2, resume=True))
+
+
+def _small_config(tmp_path, **changes):
+    from sparsecomm.experiments.training import TrainConfig
+
+    config = TrainConfig(model="mlp", data="digits", method="topk", density=0.1, workers=3, epochs=1,
+                         batch_size=64, model_options={"hidden": [16]}, checkpoint_dir=str(tmp_path), timeout=120)
+    return dataclasses.replace(config, **changes)
+
+
+def test_a_file_of_another_run_among_the_ranks_is_an_error_on_every_rank(tmp_path):
+    """Issue 23, item 3: rank 2's file comes from a run with another seed; every rank raises the same
+    error naming rank 2 and the differing field (before, the run went on with rank 2's model apart)."""
+    import shutil
+
+    from sparsecomm.experiments.training import train
+
+    train(_small_config(tmp_path / "a"))
+    train(_small_config(tmp_path / "b", seed=1))
+    shutil.copy(tmp_path / "b" / "rank2.pt", tmp_path / "a" / "rank2.pt")
+    with pytest.raises(WorkerError, match=r"rank 2 holds a checkpoint of another run \(rank 2: .*rank2.pt was "
+                                          r"written by another run: seed=1 in the checkpoint, 0 in this run\)"):
+        train(_small_config(tmp_path / "a", epochs=2, resume=True))
+    # without the run's configuration to compare with, the ranks' files are compared with each other
+    messages = run_workers(3, _resume_messages, str(tmp_path / "a"), timeout=60)
+    assert len(set(messages)) == 1, messages
+    assert "rank 2 holds a checkpoint of another run than the others (seed=1 on rank 2, 0 on the others)" \
+        in messages[0]
+    with pytest.raises(WorkerError, match=r"batch_size=64 in the checkpoint, 32 in this run"):
+        train(_small_config(tmp_path / "b", seed=1, epochs=2, resume=True, batch_size=32))
+
+
+def _resume_messages(directory):
+    try:
+        return resume_checkpoint(directory, {})["epoch"]
+    except CheckpointError as exc:
+        return str(exc)
+
+
+def test_a_changed_parameter_is_caught_by_the_checksum_on_every_rank(tmp_path):
+    from sparsecomm.experiments.training import train
+
+    train(_small_config(tmp_path))
+    path = checkpoint_path(str(tmp_path), 1)
+    saved = torch.load(path, weights_only=False)
+    next(iter(saved["model"].values())).view(-1)[0] += 1.0
+    torch.save(saved, path)
+    messages = run_workers(3, _resume_messages, str(tmp_path), timeout=60)
+    assert len(set(messages)) == 1, messages
+    assert "rank 1 cannot read its checkpoint" in messages[0]
+    assert "do not match the checksum recorded when it was written" in messages[0]
+
+
+def test_resume_auto_starts_afresh_then_resumes_exactly(tmp_path):
+    from sparsecomm.experiments.training import train
+
+    fresh = train(_small_config(tmp_path / "auto", epochs=1, resume="auto"), keep_params=True)
+    assert len(fresh["epochs"]) == 1
+    resumed = train(_small_config(tmp_path / "auto", epochs=2, resume="auto"), keep_params=True)
+    straight = train(_small_config(tmp_path / "straight", epochs=2), keep_params=True)
+    assert len(resumed["epochs"]) == 2 and resumed["consistent"]
+    for mine, theirs in zip(resumed["params"], straight["params"], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    os.remove(checkpoint_path(str(tmp_path / "auto"), 0))
+    with pytest.raises(WorkerError, match="rank 0 has no checkpoint file while the others do"):
+        train(_small_config(tmp_path / "auto", epochs=3, resume="auto"))

@@ -283,3 +283,20 @@ def test_bench_methods_runs_every_method_at_small_P(P, capsys):
 
     out = capsys.readouterr().out
     assert all(f"| loopback | {m} |" in out for m in available_methods())
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--method", "spardl", "--method-options", '{"teams": 3}'], "teams=3 must be a positive integer dividing"),
+    (["--method", "gtopk", "--sync", "synchronizer", "--momentum-correction"], "momentum_correction needs a method"),
+    (["--checkpoint-dir", "{tmp}/none", "--resume"], "ranks 0, 1 have no checkpoint file"),
+])
+def test_worker_errors_are_one_line_exit_2(argv, expected, tmp_path, capsys):
+    """Issue 23, item 6: user errors raised in workers print one line, no traceback, exit status 2."""
+    from sparsecomm.cli import main
+
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["train", "--model", "mlp", "--data", "digits", "-P", "2", "--epochs", "1", "--density", "0.1",
+                 "--runs-dir", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sparsecomm train: error: rank ") and expected in err[0], err
+    assert "Traceback" not in err[0]

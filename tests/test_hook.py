@@ -213,3 +213,17 @@ def test_rebuilt_buckets_keep_their_residuals(granularity):
     given = sum(r[0]["residual_sum"] for r in records)          # step 0's residuals, all ranks
     accounted = P * records[0][1]["out_sum"] + sum(r[1]["residual_sum"] for r in records)
     assert abs(given) > 1e-3 and abs(given - accounted) < 1e-6 * max(1.0, abs(given))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"method": "topk", "density": 2.0}, "density=2.0 must be a number in"),
+    ({"method": "topk"}, "needs density="),
+    ({"method": "dense", "density": 0.1}, "is dense and takes no density"),
+    ({"method": "spardl", "density": 0.1, "tems": 2}, "takes no option(s) 'tems'"),
+    ({"method": "topk", "density": 0.1, "nonfinite": "ignore"}, "nonfinite='ignore' must be one of"),
+])
+def test_options_are_checked_before_the_process_group_exists(options, message):
+    """Issue 23, item 6: no process group here; the error comes at construction, not at the first backward."""
+    assert not dist.is_initialized()
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        SparseHookState(None, **options)

@@ -17,7 +17,10 @@ import importlib
 import logging
 import pkgutil
 import sys
+import traceback
 from types import ModuleType
+
+from .launcher import WorkerError
 
 
 def _discover(package: str) -> dict[str, ModuleType]:
@@ -76,14 +79,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    if args._check is not None:
-        try:
+    command = args.command + (f" {args.target}" if args.command == "bench" else "")
+    try:
+        if args._check is not None:
             args._check(args)
-        except ValueError as err:
-            command = args.command + (f" {args.target}" if args.command == "bench" else "")
-            print(f"sparsecomm {command}: error: {err}", file=sys.stderr)
-            return 2
-    return int(args._run(args) or 0)
+        return int(args._run(args) or 0)
+    except (ValueError, TypeError, WorkerError) as err:
+        # a user error, here or in a worker: one line, exit status 2 (the traceback with -v)
+        if args.verbose:
+            traceback.print_exc()
+        print(f"sparsecomm {command}: error: {user_message(err)}", file=sys.stderr)
+        return 2
+
+
+def user_message(err: BaseException) -> str:
+    """The one line the CLI prints for ``err``: its message without a worker's traceback, on one line."""
+    text = str(err)
+    if isinstance(err, WorkerError) and err.worker_traceback:
+        text = text.split("\n--- traceback of rank")[0]
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

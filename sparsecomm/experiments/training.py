@@ -51,7 +51,7 @@ from ..integration.schedule import MethodSchedule
 from ..integration.synchronizer import SparseSynchronizer
 from ..launch.launcher import STALL_TIMEOUT, run_workers
 from ..methods import MethodSpec, Stats, is_sparse
-from .checkpoint import checkpoint_path, resume_checkpoint, save_checkpoint
+from .checkpoint import checkpoint_path, checkpoints_present, parameter_checksum, resume_checkpoint, save_checkpoint
 from .data import Dataset, load_dataset
 from .models import MODEL_DEFAULTS, make_model, model_defaults
 
@@ -127,7 +127,9 @@ class TrainConfig:
     target_perplexity: float | None = None  # language models: reached when exp(test loss) <= it
     stop_at_target: bool = False
     checkpoint_dir: str | None = None
-    resume: bool = False            # continue from the checkpoint in checkpoint_dir
+    #: continue from the checkpoint in checkpoint_dir (True), or "auto": when every rank has one,
+    #: else start afresh (for torchrun's --max-restarts, which re-runs the same command line)
+    resume: bool | str = False
     timeout: float = 3600.0
     #: seconds after which a rank that stopped taking part in collectives is reported, by name
     collective_timeout: float = STALL_TIMEOUT
@@ -169,6 +171,8 @@ class TrainConfig:
         needs_synchronizer = self.momentum_correction or self.clip_norm or self.density_warmup is not None
         if needs_synchronizer and self.sync != "synchronizer":
             raise ValueError("momentum_correction, clip_norm and density_warmup need sync='synchronizer'")
+        if self.resume not in (True, False, "auto"):
+            raise ValueError(f"resume={self.resume!r} must be True, False or 'auto'")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs checkpoint_dir")
         if not self.collective_timeout > 0:
@@ -317,7 +321,9 @@ def _checkpoint_meta(config: TrainConfig, world: int) -> dict[str, Any]:
     """What a checkpoint must match to be resumed by ``config`` (checked by ``resume_checkpoint``)."""
     options = {} if config.method in BASELINES else dict(config.method_spec().options)
     return {"method": config.method, "options": options, "sync": config.sync,
-            "model": config.model, "world_size": world}
+            "model": config.model, "model_options": config.model_options, "data": config.data,
+            "data_options": config.data_options, "seed": config.seed, "batch_size": config.batch_size,
+            "world_size": world}
 
 
 def train_worker(config: TrainConfig, dataset: Dataset,
@@ -349,7 +355,12 @@ def train_worker(config: TrainConfig, dataset: Dataset,
     start_epoch = 0
     torch.manual_seed(config.seed * 7919 + rank)
     schedule = config.method_schedule() if config.schedule else None
-    if config.resume:
+    resume = bool(config.resume)
+    if config.resume == "auto":
+        assert config.checkpoint_dir is not None  # validate() requires it with resume
+        resume = checkpoints_present(config.checkpoint_dir)
+        log.info("--resume auto: %s", "resuming" if resume else "no checkpoint yet, starting afresh")
+    if resume:
         assert config.checkpoint_dir is not None  # validate() requires it with resume
         saved = resume_checkpoint(config.checkpoint_dir, _checkpoint_meta(config, world))
         sync.local_model.load_state_dict(saved["model"])
@@ -419,7 +430,7 @@ def train_worker(config: TrainConfig, dataset: Dataset,
                              "rng": torch.get_rng_state(), "epoch": epoch + 1,
                              "step": (epoch + 1) * steps_per_epoch, "train_time": train_time,
                              "history": history, "epochs": epochs, "steps": steps},
-                            _checkpoint_meta(config, world))
+                            {**_checkpoint_meta(config, world), "param_checksum": parameter_checksum(state_model)})
         if config.stop_at_target and reached:
             break
     params = [p.detach().clone() for p in model.parameters()]
@@ -431,6 +442,27 @@ def train_worker(config: TrainConfig, dataset: Dataset,
 # ---------------------------------------------------------------------------------------------- driver
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _init_under_torchrun(timeout: datetime.timedelta) -> None:
+    """``init_process_group`` for a torchrun worker, on a store prefix of its own per restart.
+
+    torch 2.13's elastic agent re-runs the workers after a failure (``--max-restarts``) against the
+    same agent store; there the restarted workers' gloo full-mesh connect read addresses left by the
+    killed attempt and failed ("Gloo connectFullMesh failed ... Connection refused"; see
+    docs/reliability.md, "Restart under torchrun"). A prefix that holds the restart count and the run
+    id keeps every attempt's keys apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:  # a plain env:// launch
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timeout)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    store = dist.PrefixStore(f"sparsecomm/{run_id}/attempt{attempt}", client)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None = None,
@@ -450,7 +482,7 @@ def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None
     if _under_torchrun():
         config = dataclasses.replace(config, workers=int(os.environ["WORLD_SIZE"]))
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.collective_timeout))
+            _init_under_torchrun(datetime.timedelta(seconds=config.collective_timeout))
         results = [train_worker(config, dataset, progress, step_progress)]
         network = f"torchrun cluster ({os.environ['WORLD_SIZE']} ranks)"
     else:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..transport.deadline import group_timeout
+
 __all__ = ["CommThread", "hidden_seconds", "private_group"]
 
 log = logging.getLogger(__name__)
@@ -27,10 +29,13 @@ log = logging.getLogger(__name__)
 
 def private_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """A new process group over the ranks of ``process_group`` (``None``: the default group), same
-    backend; only its members take part in creating it."""
+    backend and same timeout (:func:`~sparsecomm.transport.deadline.group_timeout`: the one the user
+    gave ``init_process_group``, not torch's 30-minute default for new groups); only its members
+    take part in creating it."""
     ranks = list(range(dist.get_world_size())) if process_group is None \
         else list(dist.get_process_group_ranks(process_group))
-    group = dist.new_group(ranks=ranks, backend=dist.get_backend(process_group), use_local_synchronization=True)
+    group = dist.new_group(ranks=ranks, backend=dist.get_backend(process_group), use_local_synchronization=True,
+                           timeout=group_timeout(process_group))
     assert group is not None  # this rank is a member
     return group
 

@@ -350,7 +350,7 @@ def _start_janitor() -> tuple[int, int, str]:
 
 
 _SECONDARY_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-_COLLECTIVE_TIMEOUT = ("Timed out waiting", "timed out", "Timeout")
+_COLLECTIVE_TIMEOUT = ("Timed out waiting", "timed out", "Timeout", "stopped participating")
 
 
 class _Collector:

@@ -75,7 +75,7 @@ def make_method(name: str | MethodSpec, comm: Communicator | None = None, **opti
     Every sparse method takes ``density`` (k = ceil(density * n)); see each method's docstring for
     its other options. An unknown option raises :class:`~sparsecomm.core.validate.UnknownOptionError`
     (a ``TypeError``) naming the method and listing its options (:func:`check_method_options`).
-    ``nonfinite`` (``"error"``, the default, or ``"skip"``) is every method's policy for NaN/Inf
+    ``nonfinite`` (``"error"``, the default, ``"skip"`` or ``"propagate"``) is every method's policy for NaN/Inf
     gradients (:attr:`Method.nonfinite`). The options are kept in ``method.options``; every call checks
     that all ranks built the method alike.
     """

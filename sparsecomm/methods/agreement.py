@@ -29,6 +29,7 @@ import torch
 
 from ..selection import NonFiniteInputError
 from ..transport.agreement import Agreement, AgreementError, agree
+from ..transport.disagreement import describe_options, gather_texts, options_text
 
 __all__ = ["check_call", "count_nonfinite", "AgreementError", "NonFiniteGradientError", "NONFINITE_POLICIES"]
 
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 Layout = Sequence[tuple[int, int]] | None
 
 #: What a call does when a rank's gradient holds NaN/Inf (see :attr:`Method.nonfinite`).
-NONFINITE_POLICIES = ("error", "skip")
+NONFINITE_POLICIES = ("error", "skip", "propagate")
 
 
 class NonFiniteGradientError(NonFiniteInputError, AgreementError):
@@ -50,11 +51,16 @@ def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[st
     disagree, or (policy ``"error"``) a rank's gradient holds NaN/Inf. Returns ``None`` to go on, or
     the figures of a step skipped for non-finite input (policy ``"skip"``). ``method_names``: the
     registered names, to name a differing method in the message."""
-    problem = _local_problem(grad, layout, method.name)
+    problem = _local_problem(grad, layout, method.name, method.residual)
     tensor = isinstance(grad, torch.Tensor)
+    try:
+        header = _header(method, grad, layout, problem)
+    except Exception as exc:  # noqa: BLE001 - any local failure is told to every rank in the agreement
+        problem = (9, RuntimeError, f"{method.name}: reading the gradient failed: {type(exc).__name__}: {exc}")
+        header = _header(method, grad, layout, problem)
     with method.comm.meter.phase("agreement"):
-        verdict = agree(method.comm, _header(method, grad, layout, problem), zero=("input", "nonfinite"),
-                        device=grad.device if tensor else None)
+        verdict = agree(method.comm, header, zero=("input", "nonfinite"),
+                        device=grad.device if tensor and not grad.is_meta else None)
     if verdict is None:
         return None
     bad_input = verdict.nonzero_ranks("input")
@@ -69,7 +75,8 @@ def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[st
         odd = sorted({r for name in mismatched for r in verdict.outliers(name)[1]})
         show = {**_SHOW, "method": _method_shower(method_names)}
         details = "; ".join(
-            f"{_LABELS[name]} ({_range(verdict, name)}{verdict.describe(name, show.get(name, str))})"
+            f"{_LABELS[name]} ({_describe_mismatch(method, name, grad, layout)})" if name in _NO_CRC
+            else f"{_LABELS[name]} ({_range(verdict, name)}{verdict.describe(name, show.get(name, str))})"
             for name in mismatched)
         hints = "".join(_HINTS[name] for name in mismatched if name in _HINTS)
         raise AgreementError(
@@ -77,6 +84,10 @@ def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[st
             f"nothing was sent and the state is unchanged.{hints}", odd, mismatched[0])
     bad = verdict.nonzero_ranks("nonfinite")
     counts = ", ".join(f"rank {r}: {verdict.column('nonfinite')[r]}" for r in bad)
+    if method.nonfinite == "propagate":
+        log.info("%s: step %d not communicated: NaN/Inf in the gradient of %s (%s); NaN returned on every "
+                 "rank", method.name, method.step, _ranks_text(bad), counts)
+        return {"skipped_reason": "nonfinite", "nonfinite_ranks": bad}
     if method.nonfinite == "skip":
         log.warning("%s: step %d skipped on every rank: NaN/Inf in the gradient of %s (%s)",
                     method.name, method.step, _ranks_text(bad), counts)
@@ -85,6 +96,18 @@ def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[st
         f"{method.name}: NaN/Inf in the gradient of {_ranks_text(bad)} ({counts} non-finite elements); "
         f"raised on every rank before anything was sent, residual and step unchanged "
         f"(make_method(..., nonfinite='skip') skips such steps instead)", bad, "nonfinite")
+
+
+def _describe_mismatch(method: Any, name: str, grad: Any, layout: Layout) -> str:
+    """What differs in field ``name`` (``options``, ``layout``), named, not as CRCs: every rank sends
+    its value as text (error path only, :mod:`sparsecomm.transport.disagreement`)."""
+    device = grad.device if isinstance(grad, torch.Tensor) and not grad.is_meta else None
+    if name == "options":
+        plain = {k: v for k, v in method.options.items() if isinstance(v, str | int | float | bool | type(None))}
+        return describe_options(gather_texts(method.comm, options_text(plain), device))
+    spans = [] if layout is None else [[int(o), int(m)] for o, m in layout]
+    texts = gather_texts(method.comm, options_text({"layout": spans}), device)
+    return describe_options(texts).replace("option 'layout' differs: ", "")
 
 
 def _header(method: Any, grad: Any, layout: Layout, problem: tuple | None) -> dict[str, int]:
@@ -122,15 +145,36 @@ _HEADER_FIELDS = ("n", "dtype", "density", "step", "method", "options", "layout"
 # code -> (exception type on the offending rank, short cause for the other ranks)
 _PROBLEMS: dict[int, tuple[type[Exception], str]] = {
     1: (TypeError, "not a torch.Tensor"), 2: (ValueError, "not 1-D"), 3: (TypeError, "not floating-point"),
-    4: (ValueError, "bad layout")}
+    4: (ValueError, "bad layout"), 5: (ValueError, "requires grad"), 6: (ValueError, "meta tensor"),
+    7: (TypeError, "not a dense (strided) tensor"), 8: (ValueError, "not on the residual's device"),
+    9: (RuntimeError, "gradient could not be read")}
+
+# fields whose header value is a CRC: the message names what differs instead (_describe_mismatch)
+_NO_CRC = ("options", "layout")
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _local_problem(grad: Any, layout: Layout, name: str) -> tuple[int, type[Exception], str] | None:
-    """(code, exception type, message) of what makes ``grad`` / ``layout`` unusable here, or None."""
+def _local_problem(grad: Any, layout: Layout, name: str,
+                   residual: torch.Tensor | None = None) -> tuple[int, type[Exception], str] | None:
+    """(code, exception type, message) of what makes ``grad`` / ``layout`` unusable here, or None.
+
+    Everything that could make this rank fail on its own once the payload exchange has begun is
+    checked here, before the agreement, so that the other ranks learn it there instead of waiting
+    for a rank that left the protocol."""
     if not isinstance(grad, torch.Tensor):
         return 1, TypeError, f"{name}: grad must be a torch.Tensor, got {type(grad).__name__}"
+    if grad.layout != torch.strided:
+        return 7, TypeError, (f"{name}: grad must be a dense (strided) tensor, got layout {grad.layout} "
+                              "(sparse gradients go through sparsecomm.integration.embedding)")
+    if grad.is_meta:
+        return 6, ValueError, f"{name}: grad is a meta tensor (it has no data to communicate)"
+    if grad.requires_grad:
+        return 5, ValueError, (f"{name}: grad must not require grad (got a tensor with requires_grad=True); "
+                               "pass grad.detach()")
+    if residual is not None and residual.device != grad.device:
+        return 8, ValueError, (f"{name}: grad is on {grad.device}, the method's residual on {residual.device}; "
+                               "keep every call of a method instance on one device")
     if grad.dim() != 1:
         return 2, ValueError, f"{name}: grad must be a 1-D (flat) tensor, got shape {tuple(grad.shape)}"
     if not grad.is_floating_point():

@@ -22,6 +22,7 @@ import torch
 from ..core.registry import Registry
 from ..core.validate import check_fraction
 from ..transport.comm import Communicator
+from ..transport.deadline import ProtocolBroken, explain_timeout, is_peer_failure, report_failure
 from .agreement import NONFINITE_POLICIES, AgreementError, NonFiniteGradientError, check_call
 from .stats import PHASES, Stats
 
@@ -67,6 +68,8 @@ class Method:
         self._call_out: torch.Tensor | None = None   # this call's out= tensor (None: a fresh result)
         self._out_support: torch.Tensor | None = None
         self._out_mark: tuple[int, int] | None = None
+        #: why an earlier call failed after the ranks agreed (the ranks are out of step), or None
+        self._broken: str | None = None
 
     # ------------------------------------------------------------------ density
     @property
@@ -168,8 +171,39 @@ class Method:
         """
         if out is not None:
             _check_out(out, grad, self.name)
+        if self._broken is not None:
+            raise ProtocolBroken(f"{self.name}: an earlier call failed after the ranks agreed to communicate "
+                                 f"({self._broken}); the ranks are out of step and this method cannot be "
+                                 "called again: restart the job (e.g. from its last checkpoint)")
+        try:
+            return self._call(grad, layout, out)
+        except Exception as exc:
+            error = self._deadline_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            self._agreed = False
+
+    def _deadline_error(self, exc: Exception) -> Exception:
+        """What a failed call raises: a collective timeout becomes a :class:`RankStalledError` naming
+        the ranks that did not take part; any failure after the agreement is posted for the other
+        ranks (who are then left waiting) and the method refuses further calls."""
+        if is_peer_failure(exc):
+            self._broken = "a collective timed out or lost a peer"
+            return explain_timeout(exc, self.comm.ranks)
+        if self._agreed:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            report_failure(self._broken)
+        return exc
+
+    _agreed = False  # set while a call runs past its agreement
+
+    def _call(self, grad: torch.Tensor, layout: Layout, out: torch.Tensor | None) -> torch.Tensor:
         start = time.perf_counter()
+        self._agreed = False
         skip = self._validate(grad, layout)
+        self._agreed = skip is None
         agreed = time.perf_counter()
         self._times = {}
         n = grad.numel()
@@ -181,6 +215,8 @@ class Method:
             self.stats.extra.update(skip)
             self.stats.extra["time_agreement"] = agreed - start
             self.stats.time_total = time.perf_counter() - start
+            if self.nonfinite == "propagate":  # as plain DDP's sum would: GradScaler sees it and skips
+                return torch.full_like(grad, float("nan")) if out is None else out.fill_(float("nan"))
             return torch.zeros_like(grad) if out is None else out.zero_()
         if n == 0:  # nothing to reduce: the average of empty gradients is empty, on every method
             self.step += 1
@@ -233,8 +269,11 @@ class Method:
     @property
     def nonfinite(self) -> str:
         """What a call does when a rank's gradient holds NaN/Inf: ``"error"`` (default) raises on
-        every rank, ``"skip"`` skips the step on every rank (returns zeros, ``stats.skipped = 1``);
-        in both cases residual and step stay unchanged."""
+        every rank, ``"skip"`` skips the step on every rank (returns zeros, ``stats.skipped = 1``),
+        ``"propagate"`` returns NaN everywhere on every rank without communicating
+        (``stats.skipped = 1``), as plain DDP's all-reduce passes an overflow on, so that
+        ``torch.amp.GradScaler`` skips the optimizer step and lowers its scale (the DDP hook's
+        default). In every case residual, step and every other state stay unchanged."""
         return self._nonfinite
 
     @nonfinite.setter

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Selector, validate_input, assert_finite
+from .base import Selector, assert_finite, validate_input
 from .registry import register_selector
 from .scan import MagnitudeView, Scratch, sample_floor
 

@@ -59,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evals-per-epoch", type=int, default=1)
     parser.add_argument("--target-accuracy", type=float, default=None, help="record the time to reach it")
     parser.add_argument("--checkpoint-dir", default=None, help="save per-rank checkpoints here each epoch")
-    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    parser.add_argument("--resume", nargs="?", const=True, default=False, choices=[True, "auto"], metavar="auto",
+                        help="continue from --checkpoint-dir; '--resume auto': continue when every rank has a "
+                             "checkpoint there, else start afresh (for torchrun --max-restarts)")
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--collective-timeout", type=float, default=STALL_TIMEOUT,
                         help="seconds after which a rank that stopped taking part in collectives is reported "
