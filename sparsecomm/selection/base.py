@@ -63,12 +63,23 @@ class Selector:
         """``x += addend`` (in place), then ``self(x, k)``: error feedback's ``acc = residual + grad``
         followed by the selection. Selectors whose scan can do the addition (exact top-k) override
         this to read each vector once; the result is the same either way."""
-        if not isinstance(addend, Tensor) or addend.shape != getattr(x, "shape", None):
+        n = validate_input(x, k, self.name)
+        if not isinstance(addend, Tensor) or addend.shape != x.shape:
             got = tuple(addend.shape) if isinstance(addend, Tensor) else type(addend).__name__
             raise ValueError(f"selector {self.name!r}: addend must be a tensor shaped like x "
-                             f"({tuple(getattr(x, 'shape', ()))}), got {got}")
+                             f"({tuple(x.shape)}), got {got}")
+        if 0 < k < n:
+            fused = self._fused_select(x, addend, int(k))
+            if fused is not None:
+                return fused
         x.add_(addend)
         return self(x, k)
+
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int) -> Tensor | None:
+        """For ``0 < k < n``: add ``addend`` into ``x`` inside the selection's scan and select, or
+        return ``None`` (having changed nothing) where this selector cannot; the base class then
+        adds and selects in two steps."""
+        return None
 
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

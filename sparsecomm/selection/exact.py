@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Selector, assert_finite, validate_input
+from .base import Selector, assert_finite
 from .registry import register_selector
 from .scan import MagnitudeView, Scratch, sample_floor
 
@@ -59,24 +59,22 @@ class TopK(Selector):
             assert_finite(x, self.name)
         return torch.topk(x.abs(), k, sorted=False).indices
 
-    def accumulate(self, x: Tensor, addend: Tensor, k: int) -> Tensor:
-        """``x += addend``, then the top-k of ``x``: on the sampled path the addition happens inside
-        the scan (one read of ``x`` and ``addend``, one write of ``x``; the floor is sampled from the
-        sums), with the same result as the addition followed by :meth:`select`."""
-        n = validate_input(x, k, self.name)
-        fusable = isinstance(addend, Tensor) and addend.shape == x.shape and addend.dtype == x.dtype \
-            and addend.device == x.device
-        sampled = self.algorithm == "sampled" or (self.algorithm == "auto" and n >= _SAMPLED_MIN_N)
-        if fusable and sampled and 0 < k < n:
-            floor = sample_floor(x, k, addend=addend)
-            if floor is not None:
-                view = MagnitudeView(x, self._scratch, floor, name=self.name, check_finite=self.check_finite,
-                                     count=k, need_mean=False, addend=addend)   # x now holds the sum
-                if view.n_candidates >= k:
-                    return view.topk_at_or_above(floor, k)
-                log.debug("topk: sample floor left %d < k=%d candidates; full torch.topk", view.n_candidates, k)
-                return torch.topk(x.abs(), k, sorted=False).indices
-        return super().accumulate(x, addend, k)
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int) -> Tensor | None:
+        """On the sampled path the addition happens inside the scan (one read of ``x`` and ``addend``,
+        one write of ``x``; the floor is sampled from the sums), with the same result as the
+        addition followed by :meth:`select`."""
+        sampled = self.algorithm == "sampled" or (self.algorithm == "auto" and x.numel() >= _SAMPLED_MIN_N)
+        if not sampled or addend.dtype != x.dtype or addend.device != x.device:
+            return None
+        floor = sample_floor(x, k, addend=addend)
+        if floor is None:
+            return None
+        view = MagnitudeView(x, self._scratch, floor, name=self.name, check_finite=self.check_finite,
+                             count=k, need_mean=False, addend=addend)   # x now holds the sum
+        if view.n_candidates >= k:
+            return view.topk_at_or_above(floor, k)
+        log.debug("topk: sample floor left %d < k=%d candidates; full torch.topk", view.n_candidates, k)
+        return torch.topk(x.abs(), k, sorted=False).indices
 
 
 @register_selector("trimmed")
