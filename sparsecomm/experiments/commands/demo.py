@@ -4,8 +4,11 @@ P = 4 local workers on an emulated 1 Gbit/s switch (loopback when the machine ca
 said in the output) train the communication-heavy word-level LSTM (about 12M parameters, most
 of them in the word embedding) on the fortunes with plain DDP, DDP + PowerSGD (rank 2, one
 bucket) and the sparse methods that reached the target first in the campaign
-(docs/campaign.md), for a short budget of steps. The report opens with the perplexity-against-time
-plot and the speed-up to the target; the full comparison is ``sparsecomm bench time_to_accuracy``.
+(docs/campaign.md), for a short budget of steps. The sparse methods run the recommended recipe
+(``training.sparse_recipe``, docs/recipe.md): TopkA with DGC momentum correction at lr 3.0, HiTopK and
+CLT-k (which do not report the indices they sent) with the DDP hook. The report opens with the
+perplexity-against-time plot and the speed-up to the target; the full comparison is
+``sparsecomm bench time_to_accuracy``.
 """
 
 from __future__ import annotations
