@@ -11,6 +11,7 @@ import pytest
 from sparsecomm.experiments import campaign
 from sparsecomm.experiments.campaign import RunSpec
 from sparsecomm.experiments.data import DatasetUnavailable, load_dataset
+from sparsecomm.experiments.training import TrainConfig
 from sparsecomm.methods import available_methods, method_class
 
 SPARSE = [m for m in available_methods() if method_class(m).sparse]
@@ -211,3 +212,38 @@ def test_demo_pieces_train_and_report_on_a_tiny_config(tmp_path):
     with open(report["markdown"]) as handle:
         assert handle.read().startswith("# sparsecomm demo")
     assert all(os.path.exists(p) for p in report["plots"])
+
+
+def test_sparse_runs_take_the_recommended_recipe():
+    """docs/recipe.md: on the word LSTM, a method that reports the indices it sent (topka) runs DGC
+    momentum correction through the synchronizer at lr 3.0; cltk (no last_sent) and models without a
+    measured lr keep the DDP hook at the model's lr; an explicit hook or momentum choice wins."""
+    lstm = campaign.WORKLOADS["lstm"]
+
+    def recipe(config: TrainConfig) -> tuple:
+        return config.sync, config.momentum_correction, config.lr
+
+    assert recipe(lstm.config(method="topka")) == ("synchronizer", True, 3.0)
+    assert recipe(lstm.config(method="cltk")) == ("ddp", False, 1.0)
+    assert recipe(lstm.config(method="topka", sync="ddp")) == ("ddp", False, 1.0)
+    assert recipe(lstm.config(method="topka", momentum_correction=False)) == ("ddp", False, 1.0)
+    assert recipe(lstm.config(method="topka", lr=2.0)) == ("synchronizer", True, 2.0)
+    assert recipe(lstm.config(method="ddp")) == ("ddp", False, 1.0)
+    assert recipe(TrainConfig(model="cnn", method="topka")) == ("ddp", False, 0.05)
+    for method in ("topka", "cltk", "ddp", "powersgd"):
+        lstm.config(method=method).validate()
+
+
+def test_campaign_runs_take_the_recommended_recipe_unless_one_is_named(tmp_path):
+    configs = []
+
+    def trainer(config):
+        configs.append(config)
+        return {"history": [{"epoch": 1.0, "train_time": 1.0, "test_accuracy": 0.0, "test_loss": math.log(50.0)}],
+                "network": "loopback", "config": {}}
+
+    specs = [RunSpec("lstm", None, "topka"), RunSpec("lstm", None, "topka", recipe="hook")]
+    campaign.run_campaign(specs, str(tmp_path), trainer=trainer, echo=lambda _: None)
+    assert [(c.sync, c.momentum_correction, c.lr) for c in configs] == [("synchronizer", True, 3.0),
+                                                                        ("ddp", False, 1.0)]
+    assert [s.recipe for s in campaign.plan_recipes(["lstm"], [None], "topka")] == list(campaign.RECIPES)

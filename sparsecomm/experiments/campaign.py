@@ -105,7 +105,7 @@ class RunSpec:
     method: str
     density: float = 0.01
     powersgd_rank: int = 2
-    recipe: str = ""  # a key of RECIPES, "" for the campaign's plain setting (DDP hook, SGD momentum)
+    recipe: str = ""  # a key of RECIPES, "" for the recommended one (training.sparse_recipe, docs/recipe.md)
     seed: int = 0
 
     @property
@@ -116,10 +116,11 @@ class RunSpec:
         return f"{label}+{self.recipe}" if self.recipe else label
 
 
-#: sparse-training recipes compared by ``bench time_to_accuracy --recipe METHOD`` (docs/campaign.md):
-#: the DDP comm hook with the optimizer's momentum, without and with a dense warm-up of 10% of the
-#: steps (6 of the LSTM's 60); DGC momentum correction with factor masking (Lin et al. 2018,
-#: section 3.2; SparseSynchronizer, momentum-free optimizer), without and with that warm-up
+#: sparse-training recipes compared by ``bench time_to_accuracy --recipe METHOD`` (docs/campaign.md,
+#: docs/recipe.md): the DDP comm hook with the optimizer's momentum, without and with a dense warm-up
+#: of 10% of the steps (6 of the LSTM's 60); DGC momentum correction with factor masking (Lin et al.
+#: 2018, section 3.2; SparseSynchronizer, momentum-free optimizer), without and with that warm-up.
+#: A run without a recipe takes the recommended one (:func:`training.sparse_recipe`).
 RECIPES: dict[str, dict[str, Any]] = {
     "hook": {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0},
     "warmup": {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 6},
@@ -198,11 +199,11 @@ def plan_low_density(workloads: Sequence[str], nets: Sequence[str | None], out: 
 
 def plan_recipes(workloads: Sequence[str], nets: Sequence[str | None], method: str,
                  density: float = 0.01, seeds: Sequence[int] = (0,)) -> list[RunSpec]:
-    """``method`` under every recipe of :data:`RECIPES` but the plain one (which is the campaign's
-    own run of ``method``), per seed, workload and network."""
+    """``method`` under every recipe of :data:`RECIPES` (the campaign's own run of ``method`` takes
+    the recommended one), per seed, workload and network."""
     _check(workloads, [method])
     return [RunSpec(workload, net, method, density, recipe=name, seed=seed) for seed in _check_seeds(seeds)
-            for workload in workloads for net in nets for name in RECIPES if name != "hook"]
+            for workload in workloads for net in nets for name in RECIPES]
 
 
 def record_path(out: str, spec: RunSpec) -> str:
@@ -332,7 +333,7 @@ def run_campaign(specs: Sequence[RunSpec], out: str, overrides: dict[str, Any] |
             continue
         wl = (workloads or WORKLOADS)[spec.workload]
         config = wl.config(method=spec.method, density=spec.density, powersgd_rank=spec.powersgd_rank,
-                           net=spec.net, stop_at_target=False, **RECIPES[spec.recipe or "hook"],
+                           net=spec.net, stop_at_target=False, **(RECIPES[spec.recipe] if spec.recipe else {}),
                            **{**(overrides or {}), "seed": spec.seed})
         echo(f"[{i}/{len(specs)}] {name} ...")
         record = _train_quietly(config, trainer, quiet, echo)

@@ -50,13 +50,13 @@ from ..integration.hook import SparseHookState, hook
 from ..integration.schedule import MethodSchedule
 from ..integration.synchronizer import SparseSynchronizer
 from ..launch.launcher import STALL_TIMEOUT, run_workers
-from ..methods import MethodSpec, Stats, is_sparse
+from ..methods import MethodSpec, Stats, is_sparse, tracks_sent
 from .checkpoint import checkpoint_path, checkpoints_present, parameter_checksum, resume_checkpoint, save_checkpoint
 from .data import Dataset, load_dataset
 from .models import MODEL_DEFAULTS, make_model, model_defaults
 
 __all__ = ["TrainConfig", "train", "train_worker", "save_record", "shell_safe", "BASELINES", "FLOOR",
-           "describe_method"]
+           "describe_method", "sparse_recipe", "MOMENTUM_CORRECTION_LR"]
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +68,30 @@ FLOOR = "nosync"
 
 LR_SCHEDULES = ("constant", "cosine")
 
-#: the recommended recipe for sparse methods, chosen by the measurement in docs/campaign.md
-#: ("Recipe"): the DDP comm hook with the optimizer's momentum (error feedback in the method's
-#: residual), no dense warm-up, the cosine learning-rate schedule (``lr_schedule="cosine"``, the
-#: default of ``sparsecomm train``; ``TrainConfig`` keeps "constant" so that a run cut into
-#: epochs-limited pieces keeps its schedule).
-#: DGC momentum correction (``sync="synchronizer", momentum_correction=True``) and a dense warm-up
-#: (``dense_warmup_steps``) stay available; they did worse or no better in that measurement.
+#: the recipe for sparse methods on models without a measured momentum-correction learning rate, and
+#: for methods that do not report the indices they sent: the DDP comm hook with the optimizer's
+#: momentum (error feedback in the method's residual), no dense warm-up, the cosine learning-rate
+#: schedule (``lr_schedule="cosine"``, the default of ``sparsecomm train``; ``TrainConfig`` keeps
+#: "constant" so that a run cut into epochs-limited pieces keeps its schedule).
 SPARSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0}
 #: dense methods and the torch baselines: DDP, the optimizer's own momentum
 DENSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0}
+#: the peak learning rate of DGC momentum correction (Lin et al. 2018, section 3.2) per model, where
+#: measured (docs/recipe.md): word-lstm at 3.0 = 0.3 / (1 - 0.9) ended the demo's budget 5.9% below
+#: PowerSGD's best rank, where the hook recipe at the same density ended 1.5% above it. Momentum
+#: factor masking leaves an entry sent every step no momentum, hence the larger lr than momentum SGD's.
+MOMENTUM_CORRECTION_LR: dict[str, float] = {"word-lstm": 3.0}
+
+
+def sparse_recipe(model: str, method: str) -> dict[str, Any]:
+    """The recommended recipe of the sparse ``method`` on ``model`` (docs/recipe.md): DGC momentum
+    correction through the :class:`SparseSynchronizer` (momentum-free optimizer) at the model's
+    :data:`MOMENTUM_CORRECTION_LR`, where the model has one and the method reports the indices it
+    sent (``tracks_sent``, needed by momentum factor masking); otherwise :data:`SPARSE_RECIPE`."""
+    if model in MOMENTUM_CORRECTION_LR and tracks_sent(method):
+        return {"sync": "synchronizer", "momentum_correction": True, "dense_warmup_steps": 0,
+                "lr": MOMENTUM_CORRECTION_LR[model]}
+    return dict(SPARSE_RECIPE)
 
 
 def scheduled_lr(config: TrainConfig, step: int, total_steps: int) -> float:
@@ -111,7 +125,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     seed: int = 0
     net: str | None = None       # tc rate of the emulated network, None = loopback
-    # None: the recommended recipe (SPARSE_RECIPE for sparse methods, DENSE_RECIPE otherwise)
+    # None: the recommended recipe (sparse_recipe() for sparse methods, DENSE_RECIPE otherwise)
     sync: str = None  # type: ignore[assignment]  # "ddp" (comm hook) or "synchronizer"
     dense_warmup_steps: int = None  # type: ignore[assignment]
     clip_norm: float | None = None
@@ -146,7 +160,10 @@ class TrainConfig:
             sparse = self.is_sparse
         except ValueError:  # an unknown model or method is reported by validate()
             sparse = False
-        defaults.update(SPARSE_RECIPE if sparse else DENSE_RECIPE)
+        recipe = sparse_recipe(self.model, self.method) if sparse else DENSE_RECIPE
+        if recipe["momentum_correction"] and (self.sync == "ddp" or self.momentum_correction is False):
+            recipe = SPARSE_RECIPE  # the caller chose the hook or plain momentum: the model's own lr
+        defaults.update(recipe)
         for key, value in defaults.items():
             if getattr(self, key) is None:
                 setattr(self, key, value)

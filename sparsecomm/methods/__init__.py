@@ -28,7 +28,8 @@ from .spec import MethodSpec, method_spec
 from .stats import Stats
 
 __all__ = ["Method", "MethodSpec", "method_spec", "Layout", "Stats", "register_method", "make_method",
-           "available_methods", "sparse_methods", "is_sparse", "method_class", "check_method_options", "cost",
+           "available_methods", "sparse_methods", "is_sparse", "tracks_sent", "method_class", "check_method_options",
+           "cost",
            "available_costs", "collective_cost", "available_collective_costs", "load_all"]
 
 _SHARED_MODULES = {"base", "spec", "stats", "select_allgather"}
@@ -60,6 +61,12 @@ def sparse_methods() -> list[str]:
 def is_sparse(name: str) -> bool:
     """Whether method ``name`` takes ``density`` (``ValueError`` listing the names when unknown)."""
     return method_class(name).sparse
+
+
+def tracks_sent(name: str) -> bool:
+    """Whether method ``name`` reports the indices each call sent (``last_sent``: what DGC's momentum
+    factor masking needs)."""
+    return method_class(name).tracks_sent
 
 
 def method_class(name: str) -> type[Method]:

@@ -1,4 +1,4 @@
-"""Naming what differs when the ranks' method options (or layouts) disagree (issue 23, item 6).
+"""Naming what differs when the ranks' method options (or layouts) disagree.
 
 The per-call agreement carries a CRC-32 of the options (:mod:`.agreement`: a fixed-size int64
 header), enough to detect a difference but not to name it. On the error path only, every rank then

@@ -6,9 +6,11 @@ of them in the word embedding) on the fortunes with plain DDP, DDP + PowerSGD (r
 bucket) and the sparse methods that reached the target first in the campaign
 (docs/campaign.md), for a short budget of steps (one epoch), and the no-synchronization floor
 (``nosync``: the same model, batch and workers, DDP with torch's no-op hook, nothing exchanged).
-The report opens with the perplexity-against-time plot and the speed-up to the target; every row
-gives its step as a multiple of the floor's (``x floor``). The full comparison is ``sparsecomm
-bench time_to_accuracy``.
+The sparse methods run the recommended recipe (``training.sparse_recipe``, docs/recipe.md): TopkA
+with DGC momentum correction at lr 3.0, HiTopK and CLT-k (which do not report the indices they sent)
+with the DDP hook. The report opens with the perplexity-against-time plot and the speed-up to the
+target; every row gives its step as a multiple of the floor's (``x floor``). The full comparison is
+``sparsecomm bench time_to_accuracy``.
 """
 
 from __future__ import annotations

@@ -38,18 +38,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "or 100mbit, or NODESxLOCAL:RATE, or loopback (the default)")
     parser.add_argument("--epochs", type=int, default=None, help="default: the model's tuned value (MODEL_DEFAULTS)")
     parser.add_argument("--batch-size", type=int, default=None, help="per worker; default: the model's tuned value")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate; default: the model's tuned value")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate; default: the model's tuned value (under momentum correction: "
+                        "the recipe's, training.MOMENTUM_CORRECTION_LR)")
     parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="cosine",
                         help="cosine decays the learning rate to 0 over the run")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync", choices=["ddp", "synchronizer"], default=None,
                         help="DDP with the comm hook, or SparseSynchronizer (needed for the DGC options); "
-                        "default: the recommended recipe (training.SPARSE_RECIPE: ddp)")
+                        "default: the recommended recipe (training.sparse_recipe, docs/recipe.md)")
     parser.add_argument("--dense-warmup-steps", type=int, default=None, help="default: the recipe's (0)")
     parser.add_argument("--clip-norm", type=float, default=None, help="local gradient clipping (synchronizer)")
     parser.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
-                        help="DGC momentum correction (synchronizer); default: the recipe's (off)")
+                        help="DGC momentum correction (synchronizer); default: the recipe's (on for topka-like "
+                        "methods on word-lstm, else off)")
     parser.add_argument("--density-warmup", type=int, default=None, help="DGC density warm-up epochs (synchronizer)")
     parser.add_argument("--schedule", default=None,
                         help="method switches EPOCH:METHOD[,EPOCH:METHOD...], e.g. 13:torus2d: --method runs "
