@@ -20,7 +20,7 @@ import sys
 import traceback
 from types import ModuleType
 
-from .launcher import WorkerError
+from ..launch.launcher import WorkerError
 
 
 def _discover(package: str) -> dict[str, ModuleType]:
