@@ -61,6 +61,34 @@ def test_mask_before_update_and_bad_momentum_raise():
         MomentumCorrection(1.0)
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_undo_takes_back_the_last_update_bit_for_bit_without_new_buffers(held):
+    mc = MomentumCorrection(0.9, hold_accumulation=held)
+    mc.update(torch.tensor([1.0, -2.0, 0.5]))
+    mc.mask_(torch.tensor([1]))
+    mc.update(torch.tensor([0.25, 3.0, -1.0]))
+    before = (mc.velocity.clone(), None if mc.accumulation is None else mc.accumulation.clone())
+    buffers = {mc.velocity.data_ptr(), *(() if mc.accumulation is None else (mc.accumulation.data_ptr(),))}
+    mc.update(torch.tensor([float("nan"), 1.0, float("inf")]))  # a step that is then dropped
+    mc.undo_()
+    assert torch.equal(mc.velocity, before[0])
+    assert before[1] is None or torch.equal(mc.accumulation, before[1])
+    mc.update(torch.tensor([1.0, 1.0, 1.0]))
+    mc.undo_()
+    assert torch.equal(mc.velocity, before[0])
+    with pytest.raises(RuntimeError, match="needs an update"):
+        mc.undo_()  # only the last update can be taken back
+    mc.update(torch.tensor([1.0, 1.0, 1.0]))
+    used = {mc.velocity.data_ptr(), *(() if mc.accumulation is None else (mc.accumulation.data_ptr(),))}
+    assert len(buffers | used) == 2 * len(buffers)  # two buffers per tensor, swapped: none allocated per step
+    expected = MomentumCorrection(0.9, hold_accumulation=held)
+    for grad in ([1.0, -2.0, 0.5], [0.25, 3.0, -1.0], [1.0, 1.0, 1.0]):
+        expected.update(torch.tensor(grad))
+        if grad[0] == 1.0 and grad[1] == -2.0:
+            expected.mask_(torch.tensor([1]))
+    assert torch.equal(mc.velocity, expected.velocity)
+
+
 def test_state_dict_round_trip():
     mc = MomentumCorrection(0.9, hold_accumulation=True)
     mc.update(torch.tensor([1.0, 2.0]))

@@ -52,6 +52,10 @@ class MomentumCorrection:
 
     Apply the synchronized result with momentum-free SGD: the momentum is already in ``u``.
 
+    A step that is dropped after :meth:`update` (the synchronization found NaN/Inf on some rank) is
+    taken back with :meth:`undo_`: ``u`` and ``v`` are again those before the step. The previous ones
+    are kept in a second buffer that the next update reuses (no copy, no allocation per step).
+
     Args:
         momentum: m in [0, 1).
         nesterov: Nesterov variant of DGC: accumulate ``u_t + g_t`` (after ``u_t = m u + g``)
@@ -66,6 +70,8 @@ class MomentumCorrection:
         self.hold_accumulation = bool(hold_accumulation)
         self.velocity: Tensor | None = None       # u
         self.accumulation: Tensor | None = None   # v (only when hold_accumulation)
+        self._previous: tuple[Tensor, Tensor | None] | None = None  # u, v before the last update
+        self._undoable = False
 
     def update(self, grad: Tensor) -> Tensor:
         """``u = m u + g``; returns what to sparsify next: ``v += u`` (held) or ``u`` (residual-keeping
@@ -73,13 +79,29 @@ class MomentumCorrection:
         if self.velocity is None or self.velocity.shape != grad.shape:
             self.velocity = torch.zeros_like(grad)
             self.accumulation = torch.zeros_like(grad) if self.hold_accumulation else None
-        self.velocity.mul_(self.momentum).add_(grad)
+            self._previous = None
+        if self._previous is None:
+            self._previous = (torch.empty_like(grad), None if self.accumulation is None else torch.empty_like(grad))
+        new_velocity, new_accumulation = self._previous
+        self._previous = (self.velocity, self.accumulation)
+        self.velocity = torch.mul(self.velocity, self.momentum, out=new_velocity).add_(grad)
+        self._undoable = True
         step = grad + self.momentum * self.velocity if self.nesterov else self.velocity
         if not self.hold_accumulation:
             return step.clone()
-        assert self.accumulation is not None
-        self.accumulation.add_(step)
+        assert self.accumulation is not None and new_accumulation is not None
+        self.accumulation = torch.add(self.accumulation, step, out=new_accumulation)
         return self.accumulation
+
+    def undo_(self) -> None:
+        """Take back the last :meth:`update` (its step was dropped): ``u`` and ``v`` as before it."""
+        if not self._undoable or self._previous is None:
+            raise RuntimeError("MomentumCorrection.undo_ needs an update() to take back")
+        assert self.velocity is not None
+        current = (self.velocity, self.accumulation)
+        self.velocity, self.accumulation = self._previous
+        self._previous = current  # reused by the next update
+        self._undoable = False
 
     def mask_(self, sent: Tensor) -> None:
         """Momentum factor masking: zero ``u`` (and ``v`` when held) at ``sent`` (int64 indices or a
@@ -104,6 +126,8 @@ class MomentumCorrection:
         self.hold_accumulation = bool(state["hold_accumulation"])
         self.velocity = None if state["velocity"] is None else state["velocity"].clone()
         self.accumulation = None if state["accumulation"] is None else state["accumulation"].clone()
+        self._previous = None
+        self._undoable = False
 
 
 def clip_local_gradients(params: Tensor | Iterable[Tensor], max_norm: float, world_size: int) -> Tensor:

@@ -15,8 +15,11 @@ local clipping). Everything else is this engine's:
 * **Switching methods** (:meth:`GroupingEngine.switch_method`): the groups stay, each gets the new
   method, and its residual under the old one is carried to its next gradient (:class:`.ResidualCarry`),
   so nothing is lost across the switch.
+* **Non-finite gradients** (:mod:`.nonfinite`): one policy for every method the engine builds (the
+  groups', the dense group's, the warm-up's); once a call of a step found NaN/Inf on some rank, the
+  later groups of that step return the policy's result without a call (:meth:`GroupingEngine._on_nonfinite`).
 * **Stats** of every call of a step, and the **checkpoint** (step counter, groups, method states,
-  one residual per parameter, carried residuals).
+  one residual per parameter, carried residuals, the non-finite policy).
 
 The hot path allocates no length-n tensor: a group's method writes into the group's output tensor
 (``method(grad, layout, out=...)``), and gathering a gradient that no bucket holds contiguously
@@ -35,6 +38,7 @@ import torch
 
 from ..methods import Method, MethodSpec, Stats
 from ..transport.comm import Communicator
+from .nonfinite import Overflow, check_policy, split_policy
 from .overlap import hidden_seconds
 from .residuals import Group, ParamPlan, goes_dense
 from .schedule import ResidualCarry
@@ -58,10 +62,15 @@ class GroupingEngine:
         dense_warmup_steps: steps averaged densely before the method takes over.
         dense_below: the small-tensor rule of :func:`~.residuals.goes_dense` (0: off).
         use_layout: pass each group's layer layout to its method.
+        nonfinite_default: the non-finite policy when ``spec`` names none (its ``nonfinite`` option):
+            ``"propagate"`` for the DDP hook, ``"error"`` for the synchronizer (:mod:`.nonfinite`).
     """
 
     def __init__(self, spec: MethodSpec, comm: Callable[[], Communicator], *, granularity: str = "bucket",
-                 dense_warmup_steps: int = 0, dense_below: int = 0, use_layout: bool = True) -> None:
+                 dense_warmup_steps: int = 0, dense_below: int = 0, use_layout: bool = True,
+                 nonfinite_default: str = "error") -> None:
+        spec, policy = split_policy(spec, nonfinite_default)
+        #: the method; its ``nonfinite`` option is the engine's (:attr:`nonfinite`)
         self.spec = spec
         self.granularity = granularity
         self.dense_warmup_steps = dense_warmup_steps
@@ -72,8 +81,10 @@ class GroupingEngine:
         self.iter = 0
         #: residuals of a method switched off, by group index, for the group's next gradient
         self.carry = ResidualCarry()
-        #: steps whose method call was skipped on every rank for NaN/Inf (``nonfinite="skip"``)
+        #: method calls skipped on every rank for NaN/Inf (``nonfinite="skip"`` or ``"propagate"``)
         self.skipped_calls = 0
+        #: the non-finite policy and whether a call of this step found NaN/Inf
+        self.overflow = Overflow(policy)
         self.plan: ParamPlan | None = None
         self._comm_factory = comm
         self._comm: Communicator | None = None
@@ -99,8 +110,24 @@ class GroupingEngine:
     def groups(self) -> list[Group]:
         return [] if self.plan is None else self.plan.groups
 
+    @property
+    def nonfinite(self) -> str:
+        """The non-finite policy of every method the engine builds (:mod:`.nonfinite`)."""
+        return self.overflow.policy
+
+    @property
+    def overflowed(self) -> bool:
+        """Whether a call of the current step found NaN/Inf on some rank (the same on every rank): the
+        step is dropped (``"propagate"``, ``"skip"``) and the later groups make no call."""
+        return self.overflow.seen
+
+    def _build(self, spec: MethodSpec) -> Method:
+        method = spec.build(self.comm)
+        method.nonfinite = self.nonfinite
+        return method
+
     def _new_method(self, dense: bool) -> Method:
-        return (_DENSE if dense else self.spec).build(self.comm)
+        return self._build(_DENSE if dense else self.spec)
 
     def _is_dense(self, numel: int, itemsize: int) -> bool:
         return self.spec.sparse and goes_dense(numel, itemsize, self.spec.density, self.dense_below)
@@ -128,21 +155,33 @@ class GroupingEngine:
     def reduce(self, group: Group, grad: torch.Tensor, *, warmup: bool = False, **figures: Any) -> torch.Tensor:
         """The average over ranks of ``grad``, the gradient of ``group`` (plus a residual carried from
         a switched-off method), written into the group's output tensor; the call's stats get
-        ``figures``. ``warmup``: averaged densely instead (the dense warm-up)."""
-        grad = self.carry.flush_into(group.index, grad)
+        ``figures``. ``warmup``: averaged densely instead (the dense warm-up). After an overflow
+        earlier in the step: the policy's result, without a call."""
+        out = group.outbuf()
+        skipped = self.overflow.short_circuit(grad, out=out)
+        if skipped is not None:
+            return skipped
+        grad = self.carry.added_to(group.index, grad)
         if warmup:
-            return self.warmup_reduce(grad, out=group.outbuf(), **figures)
-        start = time.perf_counter()
-        out = group.call(grad, self.use_layout)
-        self._record(group.method, start, dense_calls=int(group.dense), **figures)
-        if group.dense:
-            group.method.stats["dense_params"] = len(group.ids)
-        return out
+            result = self.warmup_reduce(grad, out=out, **figures)
+        else:
+            start = time.perf_counter()
+            result = group.call(grad, self.use_layout)
+            self._record(group.method, start, dense_calls=int(group.dense), **figures)
+            if group.dense:
+                group.method.stats["dense_params"] = len(group.ids)
+        if not self.overflowed:  # a dropped step leaves a carried residual for the group's next gradient
+            self.carry.discard(group.index)
+        return result
 
     def warmup_reduce(self, grad: torch.Tensor, *, out: torch.Tensor | None = None, **figures: Any) -> torch.Tensor:
-        """The dense average of ``grad`` (into ``out`` when given), recorded as a warm-up call."""
+        """The dense average of ``grad`` (into ``out`` when given), recorded as a warm-up call; after
+        an overflow earlier in the step, the policy's result without a call."""
+        skipped = self.overflow.short_circuit(grad, out=out)
+        if skipped is not None:
+            return skipped
         if self._warmup_method is None:
-            self._warmup_method = _DENSE.build(self.comm)
+            self._warmup_method = self._build(_DENSE)
         start = time.perf_counter()
         result = self._warmup_method(grad, out=out)
         self._record(self._warmup_method, start, warmup=True, **figures)
@@ -159,18 +198,28 @@ class GroupingEngine:
 
         The method has already decided, on every rank alike (its ``nonfinite`` policy,
         :attr:`~sparsecomm.methods.Method.nonfinite`): ``"error"`` raised before anything was sent,
-        ``"skip"`` returned zeros with the residual and step unchanged. Here the skip is counted."""
+        ``"skip"`` returned zeros and ``"propagate"`` NaN, with the residual and step unchanged. Here
+        the skip is counted, and the rest of the step is short-circuited (:class:`.nonfinite.Overflow`):
+        the later groups return the same without a call, so no more state moves in a dropped step."""
         self.skipped_calls += 1
+        self.overflow.note(method)
+
+    def record_stats(self, stats: Stats) -> None:
+        """Keep the stats of a call made outside the groups (the hook's sparse-gradient buckets) for
+        :meth:`take_stats`."""
+        with self._lock:
+            self._stats.append(stats)
 
     def end_step(self, backward_end: float | None = None, keep: bool = True) -> Stats:
         """Close a step: each call's ``hidden_time`` (its seconds before ``backward_end``, when the
         calls overlapped backward) is set, the records are kept for :meth:`take_stats` (``keep``),
-        and their total is returned."""
+        their total is returned, and the next step starts without an overflow."""
         records = [stats for stats, _, _ in self._calls]
         if backward_end is not None:
             for stats, start, end in self._calls:
                 stats.hidden_time = hidden_seconds([(start, end)], backward_end)
         self._calls = []
+        self.overflow.reset()
         if keep:
             with self._lock:
                 self._stats.extend(records)
@@ -186,7 +235,10 @@ class GroupingEngine:
     # ------------------------------------------------------------------ changes between steps
     def switch_method(self, spec: MethodSpec) -> None:
         """Synchronize with ``spec`` from the next step on: each non-dense group gets a new method,
-        and its residual under the old one is carried to its next gradient (Shi et al., section 5.6)."""
+        and its residual under the old one is carried to its next gradient (Shi et al., section 5.6).
+        A ``nonfinite`` option in ``spec`` becomes the policy of every method (else it stays)."""
+        spec, policy = split_policy(spec, self.nonfinite)
+        self.set_nonfinite(policy)
         if self.plan is None and self._loaded is not None:
             self._deferred_switch = spec  # the loaded groups, formed later, hold the old method's state
             return
@@ -200,9 +252,17 @@ class GroupingEngine:
             if group.dense:
                 continue
             self.carry.put(group.index, group.residual)
-            self.plan.replace_method(group, spec.build(self.comm))
+            self.plan.replace_method(group, self._build(spec))
         log.info("switched from %s to %s at step %d (%d residuals carried)", old.label(), spec.label(),
                  self.iter, len(self.carry))
+
+    def set_nonfinite(self, policy: str) -> None:
+        """The non-finite policy of every method, those built already included."""
+        self.overflow.policy = check_policy(policy)
+        built = [group.method for group in self.groups]
+        for method in (*built, self._warmup_method):
+            if method is not None:
+                method.nonfinite = policy
 
     def set_density(self, density: float) -> None:
         """Select this density from the next call on, in every group the method sparsifies."""
@@ -220,11 +280,11 @@ class GroupingEngine:
         return {pid: r for pid, r in found.items() if r is not None}
 
     def state_dict(self) -> dict[str, Any]:
-        """The method, the step counter, the groups (their methods' state, one residual per
-        parameter) and the carried residuals."""
+        """The method, the non-finite policy, the step counter, the groups (their methods' state, one
+        residual per parameter) and the carried residuals."""
         plan = self.plan.state_dict() if self.plan is not None else self._loaded
-        return {"method": self.spec.name, "options": dict(self.spec.options), "iter": self.iter,
-                "plan": plan, "carry": self.carry.state_dict()}
+        return {"method": self.spec.name, "options": dict(self.spec.options), "nonfinite": self.nonfinite,
+                "iter": self.iter, "plan": plan, "carry": self.carry.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], owner: str) -> None:
         """Restore a :meth:`state_dict` (method states per group: now, or when the groups form)."""

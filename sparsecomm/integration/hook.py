@@ -33,9 +33,16 @@ How a step runs:
   bit-identically.
 * For the first ``dense_warmup_steps`` iterations each bucket is all-reduced densely (the dense
   warm-up of DGC and RedSync).
+* **Non-finite gradients** (:mod:`.nonfinite`): by default (``nonfinite="propagate"``) every rank
+  gets NaN when any rank's gradient holds NaN/Inf, with nothing sent and no state moved, so that
+  ``torch.amp.GradScaler`` skips the step and lowers its scale as under plain DDP.
+* **Sparse gradients** (``nn.Embedding(sparse=True)``): DDP hands them over in buckets of their own;
+  they go through the row-sparse reducer (:mod:`.sparse_buckets`), outside the groups.
 
 Bad options raise at construction (``ValueError`` / ``TypeError`` naming the option), before the
-first backward: the state builds a probe instance of the method when the process group is up.
+first backward and before the process group exists (the method's spec checks names and values); a
+probe instance of the method checks what depends on the ranks when the process group is up. An error
+of the hook reaches ``backward()`` as the library's own exception (:meth:`SparseHookState.raise_if_failed`).
 """
 
 import logging
@@ -51,9 +58,11 @@ from ..core.validate import check_choice, check_int
 from ..methods import MethodSpec, Stats
 from ..transport.comm import Communicator
 from .engine import GroupingEngine
+from .nonfinite import HOOK_DEFAULT
 from .overlap import CommThread, private_group
 from .residuals import ParamPlan, Route
 from .schedule import ResidualCarry
+from .sparse_buckets import SparseBuckets
 
 __all__ = ["SparseHookState", "hook", "GRANULARITIES", "DENSE_BELOW"]
 
@@ -100,7 +109,11 @@ class SparseHookState:
             the hook (``False``, the synchronous path).
         dense_below: parameters with fewer elements, or whose sparse message would not be smaller
             than the dense one, are all-reduced densely in one fused call; 0: none (sparse methods).
-        **method_options: passed to :func:`sparsecomm.make_method`, e.g. ``density=0.01``.
+        **method_options: passed to :func:`sparsecomm.make_method`, e.g. ``density=0.01``, and
+            ``nonfinite``: when any rank's gradient holds NaN/Inf, ``"propagate"`` (default: NaN on
+            every rank, nothing sent, state untouched, so ``GradScaler`` skips the step as under plain
+            DDP), ``"skip"`` (zeros) or ``"error"`` (raise); for every group, dense ones and the
+            warm-up included (:mod:`.nonfinite`).
 
     Raises:
         ValueError / TypeError: unknown method, density outside (0, 1], unknown option, bad warm-up,
@@ -118,7 +131,7 @@ class SparseHookState:
         self.overlap = bool(overlap)
         self.engine = GroupingEngine(spec, self._private_comm, granularity=granularity,
                                      dense_warmup_steps=dense_warmup_steps, dense_below=dense_below,
-                                     use_layout=use_layout)
+                                     use_layout=use_layout, nonfinite_default=HOOK_DEFAULT)
         self._reset_runtime()
         if dist.is_available() and dist.is_initialized():
             spec.build(Communicator(process_group))  # probe: checks the values of the options
@@ -138,7 +151,8 @@ class SparseHookState:
         self._bucketing: list[tuple[int, ...]] = []   # this iteration's buckets (parameter data_ptrs)
         self._last_bucketing: list[tuple[int, ...]] | None = None
         self._bucket_params: list[list[torch.Tensor]] = []
-        self._error: BaseException | None = None
+        self._error: Exception | None = None        # the first failure; every later bucket fails with it
+        self._sparse = SparseBuckets(lambda: self.comm)  # buckets of sparse gradients, outside the groups
 
     # ------------------------------------------------------------------ setup
     @property
@@ -158,6 +172,11 @@ class SparseHookState:
     @property
     def method_options(self) -> dict[str, Any]:
         return dict(self.engine.spec.options)
+
+    @property
+    def nonfinite(self) -> str:
+        """The non-finite policy of every group (:mod:`.nonfinite`)."""
+        return self.engine.nonfinite
 
     @property
     def plan(self) -> ParamPlan | None:
@@ -210,8 +229,14 @@ class SparseHookState:
     def _process(self, bucket: _Bucket) -> None:
         try:
             if self._error is not None:
-                raise RuntimeError(f"an earlier bucket failed: {self._error}") from self._error
-            if self.plan is None:  # DDP's first iteration: the groups exist once every bucket is seen
+                raise self._error
+            todo: list[_Bucket] = []
+            if bucket.buffer.is_sparse:  # a bucket of its own, outside the groups (:mod:`.sparse_buckets`)
+                self._reduce_sparse(bucket)
+                if bucket.is_last and self.plan is None and self._first:
+                    self.engine.build([b.params for b in self._first])
+                    todo, self._first = self._first, []
+            elif self.plan is None:  # DDP's first iteration: the groups exist once every bucket is seen
                 self._first.append(bucket)
                 if not bucket.is_last:
                     return
@@ -221,10 +246,16 @@ class SparseHookState:
                 todo = [bucket]
             for item in todo:
                 self._step(item)
-            if bucket.is_last:
+            if bucket.is_last and self.plan is not None:
                 self._finish(bucket)
         except BaseException as exc:  # noqa: BLE001 - fail every waiting future, DDP raises it
             self._fail(exc, bucket)
+
+    def _reduce_sparse(self, bucket: _Bucket) -> None:
+        """A bucket of one sparse gradient: averaged by the row-sparse reducer, answered at once."""
+        result, stats = self._sparse.reduce(bucket.index, bucket.buffer, self.method_name)
+        self.engine.record_stats(stats)
+        bucket.future.set_result(result)
 
     def _step(self, bucket: _Bucket) -> None:
         plan = self.plan
@@ -283,13 +314,24 @@ class SparseHookState:
 
     def _fail(self, exc: BaseException, current: _Bucket) -> None:
         """Fail every bucket DDP is waiting on: those of this iteration handed over so far and
-        ``current`` (which may not have reached them), so that backward raises instead of hanging."""
-        self._error = exc
-        error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+        ``current`` (which may not have reached them), so that backward raises instead of hanging.
+        The first failure stays: every later bucket fails with it, unchanged."""
+        if self._error is None:
+            self._error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
+        error = self._error
         for bucket in [*self._pending, *self._first, current]:
             if not bucket.future.done():
                 bucket.future.set_exception(error)
         self._pending, self._first = [], []
+
+    def raise_if_failed(self, bucket: _Bucket) -> None:
+        """Raise the error that failed ``bucket`` (for DDP's last bucket, once the thread has finished
+        the iteration), so that ``backward()`` raises the library's own exception: a future failed
+        with ``set_exception`` reaches DDP's reducer as "Unable to cast <message> to Tensor"."""
+        if self.overlap and bucket.is_last:
+            self.wait_idle()
+        if bucket.future.done() and self._error is not None:
+            raise self._error
 
     def wait_idle(self) -> None:
         """Block until the communication thread has finished everything handed to it so far."""
@@ -371,14 +413,16 @@ class SparseHookState:
         self.engine = GroupingEngine(MethodSpec(state["method"], state["options"]), self._private_comm,
                                      granularity=state["granularity"],
                                      dense_warmup_steps=state["dense_warmup_steps"],
-                                     dense_below=state["dense_below"], use_layout=pickled["use_layout"])
+                                     dense_below=state["dense_below"], use_layout=pickled["use_layout"],
+                                     nonfinite_default=state.get("nonfinite", HOOK_DEFAULT))
         self._reset_runtime()
         self.load_state_dict(state)
 
     def __repr__(self) -> str:
         groups = 0 if self.plan is None else len(self.plan.groups)
         return (f"SparseHookState(method={self.spec.name!r}, options={self.method_options}, "
-                f"granularity={self.granularity!r}, overlap={self.overlap}, iter={self.iter}, groups={groups})")
+                f"nonfinite={self.nonfinite!r}, granularity={self.granularity!r}, overlap={self.overlap}, "
+                f"iter={self.iter}, groups={groups})")
 
 
 # No ``from __future__ import annotations`` in this module: DDP checks these annotations at runtime.
@@ -394,4 +438,5 @@ def hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Futur
                    state.in_warmup, time.perf_counter(), future)
     state.maybe_increase_iter(bucket)
     state.submit(item)
+    state.raise_if_failed(item)
     return future

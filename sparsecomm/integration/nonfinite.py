@@ -22,13 +22,15 @@ from typing import Any
 
 import torch
 
-from ..methods import Method
+from ..methods import Method, MethodSpec
 from ..methods.base import NONFINITE_POLICIES
 
-__all__ = ["HOOK_DEFAULT", "check_policy", "Overflow"]
+__all__ = ["HOOK_DEFAULT", "SYNCHRONIZER_DEFAULT", "check_policy", "split_policy", "Overflow"]
 
 #: The hook's default policy: GradScaler sees the overflow, as under plain DDP.
 HOOK_DEFAULT = "propagate"
+#: The synchronizer's default policy: raise on every rank (no GradScaler sits between it and the step).
+SYNCHRONIZER_DEFAULT = "error"
 
 
 def check_policy(policy: Any) -> str:
@@ -36,6 +38,18 @@ def check_policy(policy: Any) -> str:
     if policy not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite={policy!r} must be one of {NONFINITE_POLICIES}")
     return policy
+
+
+def split_policy(spec: MethodSpec, default: str) -> tuple[MethodSpec, str]:
+    """``spec`` without its ``nonfinite`` option, and the policy: that option, else ``default``.
+
+    The hook and the synchronizer take ``nonfinite`` like any method option, but it is their policy for
+    every method they build (the method's groups, the dense groups, the dense warm-up), so the grouping
+    engine holds it apart from the method's spec."""
+    policy = spec.options.get("nonfinite")
+    if policy is None:
+        return spec, check_policy(default)
+    return spec.replace(nonfinite=None), check_policy(policy)
 
 
 class Overflow:
@@ -50,11 +64,13 @@ class Overflow:
         if method.stats.skipped and method.stats.extra.get("skipped_reason") == "nonfinite":
             self.seen = True
 
-    def short_circuit(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """The result for a later group of an overflowed iteration (no call), or None to call."""
+    def short_circuit(self, grad: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The result for a later group of an overflowed iteration (no call; written into ``out``
+        when given), or None to call: NaN (``"propagate"``) or zeros (``"skip"``), shaped like ``grad``."""
         if not self.seen or self.policy == "error":
             return None
-        return torch.full_like(grad, float("nan")) if self.policy == "propagate" else torch.zeros_like(grad)
+        value = float("nan") if self.policy == "propagate" else 0.0
+        return torch.full_like(grad, value) if out is None else out.fill_(value)
 
     def reset(self) -> None:
         self.seen = False

@@ -104,7 +104,7 @@ class ResidualCarry:
 
     Keyed like the owner's method instances (a bucket number, a parameter name): :meth:`put` takes a
     residual (added to whatever is already waiting), :meth:`flush_into` adds the waiting tensor to a
-    gradient in place and forgets it.
+    gradient and forgets it (:meth:`added_to` and :meth:`discard` do the two apart).
     """
 
     def __init__(self) -> None:
@@ -119,14 +119,26 @@ class ResidualCarry:
             self.waiting[key] = residual.detach().clone()
 
     def flush_into(self, key: object, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` plus the residual waiting under ``key`` (``grad`` itself when none waits)."""
-        residual = self.waiting.pop(key, None)
+        """``grad`` plus the residual waiting under ``key`` (``grad`` itself when none waits); the
+        residual is forgotten."""
+        total = self.added_to(key, grad)
+        self.discard(key)
+        return total
+
+    def added_to(self, key: object, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` plus the residual waiting under ``key`` (``grad`` itself when none waits); the
+        residual keeps waiting until :meth:`discard` (a step that is dropped leaves it for the next)."""
+        residual = self.waiting.get(key)
         if residual is None:
             return grad
         if residual.shape != grad.shape:
             raise ValueError(f"carried residual of shape {tuple(residual.shape)} does not fit the gradient of "
                              f"shape {tuple(grad.shape)} (key {key!r}); the model or bucketing changed")
         return grad + residual.to(grad.dtype)
+
+    def discard(self, key: object) -> None:
+        """Forget the residual waiting under ``key`` (it has reached the method)."""
+        self.waiting.pop(key, None)
 
     def __len__(self) -> int:
         return len(self.waiting)

@@ -29,6 +29,11 @@ RedSync, Fang et al., section 4):
 * ``density_warmup=E``: DGC's exponential density warm-up over the first E epochs
   (:func:`sparsecomm.integration.dgc.density_schedule`); call :meth:`SparseSynchronizer.set_epoch`.
 
+Non-finite gradients follow the ``nonfinite`` option (:mod:`.nonfinite`; default ``"error"``) in
+every bucket, dense ones and the warm-up included; once a bucket of a step found NaN/Inf on some
+rank, the later buckets of that step make no call, and the momentum correction of a dropped step is
+taken back, so NaN/Inf never enters it.
+
 :meth:`SparseSynchronizer.switch_method` changes the method between steps (the sparse-then-dense schedule
 of Shi et al., section 5.6; :mod:`sparsecomm.integration.schedule`): the old method's residuals are added
 to the next gradient, so nothing is lost across the switch.
@@ -49,6 +54,7 @@ from ..methods import Method, MethodSpec, Stats
 from ..transport.comm import Communicator
 from . import dgc
 from .engine import GroupingEngine
+from .nonfinite import SYNCHRONIZER_DEFAULT
 from .residuals import Group
 from .schedule import ResidualCarry
 
@@ -76,7 +82,10 @@ class SparseSynchronizer:
         momentum_correction: the momentum m of DGC momentum correction and factor masking, or
             ``None``; the optimizer must then have no momentum of its own.
         density_warmup: number of epochs of DGC's density warm-up, or ``None``.
-        **method_options: for :func:`sparsecomm.make_method` (e.g. ``density=0.01``).
+        **method_options: for :func:`sparsecomm.make_method` (e.g. ``density=0.01``), and
+            ``nonfinite``: when any rank's gradient holds NaN/Inf, ``"error"`` (default: raise on every
+            rank), ``"skip"`` (zeros) or ``"propagate"`` (NaN on every rank, for ``GradScaler``); for
+            every bucket, dense ones and the warm-up included, nothing sent and no state moved.
 
     Raises:
         ValueError / TypeError at construction for a bad option (before any backward).
@@ -107,7 +116,7 @@ class SparseSynchronizer:
         if momentum_correction is not None:
             self._check_momentum_correction(momentum_correction, spec)
         self.engine = GroupingEngine(spec, lambda: self.comm, dense_warmup_steps=dense_warmup_steps,
-                                     dense_below=dense_below)
+                                     dense_below=dense_below, nonfinite_default=SYNCHRONIZER_DEFAULT)
         self.engine.build(self._make_buckets(bucket_elements))
         self.corrections: list[dgc.MomentumCorrection] | None = None
         if momentum_correction is not None:
@@ -145,6 +154,11 @@ class SparseSynchronizer:
     @property
     def method_options(self) -> dict[str, Any]:
         return dict(self.engine.spec.options)
+
+    @property
+    def nonfinite(self) -> str:
+        """The non-finite policy of every bucket (:mod:`.nonfinite`)."""
+        return self.engine.nonfinite
 
     @property
     def methods(self) -> list[Method]:
@@ -227,12 +241,16 @@ class SparseSynchronizer:
         for group in engine.groups:
             params = [self.params[pid] for pid in group.ids]
             flat = self._gather(group, params)
-            correction = None if warmup or group.dense or self.corrections is None else self.corrections[group.index]
+            correction = None if warmup or group.dense or self.corrections is None or engine.overflowed \
+                else self.corrections[group.index]  # (after an overflow the bucket makes no call)
             if correction is not None:
                 flat = correction.update(flat)
             averaged = engine.reduce(group, flat, warmup=warmup, **({"dense_calls": 1} if warmup else {}))
-            if correction is not None and group.method.last_sent is not None:
-                correction.mask_(group.method.last_sent)
+            if correction is not None:
+                if engine.overflowed:  # the step is dropped: the velocity as before it, never NaN/Inf
+                    correction.undo_()
+                elif group.method.last_sent is not None:
+                    correction.mask_(group.method.last_sent)
             for param, start, numel in zip(params, group.offsets, group.numels, strict=True):
                 piece = averaged[start:start + numel].view_as(param)
                 if param.grad is None:
