@@ -43,7 +43,7 @@ from .overlap import hidden_seconds
 from .residuals import Group, ParamPlan, goes_dense
 from .schedule import ResidualCarry
 
-__all__ = ["GroupingEngine"]
+__all__ = ["GroupingEngine", "EngineView"]
 
 log = logging.getLogger(__name__)
 
@@ -298,3 +298,41 @@ class GroupingEngine:
             self.plan.load_state_dict(saved)
         else:
             self._loaded = saved
+
+
+class EngineView:
+    """What the DDP hook's state and the synchronizer both show of their :class:`GroupingEngine`
+    (``self.engine``), read-only: the method, the policy, the warm-up, the carried residuals."""
+
+    engine: GroupingEngine
+
+    @property
+    def spec(self) -> MethodSpec:
+        """The method (name and options) that synchronizes the next step."""
+        return self.engine.spec
+
+    @property
+    def method_name(self) -> str:
+        return self.engine.spec.name
+
+    @property
+    def method_options(self) -> dict[str, Any]:
+        return dict(self.engine.spec.options)
+
+    @property
+    def nonfinite(self) -> str:
+        """The non-finite policy of every group (:mod:`.nonfinite`)."""
+        return self.engine.nonfinite
+
+    @property
+    def carry(self) -> ResidualCarry:
+        """Residuals of a method switched off, by group, added to the group's next gradient."""
+        return self.engine.carry
+
+    @property
+    def dense_warmup_steps(self) -> int:
+        return self.engine.dense_warmup_steps
+
+    @property
+    def in_warmup(self) -> bool:
+        return self.engine.in_warmup

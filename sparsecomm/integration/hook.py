@@ -57,11 +57,10 @@ import torch.distributed as dist
 from ..core.validate import check_choice, check_int
 from ..methods import MethodSpec, Stats
 from ..transport.comm import Communicator
-from .engine import GroupingEngine
+from .engine import EngineView, GroupingEngine
 from .nonfinite import HOOK_DEFAULT
 from .overlap import CommThread, private_group
 from .residuals import ParamPlan, Route
-from .schedule import ResidualCarry
 from .sparse_buckets import SparseBuckets
 
 __all__ = ["SparseHookState", "hook", "GRANULARITIES", "DENSE_BELOW"]
@@ -90,7 +89,7 @@ class _Bucket:
     result: torch.Tensor | None = None
 
 
-class SparseHookState:
+class SparseHookState(EngineView):
     """State of :func:`hook`: DDP's buckets, the communication thread and the futures, around the
     grouping engine (:class:`~.engine.GroupingEngine`: the method's groups, their per-parameter
     residuals, the iteration counter, warm-up, switches, stats).
@@ -161,32 +160,9 @@ class SparseHookState:
         return self.engine.comm
 
     @property
-    def spec(self) -> MethodSpec:
-        """The method (name and options) that synchronizes the next iteration."""
-        return self.engine.spec
-
-    @property
-    def method_name(self) -> str:
-        return self.engine.spec.name
-
-    @property
-    def method_options(self) -> dict[str, Any]:
-        return dict(self.engine.spec.options)
-
-    @property
-    def nonfinite(self) -> str:
-        """The non-finite policy of every group (:mod:`.nonfinite`)."""
-        return self.engine.nonfinite
-
-    @property
     def plan(self) -> ParamPlan | None:
         """The groups (``None`` until DDP's first iteration has handed over every bucket)."""
         return self.engine.plan
-
-    @property
-    def carry(self) -> ResidualCarry:
-        """Residuals of a method switched off (:meth:`switch_method`), by group, for the next gradient."""
-        return self.engine.carry
 
     @property
     def iter(self) -> int:
@@ -195,10 +171,6 @@ class SparseHookState:
     @iter.setter
     def iter(self, value: int) -> None:
         self.engine.iter = value
-
-    @property
-    def dense_warmup_steps(self) -> int:
-        return self.engine.dense_warmup_steps
 
     @property
     def granularity(self) -> str:
@@ -211,10 +183,6 @@ class SparseHookState:
     @property
     def use_layout(self) -> bool:
         return self.engine.use_layout
-
-    @property
-    def in_warmup(self) -> bool:
-        return self.engine.in_warmup
 
     # ------------------------------------------------------------------ the work of one bucket
     def submit(self, bucket: _Bucket) -> None:

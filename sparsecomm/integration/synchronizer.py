@@ -53,17 +53,16 @@ from ..core.validate import check_int, is_int
 from ..methods import Method, MethodSpec, Stats
 from ..transport.comm import Communicator
 from . import dgc
-from .engine import GroupingEngine
+from .engine import EngineView, GroupingEngine
 from .nonfinite import SYNCHRONIZER_DEFAULT
 from .residuals import Group
-from .schedule import ResidualCarry
 
 __all__ = ["SparseSynchronizer"]
 
 log = logging.getLogger(__name__)
 
 
-class SparseSynchronizer:
+class SparseSynchronizer(EngineView):
     """Average the gradients of ``model`` over the ranks with a sparsecomm method.
 
     Args:
@@ -143,24 +142,6 @@ class SparseSynchronizer:
 
     # ------------------------------------------------------------------ what the engine holds
     @property
-    def spec(self) -> MethodSpec:
-        """The method (name and options) that synchronizes the next step."""
-        return self.engine.spec
-
-    @property
-    def method_name(self) -> str:
-        return self.engine.spec.name
-
-    @property
-    def method_options(self) -> dict[str, Any]:
-        return dict(self.engine.spec.options)
-
-    @property
-    def nonfinite(self) -> str:
-        """The non-finite policy of every bucket (:mod:`.nonfinite`)."""
-        return self.engine.nonfinite
-
-    @property
     def methods(self) -> list[Method]:
         """Each bucket's method instance."""
         return [group.method for group in self.engine.groups]
@@ -171,21 +152,8 @@ class SparseSynchronizer:
         return [[self.params[pid] for pid in group.ids] for group in self.engine.groups]
 
     @property
-    def carry(self) -> ResidualCarry:
-        """Residuals of a method switched off, added to the next gradient of their bucket."""
-        return self.engine.carry
-
-    @property
     def iter(self) -> int:
         return self.engine.iter
-
-    @property
-    def dense_warmup_steps(self) -> int:
-        return self.engine.dense_warmup_steps
-
-    @property
-    def in_warmup(self) -> bool:
-        return self.engine.in_warmup
 
     # ------------------------------------------------------------------ changes between steps
     def switch_method(self, method: MethodSpec | str, **method_options: Any) -> None:
