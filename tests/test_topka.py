@@ -107,3 +107,46 @@ def test_cost_bound_with_max_count():
     assert (exact.rounds, exact.bytes_sent, exact.exact) == (3, 7 * 1000 * 8, True)
     bound = cost("topka", P=6, n=10**6, k=1000, rank=2, max_count=2000)
     assert (bound.rounds, bound.bytes_sent, bound.exact) == (3, 5 * 2000 * 8, False)
+
+
+def _gather_known(sizes):
+    comm = Communicator()
+    r = comm.rank
+    idx = torch.arange(sizes[r], dtype=torch.int32) + 10 * r
+    val = torch.full((sizes[r],), float(r), dtype=torch.float32)
+    numels = [(s, s) for s in sizes]
+    known = sparse_allgatherv(comm, [idx, val], numels)
+    after_known = comm.meter.totals().as_dict()
+    unknown = sparse_allgatherv(comm, [idx, val])
+    same = all(torch.equal(a, b) for x, y in zip(known, unknown, strict=True) for a, b in zip(x, y, strict=True))
+    error = ""
+    try:
+        sparse_allgatherv(comm, [idx, val], [(s + 1, s + 1) for s in sizes])
+    except ValueError as exc:
+        error = str(exc)
+    return same, after_known, error
+
+
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_allgather_of_known_sizes_sends_no_headers_and_delivers_the_same(P):
+    sizes = [q % 3 + 2 for q in range(P)]  # known to every rank, unequal
+    for rank, (same, traffic, error) in enumerate(run_workers(P, _gather_known, sizes, timeout=60)):
+        assert same
+        rounds, sent, recv = allgatherv_bytes([s * 8 for s in sizes], rank)
+        assert (traffic["rounds"], traffic["bytes_sent"], traffic["bytes_recv"]) == (rounds, sent, recv)
+        assert traffic["header_bytes_sent"] == 0
+        assert f"rank {rank} sends parts of lengths" in error
+
+
+def _topka_header_bytes(n, density):
+    method = TopkAllGather(density=density)
+    method(make_gradient(n, dist.get_rank(), 0))
+    return method.stats["header_bytes"], method.comm.meter.phases()
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_topka_exact_count_messages_travel_without_size_headers(P):
+    for header_bytes, phases in run_workers(P, _topka_header_bytes, 500, 0.02, timeout=60):
+        # only the per-call agreement sends header bytes; the all-gather's messages are payload alone
+        assert header_bytes == phases["topka"].header_bytes_sent == 0
+        assert phases["agreement"].header_bytes_sent > 0

@@ -7,10 +7,12 @@ Per call, on every rank r:
    ``residual = acc`` with the entries at ``idx`` set to zero (error feedback). With the default
    selection the addition happens inside the selector's scan (one read of the gradient and the
    residual, :meth:`SelectAllGather.accumulate_select`).
-2. All-gather of the packed message ``(indices, values)``; the receivers do not know its length, so
-   the element counts travel first as the size header of :meth:`Communicator.exchange_many` (the
-   "initial element which indicates the length" of RedSync section 2.3), by
-   :func:`~sparsecomm.transport.sparse_collectives.allgather_chunks`.
+2. All-gather of the packed message ``(indices, values)``, by
+   :func:`~sparsecomm.transport.sparse_collectives.allgather_chunks`. With an exact-count selector every
+   rank sends exactly k entries, a length every rank knows once the ranks agreed on n and the density,
+   so each round is the payload alone; otherwise the receivers do not know its length and the element
+   counts travel first as the size header of :meth:`Communicator.exchange_many` (the "initial element
+   which indicates the length" of RedSync section 2.3).
 3. Every rank merges the P messages (each sorted by index) into the method's reused output buffer
    (zeroed where the last call wrote, :meth:`~.base.Method.output_buffer`): each index's sum is taken
    in rank order and written once, divided by P (:func:`~sparsecomm.transport.merge.average_into`),
@@ -141,6 +143,15 @@ class SelectAllGather(SelectorStateMixin, Method):
         acc.add_(grad)
         return self.select(acc)
 
+    def _known_counts(self, n: int) -> list[int] | None:
+        """Every rank's message length when it is known before the exchange: the configured selector
+        picks exactly k = ceil(density n) entries (an exact-count selector, ``select`` not overridden)
+        and the ranks agreed on n and the density (:meth:`~.base.Method._validate`), so all P messages
+        hold k entries and the all-gather needs no size headers. ``None`` otherwise."""
+        if type(self).select is not SelectAllGather.select or not self.selector.exact_count:
+            return None
+        return [self.k(n)] * self.comm.size
+
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n = grad.numel()
         with self.timer("select"):
@@ -156,8 +167,12 @@ class SelectAllGather(SelectorStateMixin, Method):
             acc.index_fill_(0, idx, 0)  # what was not sent stays
         self.last_sent = idx
         self.stats.update(selected=idx.numel(), capped=int(picked > idx.numel()), cut=picked - idx.numel())
+        counts = self._known_counts(n)
+        if counts is not None and idx.numel() != counts[self.comm.rank]:
+            raise RuntimeError(f"{self.name}: selector {self.selector_name!r} picked {idx.numel()} entries, not the "
+                               f"k={counts[self.comm.rank]} its exact count promises (a selector bug)")
         with self.timer("comm"):
-            gathered = allgather_chunks(self.comm, chunk)
+            gathered = allgather_chunks(self.comm, chunk, counts=counts)
         with self.timer("decompress"):
             out = self.output_buffer(grad)
             union, nonzero = add_messages(out, gathered, self.comm.size)

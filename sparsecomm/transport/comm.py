@@ -148,12 +148,17 @@ class Communicator:
 
     def exchange_many(self, dst: int | None, tensors: Sequence[torch.Tensor], src: int | None,
                       count: int, *, dtypes: Sequence[torch.dtype] | None = None,
-                      device=None) -> list[torch.Tensor]:
+                      device=None, recv_numels: Sequence[int] | None = None) -> list[torch.Tensor]:
         """One round moving a list of 1-D tensors as ONE packed payload message.
 
         The header carries the element count of each tensor, so the receiver, who must know how many
         tensors (``count``) and their dtypes (default: those of ``tensors``), can split the payload.
         Used for packed sparse messages (indices + values) of unknown length.
+
+        ``recv_numels``: the element counts of the ``count`` incoming tensors, when the receiver knows
+        them (e.g. every rank sends exactly k entries, a length the ranks agreed on). Then no header
+        travels, in either direction: the round is one message. Every rank of the exchange must pass
+        it, or none (the sender then sends no header either).
         """
         if dtypes is None:
             if len(tensors) < count:
@@ -164,18 +169,23 @@ class Communicator:
         if dst == self.rank and src == self.rank:
             return [t.clone() for t in tensors]
         self.meter.record_round()
-        send_header = recv_header = None
-        if dst is not None:
-            send_header = torch.tensor([t.numel() for t in tensors], dtype=_HEADER_DTYPE, device=device)
-        if src is not None:
-            recv_header = torch.empty(count, dtype=_HEADER_DTYPE, device=device)
-        self._post(send_header, dst, recv_header, src, header=True)
+        if recv_numels is None:
+            send_header = recv_header = None
+            if dst is not None:
+                send_header = torch.tensor([t.numel() for t in tensors], dtype=_HEADER_DTYPE, device=device)
+            if src is not None:
+                recv_header = torch.empty(count, dtype=_HEADER_DTYPE, device=device)
+            self._post(send_header, dst, recv_header, src, header=True)
+            numels = recv_header.tolist() if recv_header is not None else []
+        else:
+            if src is not None and len(recv_numels) != count:
+                raise ValueError(f"exchange_many: recv_numels has {len(recv_numels)} entries, count={count}")
+            numels = list(recv_numels) if src is not None else []
 
         send_payload = None
         if dst is not None and tensors:
             send_payload = torch.cat([_as_bytes(t) for t in tensors]) if len(tensors) > 1 \
                 else _as_bytes(tensors[0])
-        numels = recv_header.tolist() if recv_header is not None else []
         sizes = [int(m) * d.itemsize for m, d in zip(numels, dtypes, strict=False)]
         recv_payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device) if src is not None else None
         self._post(send_payload, dst, recv_payload, src, header=False)

@@ -7,7 +7,9 @@ final Bruck stage and its B-SAG) uses these functions and replays their traffic 
 A *message* is a tuple of 1-D tensors (``parts``), the same number and dtypes on every rank, any
 lengths: one :class:`~.chunk.SparseChunk` ``(indices, values)``, or a packed message such as
 RedSync's ``(counts, indices, values)``. Each step moves ONE packed payload per rank, preceded by a
-size header of one int64 per tensor (booked as header bytes by the meter).
+size header of one int64 per tensor (booked as header bytes by the meter), unless every rank knows
+every message's lengths in advance (``numels=``: a method whose ranks all send exactly k entries), when
+the step is the payload alone.
 
 * :func:`recursive_doubling_allgatherv`: P a power of two; step mask = 1, 2, ..., P/2 exchanges
   everything held with rank ``r ^ mask`` (RedSync, equation (1)).
@@ -33,13 +35,16 @@ __all__ = ["recursive_doubling_allgatherv", "bruck_allgatherv", "allgatherv", "a
            "allgatherv_traffic", "allgatherv_cost", "bruck_traffic"]
 
 Message = Sequence[Tensor]
+Numels = Sequence[Sequence[int]]  # numels[q]: the length of each part of rank q's message
 
 
-def recursive_doubling_allgatherv(comm: Communicator, parts: Message) -> list[list[Tensor]]:
+def recursive_doubling_allgatherv(comm: Communicator, parts: Message,
+                                  numels: Numels | None = None) -> list[list[Tensor]]:
     """Recursive-doubling all-gather; P must be a power of two. Returns ``result[q]`` = rank q's parts.
 
     Step mask = 1, 2, ..., P/2: exchange everything held (the blocks of the ``mask`` ranks of this
-    rank's current group) with rank ``r ^ mask``, in one packed message.
+    rank's current group) with rank ``r ^ mask``, in one packed message. ``numels``: see
+    :func:`allgatherv`.
     """
     P, r = comm.size, comm.rank
     if not is_power_of_two(P):
@@ -52,20 +57,22 @@ def recursive_doubling_allgatherv(comm: Communicator, parts: Message) -> list[li
     while mask < P:
         partner = r ^ mask
         outgoing = [t for q in sorted(held) for t in held[q]]
-        incoming = comm.exchange_many(partner, outgoing, partner, count=mask * width,
-                                      dtypes=dtypes * mask, device=device)
         first = partner & ~(mask - 1)
+        incoming = comm.exchange_many(partner, outgoing, partner, count=mask * width,
+                                      dtypes=dtypes * mask, device=device,
+                                      recv_numels=_known(numels, range(first, first + mask)))
         for j in range(mask):
             held[first + j] = incoming[j * width:(j + 1) * width]
         mask *= 2
     return [held[q] for q in range(P)]
 
 
-def bruck_allgatherv(comm: Communicator, parts: Message) -> list[list[Tensor]]:
+def bruck_allgatherv(comm: Communicator, parts: Message, numels: Numels | None = None) -> list[list[Tensor]]:
     """Bruck all-gather, any P. Returns ``result[q]`` = rank q's parts.
 
     Step i = 0 .. ceil(log2 P)-1: send the first min(2^i, P - 2^i) blocks held (blocks r, r+1, ...)
-    to rank r - 2^i and receive as many from rank r + 2^i, in one packed message.
+    to rank r - 2^i and receive as many from rank r + 2^i, in one packed message. ``numels``: see
+    :func:`allgatherv`.
     """
     P, r = comm.size, comm.rank
     width = len(parts)
@@ -77,25 +84,47 @@ def bruck_allgatherv(comm: Communicator, parts: Message) -> list[list[Tensor]]:
         count = min(distance, P - distance)
         outgoing = [t for block in held[:count] for t in block]
         incoming = comm.exchange_many((r - distance) % P, outgoing, (r + distance) % P,
-                                      count=count * width, dtypes=dtypes * count, device=device)
+                                      count=count * width, dtypes=dtypes * count, device=device,
+                                      recv_numels=_known(numels, ((r + distance + j) % P for j in range(count))))
         held.extend(incoming[j * width:(j + 1) * width] for j in range(count))
         distance *= 2
     return [held[(q - r) % P] for q in range(P)]
 
 
-def allgatherv(comm: Communicator, parts: Message) -> list[list[Tensor]]:
+def allgatherv(comm: Communicator, parts: Message, numels: Numels | None = None) -> list[list[Tensor]]:
     """All-gather of one packed message per rank: recursive doubling for powers of two, Bruck
-    otherwise; ceil(log2 P) rounds either way. ``result[q]`` = rank q's parts (this rank's included)."""
+    otherwise; ceil(log2 P) rounds either way. ``result[q]`` = rank q's parts (this rank's included).
+
+    ``numels``: when every rank knows every message's lengths in advance, ``numels[q]`` = the length
+    of each part of rank q's message (the same on every rank; rank r's own entry must match
+    ``parts``). Then no size header travels and each round is one message instead of two (a header,
+    then the payload): on gloo, where a message costs about a millisecond, that is most of a small
+    call's time. Without it, the sizes travel as headers."""
+    if numels is not None:
+        if len(numels) != comm.size:
+            raise ValueError(f"allgatherv: numels has {len(numels)} entries, need one per rank (P={comm.size})")
+        mine = tuple(int(t.numel()) for t in parts)
+        if tuple(numels[comm.rank]) != mine:
+            raise ValueError(f"allgatherv: rank {comm.rank} sends parts of lengths {mine}, but numels says "
+                             f"{tuple(numels[comm.rank])}")
     if comm.size == 1:
         return [list(parts)]
     if is_power_of_two(comm.size):
-        return recursive_doubling_allgatherv(comm, parts)
-    return bruck_allgatherv(comm, parts)
+        return recursive_doubling_allgatherv(comm, parts, numels)
+    return bruck_allgatherv(comm, parts, numels)
 
 
-def allgather_chunks(comm: Communicator, chunk: SparseChunk, *, bruck: bool = False) -> list[SparseChunk]:
-    """Every rank's chunk, in rank order, by :func:`allgatherv` (or :func:`bruck_allgatherv`)."""
-    gathered = (bruck_allgatherv if bruck else allgatherv)(comm, chunk.parts())
+def _known(numels: Numels | None, ranks) -> list[int] | None:
+    """The lengths of the blocks of ``ranks`` (in that order, flattened), or ``None`` when unknown."""
+    return None if numels is None else [int(m) for q in ranks for m in numels[q]]
+
+
+def allgather_chunks(comm: Communicator, chunk: SparseChunk, *, bruck: bool = False,
+                     counts: Sequence[int] | None = None) -> list[SparseChunk]:
+    """Every rank's chunk, in rank order, by :func:`allgatherv` (or :func:`bruck_allgatherv`).
+    ``counts``: every rank's number of entries, when all ranks know them (no size headers then)."""
+    numels = None if counts is None else [(int(c), int(c)) for c in counts]
+    gathered = (bruck_allgatherv if bruck else allgatherv)(comm, chunk.parts(), numels)
     return [SparseChunk(indices, values) for indices, values in gathered]
 
 
