@@ -35,6 +35,9 @@ from ..core.validate import check_fraction
 __all__ = ["MomentumCorrection", "clip_local_gradients", "density_schedule"]
 
 
+_VELOCITY = torch.empty(0)  # update(out=_VELOCITY): return u itself (velocity_of)
+
+
 class MomentumCorrection:
     """DGC momentum correction (Lin et al. 2017, section 3.2) with momentum factor masking.
 
@@ -73,9 +76,14 @@ class MomentumCorrection:
         self._previous: tuple[Tensor, Tensor | None] | None = None  # u, v before the last update
         self._undoable = False
 
-    def update(self, grad: Tensor) -> Tensor:
+    def update(self, grad: Tensor, *, out: Tensor | None = None) -> Tensor:
         """``u = m u + g``; returns what to sparsify next: ``v += u`` (held) or ``u`` (residual-keeping
-        method). With ``nesterov``, ``g + m u`` takes the place of ``u`` in the accumulation."""
+        method). With ``nesterov``, ``g + m u`` takes the place of ``u`` in the accumulation.
+
+        Without ``out=`` the result is a new tensor the caller owns (``v`` itself when held, which
+        :meth:`mask_` then zeroes where sent); with ``out=`` (``grad`` itself allowed) it is written
+        into ``out``, so no gradient-sized tensor is allocated (a fresh one costs page faults on every
+        step). The velocity update is one pass over ``u`` and ``g``."""
         if self.velocity is None or self.velocity.shape != grad.shape:
             self.velocity = torch.zeros_like(grad)
             self.accumulation = torch.zeros_like(grad) if self.hold_accumulation else None
@@ -84,14 +92,28 @@ class MomentumCorrection:
             self._previous = (torch.empty_like(grad), None if self.accumulation is None else torch.empty_like(grad))
         new_velocity, new_accumulation = self._previous
         self._previous = (self.velocity, self.accumulation)
-        self.velocity = torch.mul(self.velocity, self.momentum, out=new_velocity).add_(grad)
+        self.velocity = torch.add(grad, self.velocity, alpha=self.momentum, out=new_velocity)
         self._undoable = True
-        step = grad + self.momentum * self.velocity if self.nesterov else self.velocity
+        if self.nesterov:
+            step = torch.add(grad, self.velocity, alpha=self.momentum, out=out)
+        elif out is _VELOCITY:
+            step = self.velocity
+        else:
+            step = self.velocity.clone() if out is None else out.copy_(self.velocity)
         if not self.hold_accumulation:
-            return step.clone()
+            return step
         assert self.accumulation is not None and new_accumulation is not None
         self.accumulation = torch.add(self.accumulation, step, out=new_accumulation)
-        return self.accumulation
+        return self.accumulation if out is None else out.copy_(self.accumulation)
+
+    def velocity_of(self, grad: Tensor) -> Tensor:
+        """:meth:`update` for a residual-keeping method, returning ``u`` itself instead of a copy: one
+        pass, nothing allocated. ``u`` is this object's state: only read it (a method's input is read
+        only), and only until the next :meth:`update`, :meth:`velocity_of` or :meth:`mask_`
+        (:class:`~sparsecomm.integration.synchronizer.SparseSynchronizer` passes it to the method)."""
+        if self.nesterov or self.hold_accumulation:
+            raise ValueError("velocity_of: only without nesterov and hold_accumulation (the step is then u itself)")
+        return self.update(grad, out=_VELOCITY)
 
     def undo_(self) -> None:
         """Take back the last :meth:`update` (its step was dropped): ``u`` and ``v`` as before it."""

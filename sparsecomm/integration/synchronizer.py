@@ -10,7 +10,9 @@
 
 The model's gradients are gathered into buckets (one by default, or buckets of at most
 ``bucket_elements`` elements), each with its layer layout; each bucket has its own method instance
-(and residual); the averaged result is written back into ``param.grad``. The buckets are the groups
+(and residual); the averaged result is written into the bucket's output tensor and ``param.grad``
+becomes a view of it (as with DDP's ``gradient_as_bucket_view=True``: no copy per step; a reference to
+``param.grad`` kept across steps sees the next step's values). The buckets are the groups
 of the grouping engine the DDP hook shares (:class:`~.engine.GroupingEngine`: flat buffers, the
 small-tensor rule ``dense_below``, warm-up, switches, residual carry, stats, checkpoint); this class
 keeps ``param.grad`` and the optimizer-side techniques. Parameters are broadcast from rank 0 at
@@ -212,16 +214,24 @@ class SparseSynchronizer(EngineView):
             correction = None if warmup or group.dense or self.corrections is None or engine.overflowed \
                 else self.corrections[group.index]  # (after an overflow the bucket makes no call)
             if correction is not None:
-                flat = correction.update(flat)
+                flat = correction.velocity_of(flat)  # u itself: the method only reads it
             averaged = engine.reduce(group, flat, warmup=warmup, **({"dense_calls": 1} if warmup else {}))
             if correction is not None:
                 if engine.overflowed:  # the step is dropped: the velocity as before it, never NaN/Inf
                     correction.undo_()
                 elif group.method.last_sent is not None:
                     correction.mask_(group.method.last_sent)
+            # param.grad becomes a view of the group's output tensor (as DDP's gradient_as_bucket_view):
+            # no copy of the result; the next backward writes new gradients there or, after
+            # zero_grad(set_to_none=True), into new tensors, which the next step gathers alike
+            shared = averaged is group.outbuf()
             for param, start, numel in zip(params, group.offsets, group.numels, strict=True):
                 piece = averaged[start:start + numel].view_as(param)
-                if param.grad is None:
+                if shared:
+                    if param.grad is None or param.grad.data_ptr() != piece.data_ptr() \
+                            or param.grad.shape != piece.shape:
+                        param.grad = piece
+                elif param.grad is None:
                     param.grad = piece.clone()
                 else:
                     param.grad.copy_(piece)
