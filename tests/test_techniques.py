@@ -30,6 +30,27 @@ def test_nesterov_accumulates_g_plus_m_u():
     assert torch.equal(out, torch.tensor([0.5, 2.0]))
 
 
+def test_velocity_in_one_pass_by_tensor_or_by_pieces_equals_update():
+    gen = torch.Generator().manual_seed(5)
+    reference, whole, pieces = MomentumCorrection(0.9), MomentumCorrection(0.9), MomentumCorrection(0.9)
+    for step in range(4):
+        g = torch.randn(10, generator=gen)
+        g[7:] = 0 if step == 2 else g[7:]  # the last piece missing (no .grad) at step 2
+        expected = reference.update(g)
+        assert torch.equal(whole.velocity_of(g.clone()), expected)
+        parts = [(0, 3, g[:3].reshape(3, 1)), (3, 4, g[3:7]), (7, 3, None if step == 2 else g[7:])]
+        assert torch.equal(pieces.velocity_of_pieces(torch.empty(10), parts), expected)
+        assert torch.equal(whole.velocity, reference.velocity) and torch.equal(pieces.velocity, reference.velocity)
+    before = reference.velocity.clone()
+    pieces.velocity_of_pieces(torch.empty(10), [(0, 10, torch.ones(10))])
+    pieces.undo_()                                          # a dropped step: u as before it
+    assert torch.equal(pieces.velocity, before)
+    with pytest.raises(ValueError, match="must cover the 10 elements"):
+        pieces.velocity_of_pieces(torch.empty(10), [(0, 4, torch.ones(4))])
+    with pytest.raises(ValueError, match="only without nesterov"):
+        MomentumCorrection(0.9, nesterov=True).velocity_of(torch.ones(2))
+
+
 def _with_method_vs_standalone(steps):
     """The residual of a method plays v: both ways give the same sent values, u and v."""
     method = make_method("topka", density=0.25)

@@ -25,7 +25,7 @@ sparse method of :mod:`sparsecomm.methods`, ``flat_grad`` this rank's gradient b
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -84,16 +84,8 @@ class MomentumCorrection:
         :meth:`mask_` then zeroes where sent); with ``out=`` (``grad`` itself allowed) it is written
         into ``out``, so no gradient-sized tensor is allocated (a fresh one costs page faults on every
         step). The velocity update is one pass over ``u`` and ``g``."""
-        if self.velocity is None or self.velocity.shape != grad.shape:
-            self.velocity = torch.zeros_like(grad)
-            self.accumulation = torch.zeros_like(grad) if self.hold_accumulation else None
-            self._previous = None
-        if self._previous is None:
-            self._previous = (torch.empty_like(grad), None if self.accumulation is None else torch.empty_like(grad))
-        new_velocity, new_accumulation = self._previous
-        self._previous = (self.velocity, self.accumulation)
-        self.velocity = torch.add(grad, self.velocity, alpha=self.momentum, out=new_velocity)
-        self._undoable = True
+        new_velocity, new_accumulation = self._next_buffers(grad)
+        self.velocity = torch.add(grad, self._previous[0], alpha=self.momentum, out=new_velocity)
         if self.nesterov:
             step = torch.add(grad, self.velocity, alpha=self.momentum, out=out)
         elif out is _VELOCITY:
@@ -105,6 +97,40 @@ class MomentumCorrection:
         assert self.accumulation is not None and new_accumulation is not None
         self.accumulation = torch.add(self.accumulation, step, out=new_accumulation)
         return self.accumulation if out is None else out.copy_(self.accumulation)
+
+    def _next_buffers(self, like: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The buffers the next ``u`` (and ``v``) are written into; the current ones become the
+        previous, which :meth:`undo_` restores (buffers made on first use, or when the size changes)."""
+        if self.velocity is None or self.velocity.shape != like.shape:
+            self.velocity = torch.zeros_like(like)
+            self.accumulation = torch.zeros_like(like) if self.hold_accumulation else None
+            self._previous = None
+        if self._previous is None:
+            self._previous = (torch.empty_like(like), None if self.accumulation is None else torch.empty_like(like))
+        new = self._previous
+        self._previous = (self.velocity, self.accumulation)
+        self._undoable = True
+        return new
+
+    def velocity_of_pieces(self, like: Tensor, pieces: Sequence[tuple[int, int, Tensor | None]]) -> Tensor:
+        """:meth:`velocity_of` for a gradient given in pieces ``(offset, numel, tensor or None)`` that
+        together cover every element of ``like``'s length (``None``: a zero piece), such as the
+        parameters' ``.grad``: ``u = m u + g`` is written piece by piece, without first gathering
+        ``g`` into one tensor (one pass less)."""
+        if self.nesterov or self.hold_accumulation:
+            raise ValueError("velocity_of_pieces: only without nesterov and hold_accumulation")
+        if sum(numel for _, numel, _ in pieces) != like.numel():
+            raise ValueError(f"velocity_of_pieces: the pieces must cover the {like.numel()} elements of the gradient")
+        new_velocity, _ = self._next_buffers(like)
+        old = self._previous[0]
+        for offset, numel, piece in pieces:
+            end = offset + numel
+            if piece is None:
+                torch.mul(old[offset:end], self.momentum, out=new_velocity[offset:end])
+            else:
+                torch.add(piece.reshape(-1), old[offset:end], alpha=self.momentum, out=new_velocity[offset:end])
+        self.velocity = new_velocity
+        return self.velocity
 
     def velocity_of(self, grad: Tensor) -> Tensor:
         """:meth:`update` for a residual-keeping method, returning ``u`` itself instead of a copy: one

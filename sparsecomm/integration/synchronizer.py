@@ -210,11 +210,15 @@ class SparseSynchronizer(EngineView):
                 engine.set_density(density)
         for group in engine.groups:
             params = [self.params[pid] for pid in group.ids]
-            flat = self._gather(group, params)
             correction = None if warmup or group.dense or self.corrections is None or engine.overflowed \
                 else self.corrections[group.index]  # (after an overflow the bucket makes no call)
-            if correction is not None:
-                flat = correction.velocity_of(flat)  # u itself: the method only reads it
+            if correction is not None:  # u = m u + g straight from the .grad tensors; u itself goes to the
+                # method, which only reads it
+                flat = correction.velocity_of_pieces(group.inbuf(), [
+                    (start, numel, param.grad) for param, start, numel in zip(params, group.offsets, group.numels,
+                                                                            strict=True)])
+            else:
+                flat = self._gather(group, params)
             averaged = engine.reduce(group, flat, warmup=warmup, **({"dense_calls": 1} if warmup else {}))
             if correction is not None:
                 if engine.overflowed:  # the step is dropped: the velocity as before it, never NaN/Inf
