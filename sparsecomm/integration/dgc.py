@@ -84,8 +84,8 @@ class MomentumCorrection:
         :meth:`mask_` then zeroes where sent); with ``out=`` (``grad`` itself allowed) it is written
         into ``out``, so no gradient-sized tensor is allocated (a fresh one costs page faults on every
         step). The velocity update is one pass over ``u`` and ``g``."""
-        new_velocity, new_accumulation = self._next_buffers(grad)
-        self.velocity = torch.add(grad, self._previous[0], alpha=self.momentum, out=new_velocity)
+        new_velocity, new_accumulation, old = self._next_buffers(grad)
+        self.velocity = torch.add(grad, old, alpha=self.momentum, out=new_velocity)
         if self.nesterov:
             step = torch.add(grad, self.velocity, alpha=self.momentum, out=out)
         elif out is _VELOCITY:
@@ -98,19 +98,19 @@ class MomentumCorrection:
         self.accumulation = torch.add(self.accumulation, step, out=new_accumulation)
         return self.accumulation if out is None else out.copy_(self.accumulation)
 
-    def _next_buffers(self, like: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The buffers the next ``u`` (and ``v``) are written into; the current ones become the
-        previous, which :meth:`undo_` restores (buffers made on first use, or when the size changes)."""
+    def _next_buffers(self, like: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+        """The buffers the next ``u`` (and ``v``) are written into, and the current ``u``; the current
+        ones become the previous, which :meth:`undo_` restores (made on first use, or for a new size)."""
         if self.velocity is None or self.velocity.shape != like.shape:
             self.velocity = torch.zeros_like(like)
             self.accumulation = torch.zeros_like(like) if self.hold_accumulation else None
             self._previous = None
         if self._previous is None:
             self._previous = (torch.empty_like(like), None if self.accumulation is None else torch.empty_like(like))
-        new = self._previous
+        new_velocity, new_accumulation = self._previous
         self._previous = (self.velocity, self.accumulation)
         self._undoable = True
-        return new
+        return new_velocity, new_accumulation, self.velocity
 
     def velocity_of_pieces(self, like: Tensor, pieces: Sequence[tuple[int, int, Tensor | None]]) -> Tensor:
         """:meth:`velocity_of` for a gradient given in pieces ``(offset, numel, tensor or None)`` that
@@ -121,8 +121,7 @@ class MomentumCorrection:
             raise ValueError("velocity_of_pieces: only without nesterov and hold_accumulation")
         if sum(numel for _, numel, _ in pieces) != like.numel():
             raise ValueError(f"velocity_of_pieces: the pieces must cover the {like.numel()} elements of the gradient")
-        new_velocity, _ = self._next_buffers(like)
-        old = self._previous[0]
+        new_velocity, _, old = self._next_buffers(like)
         for offset, numel, piece in pieces:
             end = offset + numel
             if piece is None:
