@@ -35,9 +35,6 @@ from ..core.validate import check_fraction
 __all__ = ["MomentumCorrection", "clip_local_gradients", "density_schedule"]
 
 
-_VELOCITY = torch.empty(0)  # update(out=_VELOCITY): return u itself (velocity_of)
-
-
 class MomentumCorrection:
     """DGC momentum correction (Lin et al. 2017, section 3.2) with momentum factor masking.
 
@@ -76,27 +73,21 @@ class MomentumCorrection:
         self._previous: tuple[Tensor, Tensor | None] | None = None  # u, v before the last update
         self._undoable = False
 
-    def update(self, grad: Tensor, *, out: Tensor | None = None) -> Tensor:
+    def update(self, grad: Tensor) -> Tensor:
         """``u = m u + g``; returns what to sparsify next: ``v += u`` (held) or ``u`` (residual-keeping
         method). With ``nesterov``, ``g + m u`` takes the place of ``u`` in the accumulation.
 
-        Without ``out=`` the result is a new tensor the caller owns (``v`` itself when held, which
-        :meth:`mask_` then zeroes where sent); with ``out=`` (``grad`` itself allowed) it is written
-        into ``out``, so no gradient-sized tensor is allocated (a fresh one costs page faults on every
-        step). The velocity update is one pass over ``u`` and ``g``."""
+        The result is a new tensor the caller owns (``v`` itself when held, which :meth:`mask_` then
+        zeroes where sent). The velocity update is one pass over ``u`` and ``g``; :meth:`velocity_of`
+        and :meth:`velocity_of_pieces` skip the copy of ``u``."""
         new_velocity, new_accumulation, old = self._next_buffers(grad)
         self.velocity = torch.add(grad, old, alpha=self.momentum, out=new_velocity)
-        if self.nesterov:
-            step = torch.add(grad, self.velocity, alpha=self.momentum, out=out)
-        elif out is _VELOCITY:
-            step = self.velocity
-        else:
-            step = self.velocity.clone() if out is None else out.copy_(self.velocity)
+        step = torch.add(grad, self.velocity, alpha=self.momentum) if self.nesterov else self.velocity
         if not self.hold_accumulation:
-            return step
+            return step if self.nesterov else step.clone()
         assert self.accumulation is not None and new_accumulation is not None
         self.accumulation = torch.add(self.accumulation, step, out=new_accumulation)
-        return self.accumulation if out is None else out.copy_(self.accumulation)
+        return self.accumulation
 
     def _next_buffers(self, like: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """The buffers the next ``u`` (and ``v``) are written into, and the current ``u``; the current
@@ -113,12 +104,13 @@ class MomentumCorrection:
         return new_velocity, new_accumulation, self.velocity
 
     def velocity_of_pieces(self, like: Tensor, pieces: Sequence[tuple[int, int, Tensor | None]]) -> Tensor:
-        """:meth:`velocity_of` for a gradient given in pieces ``(offset, numel, tensor or None)`` that
-        together cover every element of ``like``'s length (``None``: a zero piece), such as the
-        parameters' ``.grad``: ``u = m u + g`` is written piece by piece, without first gathering
-        ``g`` into one tensor (one pass less)."""
+        """:meth:`velocity_of` for a 1-D gradient given in pieces ``(offset, numel, tensor or None)``
+        that together cover every element of ``like`` (a tensor of the gradient's length, dtype and
+        device; ``None``: a zero piece), such as the parameters' ``.grad``: ``u = m u + g`` is written
+        piece by piece, without first gathering ``g`` into one tensor (one pass less)
+        (:class:`~sparsecomm.integration.synchronizer.SparseSynchronizer` passes ``u`` to the method)."""
         if self.nesterov or self.hold_accumulation:
-            raise ValueError("velocity_of_pieces: only without nesterov and hold_accumulation")
+            raise ValueError("velocity_of: only without nesterov and hold_accumulation (the step is then u itself)")
         if sum(numel for _, numel, _ in pieces) != like.numel():
             raise ValueError(f"velocity_of_pieces: the pieces must cover the {like.numel()} elements of the gradient")
         new_velocity, _, old = self._next_buffers(like)
@@ -132,13 +124,11 @@ class MomentumCorrection:
         return self.velocity
 
     def velocity_of(self, grad: Tensor) -> Tensor:
-        """:meth:`update` for a residual-keeping method, returning ``u`` itself instead of a copy: one
-        pass, nothing allocated. ``u`` is this object's state: only read it (a method's input is read
-        only), and only until the next :meth:`update`, :meth:`velocity_of` or :meth:`mask_`
-        (:class:`~sparsecomm.integration.synchronizer.SparseSynchronizer` passes it to the method)."""
-        if self.nesterov or self.hold_accumulation:
-            raise ValueError("velocity_of: only without nesterov and hold_accumulation (the step is then u itself)")
-        return self.update(grad, out=_VELOCITY)
+        """:meth:`update` for a residual-keeping method and a 1-D ``grad``, returning ``u`` itself instead
+        of a copy: one pass, nothing allocated. ``u`` is this object's state: only read it (a method's
+        input is read only), and only until the next :meth:`update`, :meth:`velocity_of` or
+        :meth:`mask_`."""
+        return self.velocity_of_pieces(grad, [(0, grad.numel(), grad)])
 
     def undo_(self) -> None:
         """Take back the last :meth:`update` (its step was dropped): ``u`` and ``v`` as before it."""

@@ -212,11 +212,12 @@ class SparseSynchronizer(EngineView):
             params = [self.params[pid] for pid in group.ids]
             correction = None if warmup or group.dense or self.corrections is None or engine.overflowed \
                 else self.corrections[group.index]  # (after an overflow the bucket makes no call)
-            if correction is not None:  # u = m u + g straight from the .grad tensors; u itself goes to the
-                # method, which only reads it
-                flat = correction.velocity_of_pieces(group.inbuf(), [
-                    (start, numel, param.grad) for param, start, numel in zip(params, group.offsets, group.numels,
-                                                                            strict=True)])
+            if correction is not None:
+                # u = m u + g straight from the .grad tensors (the output tensor only gives the size, so
+                # no input buffer is made); u itself goes to the method, which only reads it
+                pieces = [(start, numel, param.grad)
+                          for param, start, numel in zip(params, group.offsets, group.numels, strict=True)]
+                flat = correction.velocity_of_pieces(group.outbuf(), pieces)
             else:
                 flat = self._gather(group, params)
             averaged = engine.reduce(group, flat, warmup=warmup, **({"dense_calls": 1} if warmup else {}))
