@@ -41,6 +41,39 @@ def test_exchange_many_mixed_dtypes_and_empty_payloads():
         assert got == [list(range(src)), [src / 2] * src] and dtypes == [torch.int32, torch.float16]
 
 
+def _eager(limit):
+    import sparsecomm.transport.comm as comm_module
+    comm_module.EAGER_LIMIT_BYTES = limit
+    comm = Communicator()
+    r, P = comm.rank, comm.size
+    posts = []
+    real_post = comm._post
+    comm._post = lambda *a, **kw: (posts.append(1), real_post(*a, **kw))[1]
+    # rank r sends 16 + 120 r bytes: with a 128-byte limit only rank 0 sends one message, the others two
+    idx = torch.arange(10 * r, dtype=torch.int64)
+    val = torch.full((10 * r,), float(r))
+    with comm.meter.phase("ex"):
+        got = comm.exchange_many((r + 1) % P, [idx, val], (r - 1) % P, count=2)
+    return [g.tolist() for g in got], len(posts), comm.meter.phases()["ex"].as_dict()
+
+
+@pytest.mark.parametrize("limit", [128, 4 << 20])
+def test_exchange_sends_the_header_inside_a_small_message(limit):
+    """gloo takes a message shorter than the receive buffer: the header rides in front of the payload
+    (one message) up to the eager limit, and a larger payload follows its header as before. Each side
+    decides alone, and the meter books the same bytes either way."""
+    P = 4
+    for r, (got, posts, t) in enumerate(run_workers(P, _eager, limit)):
+        src = (r - 1) % P
+        assert got == [list(range(10 * src)), [float(src)] * (10 * src)]
+        sent_fits = 16 + 120 * r <= limit
+        got_fits = 16 + 120 * src <= limit
+        assert posts == (1 if sent_fits and got_fits else 2)
+        assert t["header_bytes_sent"] == 16 and t["header_bytes_recv"] == 16
+        assert t["bytes_sent"] == 120 * r and t["bytes_recv"] == 120 * src
+        assert t["messages_sent"] == (1 if r else 0) and t["rounds"] == 1
+
+
 def _split(mode):
     comm = Communicator()
     team, cross = comm.split(2, mode)

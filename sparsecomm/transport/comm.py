@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 
 _HEADER_DTYPE = torch.int64
 
+#: Backends whose receive accepts a message shorter than the posted buffer (gloo checks only that the
+#: message fits; MPI_Recv takes at most its count). NCCL needs equal counts on both sides.
+_SHORT_RECEIVE_BACKENDS = ("gloo", "mpi")
+
+#: An :meth:`Communicator.exchange_many` message of at most this many bytes (header included) travels
+#: with its size header in one message on those backends; a larger one sends the header first.
+EAGER_LIMIT_BYTES = 4 << 20
+
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.contiguous().reshape(-1)
@@ -33,6 +41,19 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _split_payload(payload: torch.Tensor, sizes: Sequence[int], dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """The tensors packed back to back in a received ``uint8`` payload, as views where aligned."""
+    out: list[torch.Tensor] = []
+    offset = 0
+    for nbytes, dt in zip(sizes, dtypes, strict=False):
+        piece = payload[offset:offset + nbytes]
+        if offset % dt.itemsize:  # a dtype view needs an aligned start: copy the rare misaligned part
+            piece = piece.clone()
+        out.append(piece.view(dt))
+        offset += nbytes
+    return out
 
 
 class Communicator:
@@ -70,7 +91,10 @@ class Communicator:
         self._my_node = node_of(me, self.node_size)
         # gloo reads and writes host memory only (a CUDA tensor aborts it): stage CUDA tensors through
         # host copies there; NCCL and other backends take device tensors as they are
-        self._host_staging = dist.get_backend(group) == "gloo"
+        backend = dist.get_backend(group)
+        self._host_staging = backend == "gloo"
+        # one message per round for payloads of unknown size: the header rides in front of the payload
+        self._eager_headers = backend in _SHORT_RECEIVE_BACKENDS
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, ranks={self._ranks})"
@@ -89,8 +113,9 @@ class Communicator:
 
     # ------------------------------------------------------------------ point to point
     def _post(self, send: torch.Tensor | None, dst: int | None,
-              recv: torch.Tensor | None, src: int | None, header: bool) -> None:
-        """Send and receive concurrently; book the bytes; wait for both."""
+              recv: torch.Tensor | None, src: int | None, header: bool, book: bool = True) -> None:
+        """Send and receive concurrently; book the bytes (unless ``book=False``: the caller books what
+        the messages held); wait for both."""
         works = []
         landing = None  # (device tensor, host copy) of a staged receive
         if recv is not None and recv.numel() > 0:
@@ -101,12 +126,14 @@ class Communicator:
                 landing = (recv, target)
             works.append(dist.irecv(_as_bytes(target) if target.dtype != torch.uint8 else target,
                                     src=self.global_rank(src), group=self.group))
-            self.meter.record_recv(_nbytes(recv), header=header, inter_node=self.is_inter_node(src))
+            if book:
+                self.meter.record_recv(_nbytes(recv), header=header, inter_node=self.is_inter_node(src))
         if send is not None and send.numel() > 0:
             assert dst is not None, "a send needs its destination rank"
             payload = send.cpu() if self._host_staging and send.is_cuda else send
             works.append(dist.isend(_as_bytes(payload), dst=self.global_rank(dst), group=self.group))
-            self.meter.record_send(_nbytes(send), header=header, inter_node=self.is_inter_node(dst))
+            if book:
+                self.meter.record_send(_nbytes(send), header=header, inter_node=self.is_inter_node(dst))
         for work in works:
             if work is not None:  # None only for a rank outside the group, which never gets here
                 work.wait()
@@ -133,8 +160,8 @@ class Communicator:
         """One round for payloads whose size the receiver does not know.
 
         Sends ``tensor`` (1-D) to local rank ``dst`` and returns the 1-D tensor that ``src`` sent
-        (same dtype as ``tensor`` unless ``dtype`` is given). A size header (one int64) travels first;
-        it is booked as header bytes. ``dst=None`` receives only (``dtype`` then required);
+        (same dtype as ``tensor`` unless ``dtype`` is given). A size header (one int64) travels with
+        it (see :meth:`exchange_many`); it is booked as header bytes. ``dst=None`` receives only (``dtype`` then required);
         ``src=None`` sends only and returns ``None``.
         """
         if src is not None and dtype is None:
@@ -153,7 +180,9 @@ class Communicator:
 
         The header carries the element count of each tensor, so the receiver, who must know how many
         tensors (``count``) and their dtypes (default: those of ``tensors``), can split the payload.
-        Used for packed sparse messages (indices + values) of unknown length.
+        Used for packed sparse messages (indices + values) of unknown length. On gloo and MPI the
+        header travels in front of the payload, in the same message (:meth:`_exchange_eager`); on
+        NCCL, whose receives need the exact size, it travels first, as a message of its own.
 
         ``recv_numels``: the element counts of the ``count`` incoming tensors, when the receiver knows
         them (e.g. every rank sends exactly k entries, a length the ranks agreed on). Then no header
@@ -169,6 +198,8 @@ class Communicator:
         if dst == self.rank and src == self.rank:
             return [t.clone() for t in tensors]
         self.meter.record_round()
+        if recv_numels is None and self._eager_headers:
+            return self._exchange_eager(dst, tensors, src, count, dtypes, device)
         if recv_numels is None:
             send_header = recv_header = None
             if dst is not None:
@@ -189,17 +220,66 @@ class Communicator:
         sizes = [int(m) * d.itemsize for m, d in zip(numels, dtypes, strict=False)]
         recv_payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device) if src is not None else None
         self._post(send_payload, dst, recv_payload, src, header=False)
+        return _split_payload(recv_payload, sizes, dtypes) if src is not None else []
 
-        out: list[torch.Tensor] = []
-        offset = 0
-        for nbytes, dt in zip(sizes, dtypes, strict=False):
-            piece = recv_payload[offset:offset + nbytes]  # type: ignore[index]
-            itemsize = dt.itemsize
-            if offset % itemsize:  # a dtype view needs an aligned start: copy the rare misaligned part
-                piece = piece.clone()
-            out.append(piece.view(dt))
-            offset += nbytes
-        return out
+    def _exchange_eager(self, dst: int | None, tensors: Sequence[torch.Tensor], src: int | None,
+                        count: int, dtypes: Sequence[torch.dtype], device) -> list[torch.Tensor]:
+        """:meth:`exchange_many` without a separate header message (gloo, MPI).
+
+        Eager protocol: a message of at most :data:`EAGER_LIMIT_BYTES`, header included, travels as
+        one message ``[header | payload]``; the receiver posts a buffer of that limit, reads the sizes
+        from the header, and finds the payload behind it. A larger message sends the header alone
+        first, then the payload, as before. Sender and receiver each decide from the sizes alone, so
+        they agree without asking. The meter books the same header and payload bytes as the two-message
+        protocol, and one message."""
+        header_bytes = count * _HEADER_DTYPE.itemsize
+        buffer_device = torch.device("cpu") if self._host_staging else torch.device(device)
+        send_first = send_rest = None
+        if dst is not None:
+            header = torch.tensor([t.numel() for t in tensors], dtype=_HEADER_DTYPE)
+            payload_bytes = sum(_nbytes(t) for t in tensors)
+            pieces = [_as_bytes(t.cpu() if t.device != buffer_device else t) for t in tensors]
+            if header.numel() * _HEADER_DTYPE.itemsize + payload_bytes <= EAGER_LIMIT_BYTES:
+                send_first = torch.cat([header.view(torch.uint8), *pieces])
+            else:
+                send_first = header.view(torch.uint8)
+                send_rest = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+            inter = self.is_inter_node(dst)
+            self.meter.record_send(header.numel() * _HEADER_DTYPE.itemsize, header=True, inter_node=inter)
+            if payload_bytes:
+                self.meter.record_send(payload_bytes, inter_node=inter)
+        receiving = src is not None and count > 0
+        landing = torch.empty(EAGER_LIMIT_BYTES, dtype=torch.uint8, device=buffer_device) \
+            if receiving else None
+        self._post(send_first, dst, landing, src, header=False, book=False)
+
+        sizes: list[int] = []
+        payload = None
+        if receiving:
+            assert landing is not None
+            numels = landing[:header_bytes].view(_HEADER_DTYPE).tolist()
+            sizes = [int(m) * d.itemsize for m, d in zip(numels, dtypes, strict=False)]
+            total = sum(sizes)
+            if header_bytes + total <= EAGER_LIMIT_BYTES:
+                payload = landing[header_bytes:header_bytes + total]
+                landing = None  # arrived with the header
+            else:
+                landing = torch.empty(total, dtype=torch.uint8, device=buffer_device)
+                payload = landing
+            inter = self.is_inter_node(src)
+            self.meter.record_recv(header_bytes, header=True, inter_node=inter)
+            if total:
+                self.meter.record_recv(total, inter_node=inter)
+        if send_rest is not None or landing is not None:
+            self._post(send_rest, dst if send_rest is not None else None,
+                       landing, src if landing is not None else None, header=False, book=False)
+        if src is None:
+            return []
+        if payload is None:  # nothing to receive: count == 0
+            return []
+        if torch.device(device) != buffer_device:
+            payload = payload.to(device)
+        return _split_payload(payload, sizes, dtypes)
 
     # ------------------------------------------------------------------ groups
     def split(self, teams: int, mode: str = "consecutive") -> tuple[Communicator, Communicator]:

@@ -8,8 +8,9 @@ Vocabulary
 payload bytes
     The bytes of the tensors a method asked to move.
 header bytes
-    The small int64 size headers that :meth:`Communicator.exchange` sends first because the receiver
-    does not know the payload size. Booked apart so payloads compare exactly with cost formulas.
+    The small int64 size headers that :meth:`Communicator.exchange` sends with (gloo, MPI) or before
+    (NCCL) a payload whose size the receiver does not know. Booked apart so payloads compare exactly
+    with cost formulas; a header is never counted as a message of its own.
 inter-node bytes
     The payload bytes whose other end is a rank on another node (the node map is the environment's,
     ``LOCAL_WORLD_SIZE``, see :mod:`~sparsecomm.transport.nodemap`): what crosses the node's NIC.
