@@ -43,8 +43,11 @@ def test_exchange_many_mixed_dtypes_and_empty_payloads():
 
 def _eager(limit):
     import sparsecomm.transport.comm as comm_module
-    comm_module.EAGER_LIMIT_BYTES = limit
     comm = Communicator()
+    if limit is None:
+        comm._eager_headers = False  # the NCCL protocol: every header a message of its own
+    else:
+        comm_module.EAGER_LIMIT_BYTES = limit
     r, P = comm.rank, comm.size
     posts = []
     real_post = comm._post
@@ -57,17 +60,18 @@ def _eager(limit):
     return [g.tolist() for g in got], len(posts), comm.meter.phases()["ex"].as_dict()
 
 
-@pytest.mark.parametrize("limit", [128, 4 << 20])
+@pytest.mark.parametrize("limit", [128, 4 << 20, None])
 def test_exchange_sends_the_header_inside_a_small_message(limit):
     """gloo takes a message shorter than the receive buffer: the header rides in front of the payload
     (one message) up to the eager limit, and a larger payload follows its header as before. Each side
-    decides alone, and the meter books the same bytes either way."""
+    decides alone, and the meter books the same bytes either way, and as without the eager protocol
+    (``limit=None``: NCCL's way, header and payload always apart)."""
     P = 4
     for r, (got, posts, t) in enumerate(run_workers(P, _eager, limit)):
         src = (r - 1) % P
         assert got == [list(range(10 * src)), [float(src)] * (10 * src)]
-        sent_fits = 16 + 120 * r <= limit
-        got_fits = 16 + 120 * src <= limit
+        sent_fits = limit is not None and 16 + 120 * r <= limit
+        got_fits = limit is not None and 16 + 120 * src <= limit
         assert posts == (1 if sent_fits and got_fits else 2)
         assert t["header_bytes_sent"] == 16 and t["header_bytes_recv"] == 16
         assert t["bytes_sent"] == 120 * r and t["bytes_recv"] == 120 * src

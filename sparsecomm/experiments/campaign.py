@@ -82,12 +82,14 @@ class Workload:
 
 
 #: the communication-heavy workloads (models.WideVGG and models.WordLSTM, 11-12M parameters each)
-#: (3 epochs each: the campaign's budget; the demo cuts it to one)
+#: (3 epochs each: the campaign's budget; the demo cuts it to one). 12 evaluations per epoch, as in
+#: the demo: the time to the target is resolved to 5 steps (at 6 per epoch, a method crossing the
+#: target at step 31 was booked at step 40); an evaluation's time is not training time.
 WORKLOADS: dict[str, Workload] = {
     "fashion": Workload("fashion", "vgg-fc", "fashion-mnist", "accuracy", target=72.0, max_epochs=3,
-                        evals_per_epoch=6, data_options={"train_size": 4096, "test_size": 1000}),
+                        evals_per_epoch=12, data_options={"train_size": 4096, "test_size": 1000}),
     "lstm": Workload("lstm", "word-lstm", "fortunes-words", "perplexity", target=750.0, max_epochs=3,
-                     evals_per_epoch=6, data_options={"train_size": 1920, "test_size": 200}),
+                     evals_per_epoch=12, data_options={"train_size": 1920, "test_size": 200}),
 }
 
 #: the campaign's seeds: its headline figures are the median over them, with the least and the most

@@ -6,10 +6,11 @@ final Bruck stage and its B-SAG) uses these functions and replays their traffic 
 
 A *message* is a tuple of 1-D tensors (``parts``), the same number and dtypes on every rank, any
 lengths: one :class:`~.chunk.SparseChunk` ``(indices, values)``, or a packed message such as
-RedSync's ``(counts, indices, values)``. Each step moves ONE packed payload per rank, preceded by a
-size header of one int64 per tensor (booked as header bytes by the meter), unless every rank knows
-every message's lengths in advance (``numels=``: a method whose ranks all send exactly k entries), when
-the step is the payload alone.
+RedSync's ``(counts, indices, values)``. Each step moves ONE packed payload per rank with a size
+header of one int64 per tensor (booked as header bytes by the meter; on gloo and MPI it travels in
+front of the payload, in the same message, on NCCL as a message of its own: see
+:meth:`~.comm.Communicator.exchange_many`), unless every rank knows every message's lengths in advance
+(``numels=``: a method whose ranks all send exactly k entries), when the step is the payload alone.
 
 * :func:`recursive_doubling_allgatherv`: P a power of two; step mask = 1, 2, ..., P/2 exchanges
   everything held with rank ``r ^ mask`` (RedSync, equation (1)).
@@ -97,9 +98,9 @@ def allgatherv(comm: Communicator, parts: Message, numels: Numels | None = None)
 
     ``numels``: when every rank knows every message's lengths in advance, ``numels[q]`` = the length
     of each part of rank q's message (the same on every rank; rank r's own entry must match
-    ``parts``). Then no size header travels and each round is one message instead of two (a header,
-    then the payload): on gloo, where a message costs about a millisecond, that is most of a small
-    call's time. Without it, the sizes travel as headers."""
+    ``parts``). Then no size header travels: each round is the payload alone, received straight into
+    buffers of the known sizes (on NCCL one message instead of two). Without it, the sizes travel as
+    headers."""
     if numels is not None:
         if len(numels) != comm.size:
             raise ValueError(f"allgatherv: numels has {len(numels)} entries, need one per rank (P={comm.size})")
