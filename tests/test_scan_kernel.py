@@ -1,6 +1,6 @@
 """The scan under every selector (sparsecomm.selection.scan): the C kernel against a torch reference.
 
-Each implementation (AVX2, portable C, torch) must give the same candidates ``|x| >= floor`` (indices
+Each implementation (AVX-512, AVX2, portable C, torch) must give the same candidates ``|x| >= floor`` (indices
 in increasing order and their magnitudes), the same ``max |x|``, and ``sum |x|`` up to rounding, for
 any length, any thread count and any output capacity (overflow is reported, then scanned again).
 """
@@ -84,12 +84,11 @@ def test_raw_kernel_counts_beyond_its_capacity(kernel, n):
     floor = 1.0
     ref_idx, ref_val, ref_total, ref_max = reference(x, floor)
     cap = ref_idx.numel() // 2  # too small: the count stays exact, the first cap candidates are written
-    idx, val = torch.empty(cap, dtype=torch.int64), torch.empty(cap)
-    count, total, top = _scan.scan_ge(x.data_ptr(), n, floor, idx.data_ptr(), val.data_ptr(), cap,
-                                      kernel == "avx2")
+    idx, val = torch.empty(cap, dtype=torch.int32), torch.empty(cap)
+    count, total, top = _scan.scan_ge(x.data_ptr(), n, floor, idx.data_ptr(), val.data_ptr(), cap, kernel)
     assert count == ref_idx.numel() and top == ref_max
     assert total == pytest.approx(ref_total, rel=1e-6)
-    assert torch.equal(idx, ref_idx[:cap]) and torch.equal(val, ref_val[:cap])
+    assert torch.equal(idx.long(), ref_idx[:cap]) and torch.equal(val, ref_val[:cap])
 
 
 @needs_compiled
@@ -98,9 +97,13 @@ def test_raw_kernel_refuses_bad_sizes():
 
     x = torch.zeros(10)
     with pytest.raises(ValueError, match="n=-1"):
-        _scan.scan_ge(x.data_ptr(), -1, 0.0, 0, 0, 0, False)
+        _scan.scan_ge(x.data_ptr(), -1, 0.0, 0, 0, 0, "scalar")
+    with pytest.raises(ValueError, match="n=2147483648"):
+        _scan.scan_ge(x.data_ptr(), 1 << 31, 0.0, 0, 0, 0, "scalar")
     with pytest.raises(ValueError, match="cap=-2"):
-        _scan.scan_ge(x.data_ptr(), 10, 0.0, 0, 0, -2, False)
+        _scan.scan_ge(x.data_ptr(), 10, 0.0, 0, 0, -2, "scalar")
+    with pytest.raises(ValueError, match="'sse'"):
+        _scan.scan_ge(x.data_ptr(), 10, 0.0, 0, 0, 0, "sse")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -155,8 +158,8 @@ def test_every_kernel_makes_the_same_selection(name):
 def test_use_kernel_rejects_unknown_and_unavailable_names():
     with pytest.raises(ValueError, match="'fastest'"), scan.use_kernel("fastest"):
         pass
-    if "avx2" not in KERNELS:
-        with pytest.raises(ValueError, match="not available"), scan.use_kernel("avx2"):
+    for missing in {"avx512", "avx2"} - set(KERNELS):
+        with pytest.raises(ValueError, match="not available"), scan.use_kernel(missing):
             pass
     before = scan.kernel()
     with scan.use_kernel("torch") as chosen:

@@ -1,45 +1,78 @@
-/* Fused magnitude scan for the selectors: one read pass over a float32 vector x that returns
+/* The selectors' C kernels (see scan.py): the fused magnitude scan and the exact top-k of its candidates.
+ *
+ * scan_ge: one read pass over a float32 vector x (n < 2^31) that returns
  *
  *   - sum |x_i| (accumulated in double lanes, which float32 input cannot overflow: NaN or Inf in x,
  *     and only they, make it non-finite),
  *   - max |x_i|,
- *   - every (i, |x_i|) with |x_i| >= floor, in increasing i (the "candidates").
+ *   - every (i, |x_i|) with |x_i| >= floor, in increasing i (the "candidates"; i as int32, which the
+ *     caller widens when it copies them out of its reused buffer).
  *
  * This is what every selector of sparsecomm.selectors needs from the full vector: RedSync's mean and
  * max (Algorithms 2 and 3), MSTopK's (Shi et al. Algorithm 1), the finiteness check, and the elements
  * above a sampled floor on which the threshold searches then run. In torch it takes three to four
- * passes (abs into a buffer, sum, compare into a mask, compaction); here it is one read of x: about
- * 9 ms for 25M floats on the development machine, against about 20 ms for torch's abs + compare on
- * two threads. See docs/selectors.md.
+ * passes (abs into a buffer, sum, compare into a mask, compaction); here it is one read of x. See
+ * docs/selectors.md.
  *
- * With an addend (the gradient), the same pass first adds it into x and writes x back: the residual
- * update acc = residual + grad of error feedback and the selection's scan in one read of each vector.
+ * With an addend (the gradient), the same pass first adds it into x and writes the sum to dest (x
+ * itself unless the caller gives another vector): the residual update acc = residual + grad of error
+ * feedback and the selection's scan in one read of each vector. A separate dest is written with
+ * non-temporal stores where it is aligned to the vector width: a 100 MB sum does not stay in cache
+ * anyway, and so its lines are not read before being overwritten.
  *
- * Two variants with identical results (the sum differs only by rounding): AVX2 (x86-64, chosen at run
- * time when the CPU has it) and portable scalar C. The scan runs on the calling thread: a second
- * thread was measured to gain nothing when the scan follows a torch operation (as it does in
- * training), because torch's idle OpenMP workers spin on the other cores. The GIL is released during
- * the scan. The Python side (scan.py) validates every pointer and size.
+ * The candidates are written without a data-dependent branch: each block of lanes is compared with
+ * the floor into a bit mask, the lanes whose bit is set are packed to the front of a register (the
+ * magnitudes, and in another the lanes' indices), the whole registers are stored at the current end
+ * of the output, and the end advances by the mask's popcount. (A branch on "any hit in the block"
+ * costs more: at the usual 1% of candidates a 16-lane block holds one about every sixth time, which
+ * the branch predictor cannot foresee.)
+ * The output therefore needs a block's worth of room beyond the last candidate; near the end of the
+ * buffer (and beyond it, where candidates are only counted) the lanes are taken one by one. Three
+ * variants with identical candidates and max (the sum differs only by rounding):
+ *
+ *   - AVX-512 (AVX512F, chosen at run time when the CPU and OS have it): 16 lanes, packed by
+ *     vcompressps/vpcompressd into a register, then stored (on AMD Zen 4 the compress with a memory
+ *     destination is microcoded and several times slower);
+ *   - AVX2: two halves of 8 lanes, each packed by vpermps with a permutation looked up in a
+ *     256-entry table indexed by the half's mask;
+ *   - portable scalar C: every lane is written, and the end advances by its comparison (0 or 1).
+ *
+ * select_largest: the indices of the k largest of the candidates, still in increasing index order, by
+ * a radix select on the magnitudes' bit patterns (for floats >= 0, and only those, the uint32 bit
+ * patterns order as the floats do): a 65536-bin histogram of the top 16 bits over all candidates,
+ * then one of the low 16 bits of those in the bin that holds the k-th largest; this gives the k-th
+ * largest value exactly, and how many of the values equal to it belong to the k largest. One
+ * compaction pass then keeps the values above it and the first such ties in index order (packed as
+ * above, by vpcompressq or a vpermd table; blocks holding a tie lane by lane): torch.topk's k-th value
+ * and the tie rule of scan.py's largest_in_order, without sorting. NaN or a negative value makes it
+ * decline (the caller then uses torch).
+ *
+ * Both run on the calling thread with the GIL released: a second thread was measured to gain nothing
+ * when the scan follows a torch operation (as it does in training), because torch's idle OpenMP
+ * workers spin on the other cores. The Python side (scan.py) validates every pointer and size.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
-#define SCAN_HAVE_AVX2 1
+#define SCAN_HAVE_X86_VARIANTS 1
 #else
-#define SCAN_HAVE_AVX2 0
+#define SCAN_HAVE_X86_VARIANTS 0
 #endif
 
 typedef struct {
-    float *x;
-    const float *add; /* NULL, or the addend: x += add is written back during the scan */
+    const float *x;
+    const float *add; /* NULL, or the addend: dest = x + add is written during the scan */
+    float *dest;      /* where x + add goes (x itself, or a separate vector); unused without add */
     int64_t n;
     float floor;
-    int64_t *idx;  /* the output: room for cap candidates */
+    int32_t *idx; /* the output: room for cap candidates (n < 2^31) */
     float *val;
     int64_t cap;
     int64_t count; /* results: candidates found (may exceed cap), sum and max of |x| */
@@ -47,42 +80,61 @@ typedef struct {
     float max;
 } scan_t;
 
+/* One candidate, taken lane by lane: written while it fits, counted always. */
 static inline void emit(scan_t *c, int64_t *count, int64_t i, float a) {
     if (*count < c->cap) {
-        c->idx[*count] = i;
+        c->idx[*count] = (int32_t)i;
         c->val[*count] = a;
     }
     (*count)++;
 }
 
+/* The elements [i, n) after a vector variant's blocks, one by one (sum and max continue *sum, *max). */
+static void scan_tail(scan_t *c, int64_t i, int64_t *count, double *sum, float *max) {
+    for (; i < c->n; i++) {
+        float v = c->x[i];
+        if (c->add) {
+            v += c->add[i];
+            c->dest[i] = v;
+        }
+        float a = fabsf(v);
+        *sum += a;
+        *max = *max > a ? *max : a;
+        if (a >= c->floor) emit(c, count, i, a);
+    }
+}
+
 static void scan_scalar(scan_t *c) {
-    float *x = c->x;
+    const float *x = c->x;
     const float *add = c->add;
+    float *dest = c->dest;
     const float floor = c->floor;
     int64_t count = 0;
     double s[8] = {0};
     float m[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= c->n; i += 8) {
-        int hit = 0;
-        if (add)
-            for (int l = 0; l < 8; l++) x[i + l] += add[i + l];
+        float a[8];
         for (int l = 0; l < 8; l++) {
-            float a = fabsf(x[i + l]);
-            s[l] += a;
-            m[l] = m[l] > a ? m[l] : a;
-            hit |= a >= floor;
+            float v = x[i + l];
+            if (add) {
+                v += add[i + l];
+                dest[i + l] = v;
+            }
+            a[l] = fabsf(v);
+            s[l] += a[l];
+            m[l] = m[l] > a[l] ? m[l] : a[l];
         }
-        if (hit)
+        if (count + 8 <= c->cap) {
+            for (int l = 0; l < 8; l++) {
+                c->idx[count] = (int32_t)(i + l);
+                c->val[count] = a[l];
+                count += a[l] >= floor;
+            }
+        } else {
             for (int l = 0; l < 8; l++)
-                if (fabsf(x[i + l]) >= floor) emit(c, &count, i + l, fabsf(x[i + l]));
-    }
-    for (; i < c->n; i++) {
-        if (add) x[i] += add[i];
-        float a = fabsf(x[i]);
-        s[0] += a;
-        m[0] = m[0] > a ? m[0] : a;
-        if (a >= floor) emit(c, &count, i, a);
+                if (a[l] >= floor) emit(c, &count, i + l, a[l]);
+        }
     }
     double sum = 0.0;
     float max = 0.0f;
@@ -90,12 +142,25 @@ static void scan_scalar(scan_t *c) {
         sum += s[l];
         max = max > m[l] ? max : m[l];
     }
+    scan_tail(c, i, &count, &sum, &max);
     c->count = count;
     c->sum = sum;
     c->max = max;
 }
 
-#if SCAN_HAVE_AVX2
+#if SCAN_HAVE_X86_VARIANTS
+/* AVX2_PACK[m]: the lanes whose bit is set in the 8-bit mask m, in increasing order, then zeros. */
+static int32_t AVX2_PACK[256][8] __attribute__((aligned(32)));
+
+static void init_avx2_pack(void) {
+    for (int m = 0; m < 256; m++) {
+        int j = 0;
+        for (int l = 0; l < 8; l++)
+            if (m >> l & 1) AVX2_PACK[m][j++] = l;
+        for (; j < 8; j++) AVX2_PACK[m][j] = 0;
+    }
+}
+
 __attribute__((target("avx2"))) static inline __m256d widen_low(__m256 a) {
     return _mm256_cvtps_pd(_mm256_castps256_ps128(a));
 }
@@ -104,23 +169,40 @@ __attribute__((target("avx2"))) static inline __m256d widen_high(__m256 a) {
     return _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
 }
 
-__attribute__((target("avx2"))) static void scan_avx2(scan_t *c) {
-    float *x = c->x;
+/* Writes the lanes of a (magnitudes of the elements first..first+7) set in mask at idx/val + count:
+ * all 8 stored, count advanced by the set ones. */
+__attribute__((target("avx2,popcnt"))) static inline int64_t pack_avx2(__m256 a, unsigned mask, int64_t first,
+                                                                      int32_t *idx, float *val, int64_t count) {
+    __m256i lanes = _mm256_load_si256((const __m256i *)AVX2_PACK[mask]);
+    _mm256_storeu_ps(val + count, _mm256_permutevar8x32_ps(a, lanes));
+    _mm256_storeu_si256((__m256i *)(idx + count), _mm256_add_epi32(_mm256_set1_epi32((int32_t)first), lanes));
+    return count + __builtin_popcount(mask);
+}
+
+__attribute__((target("avx2,popcnt"))) static void scan_avx2(scan_t *c) {
+    const float *x = c->x;
     const float *add = c->add;
+    float *dest = c->dest;
     const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 floor = _mm256_set1_ps(c->floor);
     int64_t count = 0;
     __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
     __m256d sum2 = _mm256_setzero_pd(), sum3 = _mm256_setzero_pd();
     __m256 max0 = _mm256_setzero_ps(), max1 = _mm256_setzero_ps();
+    const int stream = dest != x && (uintptr_t)dest % 32 == 0;
     int64_t i = 0;
     for (; i + 16 <= c->n; i += 16) {
         __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
         if (add) {
             v0 = _mm256_add_ps(v0, _mm256_loadu_ps(add + i));
             v1 = _mm256_add_ps(v1, _mm256_loadu_ps(add + i + 8));
-            _mm256_storeu_ps(x + i, v0);
-            _mm256_storeu_ps(x + i + 8, v1);
+            if (stream) {
+                _mm256_stream_ps(dest + i, v0);
+                _mm256_stream_ps(dest + i + 8, v1);
+            } else {
+                _mm256_storeu_ps(dest + i, v0);
+                _mm256_storeu_ps(dest + i + 8, v1);
+            }
         }
         __m256 a0 = _mm256_and_ps(v0, magnitude_bits);
         __m256 a1 = _mm256_and_ps(v1, magnitude_bits);
@@ -130,18 +212,24 @@ __attribute__((target("avx2"))) static void scan_avx2(scan_t *c) {
         sum3 = _mm256_add_pd(sum3, widen_high(a1));
         max0 = _mm256_max_ps(max0, a0);
         max1 = _mm256_max_ps(max1, a1);
-        unsigned hits = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a0, floor, _CMP_GE_OQ)) |
-                        ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a1, floor, _CMP_GE_OQ)) << 8);
-        if (count >= c->cap) { /* nothing more to write (a count-only scan has cap 0): just count */
-            count += __builtin_popcount(hits);
-            continue;
-        }
-        while (hits) {
-            int l = __builtin_ctz(hits);
-            hits &= hits - 1;
-            emit(c, &count, i + l, fabsf(x[i + l]));
+        unsigned hits0 = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a0, floor, _CMP_GE_OQ));
+        unsigned hits1 = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a1, floor, _CMP_GE_OQ));
+        if (count + 16 <= c->cap) {
+            count = pack_avx2(a0, hits0, i, c->idx, c->val, count);
+            count = pack_avx2(a1, hits1, i + 8, c->idx, c->val, count);
+        } else if (count >= c->cap) { /* nothing more to write (a count-only scan has cap 0): just count */
+            count += __builtin_popcount(hits0 | hits1 << 8);
+        } else {
+            float lanes[16];
+            _mm256_storeu_ps(lanes, a0);
+            _mm256_storeu_ps(lanes + 8, a1);
+            for (unsigned hits = hits0 | hits1 << 8; hits; hits &= hits - 1) {
+                int l = __builtin_ctz(hits);
+                emit(c, &count, i + l, lanes[l]);
+            }
         }
     }
+    if (stream) _mm_sfence();
     double lanes[4];
     _mm256_storeu_pd(lanes, _mm256_add_pd(_mm256_add_pd(sum0, sum1), _mm256_add_pd(sum2, sum3)));
     double sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
@@ -149,56 +237,127 @@ __attribute__((target("avx2"))) static void scan_avx2(scan_t *c) {
     _mm256_storeu_ps(maxes, _mm256_max_ps(max0, max1));
     float max = 0.0f;
     for (int l = 0; l < 8; l++) max = max > maxes[l] ? max : maxes[l];
-    for (; i < c->n; i++) {
-        if (add) x[i] += add[i];
-        float a = fabsf(x[i]);
-        sum += a;
-        max = max > a ? max : a;
-        if (a >= c->floor) emit(c, &count, i, a);
+    scan_tail(c, i, &count, &sum, &max);
+    c->count = count;
+    c->sum = sum;
+    c->max = max;
+}
+
+/* The AVX-512 variant: the AVX2 variant's 16-element blocks in one register each. Its max lanes are
+ * combined as the AVX2 variant's (lanes l and l + 8, then 0..7 in order), so even with NaN in x the
+ * two report the same max. */
+__attribute__((target("avx512f,popcnt"))) static void scan_avx512(scan_t *c) {
+    const float *x = c->x;
+    const float *add = c->add;
+    float *dest = c->dest;
+    const __m512 floor = _mm512_set1_ps(c->floor);
+    const __m512i lane_offsets = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int64_t count = 0;
+    __m512d sum0 = _mm512_setzero_pd(), sum1 = _mm512_setzero_pd();
+    __m512 max16 = _mm512_setzero_ps();
+    const int stream = dest != x && (uintptr_t)dest % 64 == 0;
+    int64_t i = 0;
+    for (; i + 16 <= c->n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        if (add) {
+            v = _mm512_add_ps(v, _mm512_loadu_ps(add + i));
+            if (stream)
+                _mm512_stream_ps(dest + i, v);
+            else
+                _mm512_storeu_ps(dest + i, v);
+        }
+        __m512 a = _mm512_abs_ps(v);
+        sum0 = _mm512_add_pd(sum0, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
+        sum1 = _mm512_add_pd(sum1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
+        max16 = _mm512_max_ps(max16, a);
+        __mmask16 hits = _mm512_cmp_ps_mask(a, floor, _CMP_GE_OQ);
+        if (count + 16 <= c->cap) {
+            __m512i indices = _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), lane_offsets);
+            _mm512_storeu_ps(c->val + count, _mm512_maskz_compress_ps(hits, a));
+            _mm512_storeu_si512(c->idx + count, _mm512_maskz_compress_epi32(hits, indices));
+            count += __builtin_popcount(hits);
+        } else if (count >= c->cap) {
+            count += __builtin_popcount(hits);
+        } else {
+            float lanes[16];
+            _mm512_storeu_ps(lanes, a);
+            for (unsigned rest = hits; rest; rest &= rest - 1) {
+                int l = __builtin_ctz(rest);
+                emit(c, &count, i + l, lanes[l]);
+            }
+        }
     }
+    if (stream) _mm_sfence();
+    double lanes[8];
+    _mm512_storeu_pd(lanes, _mm512_add_pd(sum0, sum1));
+    double sum = 0.0;
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    float halves[16], max = 0.0f;
+    _mm512_storeu_ps(halves, max16);
+    for (int l = 0; l < 8; l++) {
+        float m = _mm_cvtss_f32(_mm_max_ss(_mm_set_ss(halves[l]), _mm_set_ss(halves[l + 8])));
+        max = max > m ? max : m;
+    }
+    scan_tail(c, i, &count, &sum, &max);
     c->count = count;
     c->sum = sum;
     c->max = max;
 }
 #endif
 
-static int cpu_has_avx2(void) {
-#if SCAN_HAVE_AVX2
+static int cpu_has(const char *variant) {
+    if (strcmp(variant, "scalar") == 0) return 1;
+#if SCAN_HAVE_X86_VARIANTS
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2");
-#else
-    return 0;
+    if (strcmp(variant, "avx2") == 0) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+    if (strcmp(variant, "avx512") == 0)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("popcnt");
 #endif
+    return 0;
 }
 
-/* scan_ge(x_ptr, n, floor, idx_ptr, val_ptr, cap, avx2, add_ptr=0) -> (count, sum, max)
+/* scan_ge(x_ptr, n, floor, idx_ptr, val_ptr, cap, variant, add_ptr=0, dest_ptr=0) -> (count, sum, max)
  *
- * Writes the first min(count, cap) candidates; `count` is exact either way, so a caller whose buffer
- * was too small (count > cap) grows it and scans again (without add_ptr: x already holds the sum).
- * With add_ptr, x_i += add_i is written back first and the scan is of the sum: the residual update
- * acc = residual + grad and the selection's scan in one read of each input.
+ * Writes the first min(count, cap) candidates and may write the rest of idx[0:cap] and val[0:cap];
+ * `count` is exact either way, so a caller whose buffer was too small (count > cap) grows it and
+ * scans again (without add_ptr, of the sum). With add_ptr, dest_i = x_i + add_i is written first
+ * (dest_ptr, or x_ptr when it is 0) and the scan is of the sum: the residual update acc = residual +
+ * grad and the selection's scan in one read of each input. `variant` is "avx512", "avx2" or "scalar".
  */
 static PyObject *scan_ge(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long x_ptr, idx_ptr, val_ptr, add_ptr = 0;
+    unsigned long long x_ptr, idx_ptr, val_ptr, add_ptr = 0, dest_ptr = 0;
     long long n, cap;
     float floor;
-    int avx2;
-    if (!PyArg_ParseTuple(args, "KLfKKLp|K", &x_ptr, &n, &floor, &idx_ptr, &val_ptr, &cap, &avx2, &add_ptr))
+    const char *variant;
+    if (!PyArg_ParseTuple(args, "KLfKKLs|KK", &x_ptr, &n, &floor, &idx_ptr, &val_ptr, &cap, &variant, &add_ptr,
+                          &dest_ptr))
         return NULL;
-    if (n < 0 || cap < 0) {
-        PyErr_Format(PyExc_ValueError, "scan_ge: sizes must be >= 0, got n=%lld cap=%lld", n, cap);
-        return NULL;
-    }
-    if (avx2 && !cpu_has_avx2()) {
-        PyErr_SetString(PyExc_ValueError, "scan_ge: the AVX2 variant was asked for on a CPU without AVX2");
+    if (n < 0 || n > INT32_MAX || cap < 0) {
+        PyErr_Format(PyExc_ValueError, "scan_ge: needs 0 <= n < 2^31 and cap >= 0, got n=%lld cap=%lld", n, cap);
         return NULL;
     }
-    scan_t c = {(float *)(uintptr_t)x_ptr, (const float *)(uintptr_t)add_ptr, n, floor,
-                (int64_t *)(uintptr_t)idx_ptr, (float *)(uintptr_t)val_ptr, cap, 0, 0.0, 0.0f};
+    if (!cpu_has(variant)) {
+        PyErr_Format(PyExc_ValueError, "scan_ge: variant %R does not run here (see variants())",
+                     PyTuple_GET_ITEM(args, 6));
+        return NULL;
+    }
+    scan_t c = {(const float *)(uintptr_t)x_ptr,
+                (const float *)(uintptr_t)add_ptr,
+                (float *)(uintptr_t)(dest_ptr ? dest_ptr : x_ptr),
+                n,
+                floor,
+                (int32_t *)(uintptr_t)idx_ptr,
+                (float *)(uintptr_t)val_ptr,
+                cap,
+                0,
+                0.0,
+                0.0f};
     Py_BEGIN_ALLOW_THREADS
-#if SCAN_HAVE_AVX2
-    if (avx2)
+#if SCAN_HAVE_X86_VARIANTS
+    if (strcmp(variant, "avx512") == 0)
+        scan_avx512(&c);
+    else if (strcmp(variant, "avx2") == 0)
         scan_avx2(&c);
     else
 #endif
@@ -207,23 +366,216 @@ static PyObject *scan_ge(PyObject *self, PyObject *args) {
     return Py_BuildValue("Ldf", (long long)c.count, c.sum, (double)c.max);
 }
 
-static PyObject *has_avx2(PyObject *self, PyObject *unused) {
+static PyObject *variants(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return PyBool_FromLong(cpu_has_avx2());
+    static const char *const fastest_first[] = {"avx512", "avx2", "scalar"};
+    PyObject *result = PyList_New(0);
+    for (size_t v = 0; result && v < sizeof fastest_first / sizeof fastest_first[0]; v++) {
+        if (!cpu_has(fastest_first[v])) continue;
+        PyObject *name = PyUnicode_FromString(fastest_first[v]);
+        if (!name || PyList_Append(result, name) < 0) Py_CLEAR(result);
+        Py_XDECREF(name);
+    }
+    return result;
+}
+
+/* The bin of the rank-th largest key counted in hist[0:bins], and in *rank that key's rank within its
+ * bin (1 = the bin's largest). */
+static uint32_t bin_of_kth(const uint32_t *hist, uint32_t bins, int64_t *rank) {
+    uint32_t b = bins - 1;
+    for (; b > 0 && hist[b] < *rank; b--) *rank -= hist[b];
+    return b;
+}
+
+#define KEY_NOT_ORDERED -1 /* kth_largest_key's answers besides a key */
+#define KEY_NO_MEMORY -2
+
+/* Radix select: the k-th largest of the count uint32 keys (0 < k <= count < 2^32), found by a 65536-bin
+ * histogram of the keys' top 16 bits, then one of the low 16 bits of the keys in the bin that holds
+ * it (copied out first: a few percent of the keys for the candidates of a scan). Returns it, and in *ties how many keys equal to it are among the k largest; KEY_NOT_ORDERED
+ * when a key is above 0x7f800000 (the bits of a NaN or of a negative float), KEY_NO_MEMORY. */
+static int64_t kth_largest_key(const uint32_t *keys, int64_t count, int64_t k, int64_t *ties) {
+    uint32_t *hist = calloc(1 << 16, sizeof *hist);
+    if (!hist) return KEY_NO_MEMORY;
+    for (int64_t i = 0; i < count; i++) hist[keys[i] >> 16]++;
+    int64_t beyond = 0; /* keys from 0x7f800000 (+Inf) up: checked one by one only when there are some */
+    for (uint32_t b = 0x7f80; b < 1 << 16; b++) beyond += hist[b];
+    for (int64_t i = 0; beyond && i < count; i++)
+        if (keys[i] > 0x7f800000u) {
+            free(hist);
+            return KEY_NOT_ORDERED;
+        }
+    int64_t rank = k;
+    uint32_t top = bin_of_kth(hist, 1 << 16, &rank);
+    /* the keys of that bin, copied without a branch (each key is written, the next may overwrite it) */
+    uint32_t *in_top = malloc((hist[top] + 1) * sizeof *in_top);
+    if (!in_top) {
+        free(hist);
+        return KEY_NO_MEMORY;
+    }
+    int64_t m = 0;
+    for (int64_t i = 0; i < count; i++) {
+        in_top[m] = keys[i];
+        m += keys[i] >> 16 == top;
+    }
+    memset(hist, 0, (1 << 16) * sizeof *hist);
+    for (int64_t i = 0; i < m; i++) hist[in_top[i] & 0xffff]++;
+    uint32_t low = bin_of_kth(hist, 1 << 16, &rank);
+    free(in_top);
+    free(hist);
+    *ties = rank;
+    return (int64_t)(top << 16 | low);
+}
+
+/* The compaction after the select: out[0:k] = the idx[i] whose key is above kth, or equal to it and
+ * among the first `ties` such, in the order of idx. */
+typedef struct {
+    const int64_t *idx;
+    const uint32_t *keys;
+    int64_t count, k;
+    uint32_t kth;
+    int64_t *out;
+    int64_t ties;    /* counts down the ties still to keep */
+    int64_t written; /* results: the entries of out written (k) */
+} keep_t;
+
+/* The compaction of the entries [i, end), lane by lane: every entry is written, the end of the output
+ * advances by whether it is kept. */
+static void keep_scalar(keep_t *p, int64_t i, int64_t end) {
+    for (; p->written < p->k && i < end; i++) {
+        p->out[p->written] = p->idx[i];
+        int tie = p->keys[i] == p->kth;
+        p->written += (p->keys[i] > p->kth) | (tie & (p->ties > 0));
+        p->ties -= tie;
+    }
+}
+
+#if SCAN_HAVE_X86_VARIANTS
+/* AVX2_PACK_EPI64[m]: the 32-bit lanes of the 64-bit lanes set in the 4-bit mask m, in order. */
+static int32_t AVX2_PACK_EPI64[16][8] __attribute__((aligned(32)));
+
+static void init_avx2_pack_epi64(void) {
+    for (int m = 0; m < 16; m++) {
+        int j = 0;
+        for (int l = 0; l < 4; l++)
+            if (m >> l & 1) {
+                AVX2_PACK_EPI64[m][j++] = 2 * l;
+                AVX2_PACK_EPI64[m][j++] = 2 * l + 1;
+            }
+        for (; j < 8; j++) AVX2_PACK_EPI64[m][j] = 0;
+    }
+}
+
+/* Blocks of 8 keys: those above kth packed by vpermd (two halves of 4 indices), a block holding a tie
+ * taken lane by lane. The keys are at most 0x7f800000, so the signed compare orders them. */
+__attribute__((target("avx2,popcnt"))) static void keep_avx2(keep_t *p) {
+    const __m256i kth = _mm256_set1_epi32((int32_t)p->kth);
+    int64_t i = 0;
+    for (; i + 8 <= p->count && p->written + 8 <= p->k; i += 8) {
+        __m256i keys = _mm256_loadu_si256((const __m256i *)(p->keys + i));
+        if (_mm256_movemask_epi8(_mm256_cmpeq_epi32(keys, kth))) {
+            keep_scalar(p, i, i + 8);
+            continue;
+        }
+        unsigned above = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(keys, kth)));
+        for (int half = 0; half < 2; half++) {
+            unsigned m = above >> 4 * half & 0xf;
+            __m256i lanes = _mm256_load_si256((const __m256i *)AVX2_PACK_EPI64[m]);
+            __m256i idx = _mm256_loadu_si256((const __m256i *)(p->idx + i + 4 * half));
+            _mm256_storeu_si256((__m256i *)(p->out + p->written), _mm256_permutevar8x32_epi32(idx, lanes));
+            p->written += __builtin_popcount(m);
+        }
+    }
+    keep_scalar(p, i, p->count);
+}
+
+/* Blocks of 16 keys: those above kth packed by vpcompressq into registers (two halves of 8 indices),
+ * then stored; a block holding a tie taken lane by lane. */
+__attribute__((target("avx512f,popcnt"))) static void keep_avx512(keep_t *p) {
+    const __m512i kth = _mm512_set1_epi32((int32_t)p->kth);
+    int64_t i = 0;
+    for (; i + 16 <= p->count && p->written + 16 <= p->k; i += 16) {
+        __m512i keys = _mm512_loadu_si512(p->keys + i);
+        if (_mm512_cmpeq_epu32_mask(keys, kth)) {
+            keep_scalar(p, i, i + 16);
+            continue;
+        }
+        __mmask16 above = _mm512_cmpgt_epu32_mask(keys, kth);
+        __mmask8 low = (__mmask8)above, high = (__mmask8)(above >> 8);
+        _mm512_storeu_si512(p->out + p->written, _mm512_maskz_compress_epi64(low, _mm512_loadu_si512(p->idx + i)));
+        p->written += __builtin_popcount(low);
+        _mm512_storeu_si512(p->out + p->written,
+                            _mm512_maskz_compress_epi64(high, _mm512_loadu_si512(p->idx + i + 8)));
+        p->written += __builtin_popcount(high);
+    }
+    keep_scalar(p, i, p->count);
+}
+#endif
+
+/* select_largest(idx_ptr, val_ptr, count, k, out_ptr, variant) -> int
+ *
+ * Writes to out[0:k] the idx entries of the k largest of the count float32 values (0 < k < count),
+ * in their order in idx; among values equal to the k-th largest, the first ones. Returns k, or -1
+ * (out unspecified) when a value is NaN or negative (its bits then do not order as the value) or
+ * count >= 2^32. `variant` ("avx512", "avx2", "scalar") picks the compaction's code.
+ */
+static PyObject *select_largest(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long idx_ptr, val_ptr, out_ptr;
+    long long count, k;
+    const char *variant;
+    if (!PyArg_ParseTuple(args, "KKLLKs", &idx_ptr, &val_ptr, &count, &k, &out_ptr, &variant)) return NULL;
+    if (k <= 0 || k >= count) {
+        PyErr_Format(PyExc_ValueError, "select_largest: needs 0 < k < count, got k=%lld count=%lld", k, count);
+        return NULL;
+    }
+    if (!cpu_has(variant)) {
+        PyErr_Format(PyExc_ValueError, "select_largest: variant %R does not run here (see variants())",
+                     PyTuple_GET_ITEM(args, 5));
+        return NULL;
+    }
+    if (count > (long long)UINT32_MAX) return PyLong_FromLong(-1);
+    keep_t p = {(const int64_t *)(uintptr_t)idx_ptr, (const uint32_t *)(uintptr_t)val_ptr, count, k, 0,
+                (int64_t *)(uintptr_t)out_ptr, 0, -1};
+    int64_t kth;
+    Py_BEGIN_ALLOW_THREADS
+    kth = kth_largest_key(p.keys, count, k, &p.ties);
+    if (kth >= 0) {
+        p.kth = (uint32_t)kth;
+        p.written = 0;
+#if SCAN_HAVE_X86_VARIANTS
+        if (strcmp(variant, "avx512") == 0)
+            keep_avx512(&p);
+        else if (strcmp(variant, "avx2") == 0)
+            keep_avx2(&p);
+        else
+#endif
+            keep_scalar(&p, 0, count);
+    }
+    Py_END_ALLOW_THREADS
+    if (kth == KEY_NO_MEMORY) return PyErr_NoMemory();
+    return PyLong_FromLongLong((long long)p.written);
 }
 
 static PyMethodDef methods[] = {
     {"scan_ge", scan_ge, METH_VARARGS,
-     "scan_ge(x_ptr, n, floor, idx_ptr, val_ptr, cap, avx2, add_ptr=0) -> (count, sum, max): one pass over "
-     "float32 x giving sum |x|, max |x| and the first cap (index, |x|) pairs with |x| >= floor; with add_ptr, "
-     "x += add first, in the same pass (see scan.py)."},
-    {"has_avx2", has_avx2, METH_NOARGS, "has_avx2() -> bool: whether this CPU runs the AVX2 variant."},
+     "scan_ge(x_ptr, n, floor, idx_ptr, val_ptr, cap, variant, add_ptr=0, dest_ptr=0) -> (count, sum, max): one "
+     "pass over float32 x giving sum |x|, max |x| and the first cap (index, |x|) pairs with |x| >= floor; with "
+     "add_ptr, dest = x + add first (dest_ptr, default x), in the same pass, and the scan is of the sum (see "
+     "scan.py)."},
+    {"variants", variants, METH_NOARGS,
+     "variants() -> list: the scan_ge variants this CPU runs, fastest first ('avx512', 'avx2', 'scalar')."},
+    {"select_largest", select_largest, METH_VARARGS,
+     "select_largest(idx_ptr, val_ptr, count, k, out_ptr, variant) -> int: out[0:k] = the int64 idx entries of "
+     "the k largest float32 values, in idx order, the first ones among ties with the k-th; returns k, or -1 "
+     "when a value is NaN or negative (see scan.largest_in_order)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,
                                     "_scan",
-                                    "Fused magnitude scan for sparsecomm.selectors (see scan.py).",
+                                    "The selectors' C kernels: fused magnitude scan, top-k of its candidates "
+                                    "(see scan.py).",
                                     -1,
                                     methods,
                                     NULL,
@@ -231,4 +583,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,
                                     NULL,
                                     NULL};
 
-PyMODINIT_FUNC PyInit__scan(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__scan(void) {
+#if SCAN_HAVE_X86_VARIANTS
+    init_avx2_pack();
+    init_avx2_pack_epi64();
+#endif
+    return PyModule_Create(&module);
+}

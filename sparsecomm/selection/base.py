@@ -59,26 +59,33 @@ class Selector:
         """Indices for ``0 < k < n``; implemented by subclasses. Must honour ``self.check_finite``."""
         raise NotImplementedError
 
-    def accumulate(self, x: Tensor, addend: Tensor, k: int) -> Tensor:
-        """``x += addend`` (in place), then ``self(x, k)``: error feedback's ``acc = residual + grad``
-        followed by the selection. Selectors whose scan can do the addition (exact top-k) override
-        this to read each vector once; the result is the same either way."""
+    def accumulate(self, x: Tensor, addend: Tensor, k: int, *, dest: Tensor | None = None) -> Tensor:
+        """``dest = x + addend`` (``dest`` defaults to ``x``: ``x += addend`` in place), then
+        ``self(dest, k)``: error feedback's ``acc = residual + grad`` followed by the selection. A
+        separate ``dest`` (shaped like ``x``, same dtype and device, not overlapping ``x`` or
+        ``addend`` partially) leaves ``x`` unchanged, so a caller can keep the old residual until it
+        is no longer needed. Selectors whose scan can do the addition (exact top-k) override
+        :meth:`_fused_select` to read each vector once; the result is the same either way."""
         n = validate_input(x, k, self.name)
-        if not isinstance(addend, Tensor) or addend.shape != x.shape:
-            got = tuple(addend.shape) if isinstance(addend, Tensor) else type(addend).__name__
-            raise ValueError(f"selector {self.name!r}: addend must be a tensor shaped like x "
-                             f"({tuple(x.shape)}), got {got}")
+        for name, other in (("addend", addend), ("dest", x if dest is None else dest)):
+            if not isinstance(other, Tensor) or other.shape != x.shape:
+                got = tuple(other.shape) if isinstance(other, Tensor) else type(other).__name__
+                raise ValueError(f"selector {self.name!r}: {name} must be a tensor shaped like x "
+                                 f"({tuple(x.shape)}), got {got}")
+        if dest is not None and (dest.dtype != x.dtype or dest.device != x.device):
+            raise ValueError(f"selector {self.name!r}: dest must have x's dtype and device ({x.dtype}, "
+                             f"{x.device}), got {dest.dtype}, {dest.device}")
         if 0 < k < n:
-            fused = self._fused_select(x, addend, int(k))
+            fused = self._fused_select(x, addend, int(k), dest)
             if fused is not None:
                 return fused
-        x.add_(addend)
-        return self(x, k)
+        total = x.add_(addend) if dest is None else torch.add(x, addend, out=dest)
+        return self(total, k)
 
-    def _fused_select(self, x: Tensor, addend: Tensor, k: int) -> Tensor | None:
-        """For ``0 < k < n``: add ``addend`` into ``x`` inside the selection's scan and select, or
-        return ``None`` (having changed nothing) where this selector cannot; the base class then
-        adds and selects in two steps."""
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
+        """For ``0 < k < n``: write ``x + addend`` to ``dest`` (``x`` when ``None``) inside the
+        selection's scan and select, or return ``None`` (having changed nothing) where this selector
+        cannot; the base class then adds and selects in two steps."""
         return None
 
     # -- state ----------------------------------------------------------------------------------------

@@ -30,10 +30,12 @@ class TopK(Selector):
     Args:
         algorithm: ``"torch"``: ``torch.topk(|x|, k)``. ``"sampled"``: a floor threshold from a strided
             sample of ``|x|`` (see :func:`~sparsecomm.selection.scan.sample_floor`), one pass gathering
-            the candidates above it, then ``torch.topk`` among the candidates only; if the sample
-            misjudged and fewer than ``k`` candidates came out, it falls back to ``torch.topk``, so the
-            result is exact either way. ``"auto"`` (default): ``"sampled"`` for ``n >= 65536``, where it
-            is faster (measured in docs/selectors.md), else ``"torch"``.
+            the candidates above it, then the top-k among the candidates only
+            (:func:`~sparsecomm.selection.scan.largest_in_order`: a radix select in C where the scan
+            kernel is in use, else ``torch.topk``; ties with the k-th largest keep the lowest
+            indices); if the sample misjudged and fewer than ``k`` candidates came out, it falls back
+            to ``torch.topk``, so the result is exact either way. ``"auto"`` (default): ``"sampled"``
+            for ``n >= 65536``, where it is faster (measured in docs/selectors.md), else ``"torch"``.
         check_finite: see :class:`~sparsecomm.selection.base.Selector`.
     """
 
@@ -59,10 +61,10 @@ class TopK(Selector):
             assert_finite(x, self.name)
         return torch.topk(x.abs(), k, sorted=False).indices
 
-    def _fused_select(self, x: Tensor, addend: Tensor, k: int) -> Tensor | None:
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
         """On the sampled path the addition happens inside the scan (one read of ``x`` and ``addend``,
-        one write of ``x``; the floor is sampled from the sums), with the same result as the
-        addition followed by :meth:`select`."""
+        one write of the sum to ``dest`` or ``x``; the floor is sampled from the sums), with the same
+        result as the addition followed by :meth:`select`."""
         sampled = self.algorithm == "sampled" or (self.algorithm == "auto" and x.numel() >= _SAMPLED_MIN_N)
         if not sampled or addend.dtype != x.dtype or addend.device != x.device:
             return None
@@ -70,11 +72,11 @@ class TopK(Selector):
         if floor is None:
             return None
         view = MagnitudeView(x, self._scratch, floor, name=self.name, check_finite=self.check_finite,
-                             count=k, need_mean=False, addend=addend)   # x now holds the sum
+                             count=k, need_mean=False, addend=addend, dest=dest)   # view.x holds the sum
         if view.n_candidates >= k:
             return view.topk_at_or_above(floor, k)
         log.debug("topk: sample floor left %d < k=%d candidates; full torch.topk", view.n_candidates, k)
-        return torch.topk(x.abs(), k, sorted=False).indices
+        return torch.topk(view.x.abs(), k, sorted=False).indices
 
 
 @register_selector("trimmed")

@@ -18,15 +18,20 @@ results are therefore exactly those of the algorithms as written, only cheaper.
 The scan has two implementations with the same results:
 
 * the fused C kernel ``sparsecomm.selection._scan`` (built at install, optional): one read of ``x``,
-  AVX2 where the CPU has it, else portable C, on the calling thread; used for contiguous float32
-  tensors on the CPU;
+  AVX-512 or AVX2 where the CPU has them (chosen at run time), else portable C, on the calling
+  thread; used for contiguous float32 tensors on the CPU (of fewer than 2^31 elements);
 * torch operations for everything else (CUDA tensors, other dtypes, or no compiled kernel):
   ``|x|`` into a reused buffer (:class:`Scratch`; fresh 100 MB buffers would page-fault every call),
   a sum, a compare into a reused mask, and index extraction by a word trick (the boolean mask viewed
   as int64 words, ``nonzero`` on the 8x shorter word array, only the words holding a hit expanded).
 
-``SPARSECOMM_SCAN=auto|avx2|scalar|torch`` (environment, read at import) or :func:`use_kernel` picks the
-implementation; ``auto`` (default) takes the fastest available. :func:`kernel` tells which is in use.
+``SPARSECOMM_SCAN=auto|avx512|avx2|scalar|torch`` (environment, read at import) or :func:`use_kernel`
+picks the implementation; ``auto`` (default) takes the fastest available. :func:`kernel` tells which is
+in use.
+
+The exact top-k of the candidates (:func:`largest_in_order`) has two implementations with the same
+results too: where the kernel is in use, a radix select on the magnitudes' bit patterns and one
+compaction pass in C (``_scan.select_largest``); else ``torch.topk`` and torch compares.
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ try:
 except ImportError:  # built optionally (setup.py): no compiler at install time
     _compiled = None
 
+#: the variants of the compiled kernel, fastest first
+_COMPILED_KERNELS = ("avx512", "avx2", "scalar")
+
+#: the compiled kernel takes vectors shorter than this (it writes the candidates' indices as int32)
+_COMPILED_MAX_N = 1 << 31
+
 #: the kernel's output buffers keep at most this many candidates (or 4x the expected count) between
 #: calls, so that a rare scan at a low threshold does not leave a gradient-sized buffer behind
 _KEEP_CAPACITY = 1 << 18
@@ -66,12 +77,7 @@ _MAX_SAMPLE = 1 << 16
 
 def available_kernels() -> list:
     """The scan implementations this installation can run, fastest first; ``"torch"`` is always there."""
-    names = []
-    if _compiled is not None:
-        if _compiled.has_avx2():
-            names.append("avx2")
-        names.append("scalar")
-    return names + ["torch"]
+    return (_compiled.variants() if _compiled is not None else []) + ["torch"]
 
 
 def _choose(name: str) -> str:
@@ -82,12 +88,12 @@ def _choose(name: str) -> str:
             raise ValueError("scan kernel 'triton' on CPU tensors needs Triton installed and TRITON_INTERPRET=1 "
                              "(CUDA tensors use Triton by themselves where it is installed)")
         return name
-    if name not in ("avx2", "scalar", "torch"):
-        raise ValueError(f"scan kernel must be 'auto', 'avx2', 'scalar', 'torch' or 'triton', got {name!r}")
+    if name not in _COMPILED_KERNELS + ("torch",):
+        raise ValueError(f"scan kernel must be 'auto', 'avx512', 'avx2', 'scalar', 'torch' or 'triton', got {name!r}")
     if name not in available_kernels():
         raise ValueError(f"scan kernel {name!r} is not available here (available: {available_kernels()}); "
-                         "'avx2' needs an x86-64 CPU with AVX2, 'avx2' and 'scalar' the compiled extension "
-                         "sparsecomm.selection._scan (reinstall with a C compiler)")
+                         "'avx512' needs an x86-64 CPU with AVX512F, 'avx2' one with AVX2, and all three the "
+                         "compiled extension sparsecomm.selection._scan (reinstall with a C compiler)")
     return name
 
 
@@ -97,14 +103,15 @@ if _compiled is None:
 
 
 def kernel() -> str:
-    """The scan implementation used for contiguous float32 CPU tensors: 'avx2', 'scalar', 'torch' or
-    'triton' (Triton's interpreter, for tests). CUDA tensors use Triton where it is installed, else torch."""
+    """The scan implementation used for contiguous float32 CPU tensors: 'avx512', 'avx2', 'scalar',
+    'torch' or 'triton' (Triton's interpreter, for tests). CUDA tensors use Triton where it is installed, else torch."""
     return _kernel
 
 
 @contextlib.contextmanager
 def use_kernel(name: str) -> Iterator[str]:
-    """Use the scan implementation ``name`` ('auto', 'avx2', 'scalar', 'torch', 'triton') inside the block."""
+    """Use the scan implementation ``name`` ('auto', 'avx512', 'avx2', 'scalar', 'torch', 'triton') inside
+    the block."""
     global _kernel
     previous, _kernel = _kernel, _choose(name)
     try:
@@ -136,7 +143,7 @@ class Scratch:
     def __init__(self) -> None:
         self._abs: Tensor | None = None
         self._mask: Tensor | None = None  # length rounded up to a multiple of 8, tail always False
-        self._out_indices = torch.empty(0, dtype=torch.int64)
+        self._out_indices = torch.empty(0, dtype=torch.int32)  # the kernel's int32 output, widened when copied out
         self._out_values = torch.empty(0, dtype=torch.float32)
         self._candidates: Scratch | None = None
         self._triton = triton_scan._Buffers()
@@ -150,24 +157,30 @@ class Scratch:
 
     # -- the scan ---------------------------------------------------------------------------------------
     def scan(self, x: Tensor, floor: float, *, name: str, check_finite: bool, need_total: bool = True,
-             expected: int = 0, addend: Tensor | None = None) -> ScanResult:
+             expected: int = 0, addend: Tensor | None = None, dest: Tensor | None = None) -> ScanResult:
         """Candidates ``|x| >= floor`` with ``sum |x|`` and ``max |x|``, in one pass where possible.
 
-        With ``addend`` (same shape as ``x``), ``x += addend`` is written first, in the same pass on the
-        kernel's path (error feedback's ``acc = residual + grad`` and the scan in one read of each),
-        and the scan is of the sum.
+        With ``addend`` (same shape as ``x``), ``x + addend`` is written first, to ``dest`` (a tensor
+        shaped like ``x``; default ``x`` itself, ``x += addend``), in the same pass on the kernel's path
+        (error feedback's ``acc = residual + grad`` and the scan in one read of each), and the scan is
+        of the sum. A ``dest`` other than ``x`` leaves ``x`` as it was (it must not overlap ``x`` or
+        ``addend`` partially). ``dest`` needs ``addend``.
 
         With ``check_finite``, NaN or Inf in ``x`` raises :class:`~sparsecomm.selection.NonFiniteInputError`
         (naming the selector ``name``). ``expected`` sizes the kernel's output buffer (a guess; more
         candidates cost a second pass). ``need_total=False`` lets the torch path skip the sum when the
         caller needs neither the mean nor the check.
         """
+        if dest is not None and (addend is None or dest.shape != x.shape or dest.dtype != x.dtype
+                                 or dest.device != x.device):
+            raise ValueError("scan: dest needs an addend and the shape, dtype and device of x")
         if addend is not None and not (self._use_compiled(x) and self._use_compiled(addend)
-                                       and addend.shape == x.shape):
-            x.add_(addend)
-            addend = None
+                                       and (dest is None or self._use_compiled(dest)) and addend.shape == x.shape):
+            x = x.add_(addend) if dest is None else torch.add(x, addend, out=dest)
+            addend = dest = None
         if self._use_compiled(x):
-            result = self._scan_compiled(x, floor, expected, addend)
+            result = self._scan_compiled(x, floor, expected, addend, dest)
+            x = x if dest is None else dest
         elif self.uses_triton(x):
             result = self._scan_triton(x, floor)
         else:
@@ -200,34 +213,36 @@ class Scratch:
 
     @staticmethod
     def _use_compiled(x: Tensor) -> bool:
-        return (_kernel in ("avx2", "scalar") and x.device.type == "cpu" and x.dtype == torch.float32
-                and x.is_contiguous())
+        return _compiled_applies(x, torch.float32)
 
-    def _run_compiled(self, x: Tensor, floor: float, capacity: int, addend: Tensor | None = None) -> tuple:
+    def _run_compiled(self, x: Tensor, floor: float, capacity: int, addend: Tensor | None = None,
+                      dest: Tensor | None = None) -> tuple:
         """(count, total, max) of one kernel call writing up to ``capacity`` candidates (and, with
-        ``addend``, ``x += addend`` in the same pass)."""
+        ``addend``, ``dest = x + addend`` in the same pass, ``dest`` defaulting to ``x``)."""
         idx_ptr = val_ptr = 0
         if capacity:
             idx_ptr, val_ptr = self._out_indices.data_ptr(), self._out_values.data_ptr()
-        return _compiled.scan_ge(x.data_ptr(), x.numel(), float(floor), idx_ptr, val_ptr, capacity,
-                                 _kernel == "avx2", 0 if addend is None else addend.data_ptr())
+        return _compiled.scan_ge(x.data_ptr(), x.numel(), float(floor), idx_ptr, val_ptr, capacity, _kernel,
+                                 0 if addend is None else addend.data_ptr(), 0 if dest is None else dest.data_ptr())
 
-    def _scan_compiled(self, x: Tensor, floor: float, expected: int, addend: Tensor | None = None) -> ScanResult:
+    def _scan_compiled(self, x: Tensor, floor: float, expected: int, addend: Tensor | None = None,
+                       dest: Tensor | None = None) -> ScanResult:
         if self._out_indices.numel() < expected:
             self._grow(max(expected, 1024))
-        count, total, top = self._run_compiled(x, floor, self._out_indices.numel(), addend)
-        if count > self._out_indices.numel():  # more candidates than fit: grow and scan again (x holds the sum)
+        count, total, top = self._run_compiled(x, floor, self._out_indices.numel(), addend, dest)
+        if count > self._out_indices.numel():  # more candidates than fit: grow and scan the sum again
             log.debug("scan: %d candidates overflowed a buffer of %d; scanning again", count,
                       self._out_indices.numel())
             self._grow(count + count // 4)
-            count, total, top = self._run_compiled(x, floor, self._out_indices.numel())
-        result = ScanResult(self._out_indices[:count].clone(), self._out_values[:count].clone(), total, top)
+            summed = x if addend is None else (x if dest is None else dest)
+            count, total, top = self._run_compiled(summed, floor, self._out_indices.numel())
+        result = ScanResult(self._out_indices[:count].to(torch.int64), self._out_values[:count].clone(), total, top)
         if self._out_indices.numel() > max(4 * expected, _KEEP_CAPACITY):
             self._grow(max(expected, 1024))  # a rare large gather: do not keep 12 bytes per element of it
         return result
 
     def _grow(self, capacity: int) -> None:
-        self._out_indices = torch.empty(capacity, dtype=torch.int64)
+        self._out_indices = torch.empty(capacity, dtype=torch.int32)
         self._out_values = torch.empty(capacity, dtype=torch.float32)
 
     # -- torch path -------------------------------------------------------------------------------------
@@ -253,6 +268,13 @@ class Scratch:
         words = torch.nonzero(mask.view(torch.int64)).squeeze(1)
         row, col = torch.nonzero(mask.view(-1, 8).index_select(0, words), as_tuple=True)
         return words.index_select(0, row).mul_(8).add_(col)
+
+
+def _compiled_applies(t: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the compiled kernel is in use and takes ``t``: a contiguous CPU tensor of ``dtype`` with
+    fewer than 2^31 elements."""
+    return (_kernel in _COMPILED_KERNELS and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+            and t.numel() < _COMPILED_MAX_N)
 
 
 def _sum_of_magnitudes(a: Tensor) -> float:
@@ -298,24 +320,26 @@ class MagnitudeView:
 
     Built with one scan (:meth:`Scratch.scan`) gathering the candidates ``|x| >= floor`` and the sum
     and max of ``|x|``; with ``floor=None`` every element is a candidate. With ``addend`` the scan
-    first adds it into ``x`` (written back), and the view is of the sum. ``count`` is the number of
-    elements the floor was placed above (it sizes the scan's output buffer).
+    first writes ``x + addend`` to ``dest`` (default ``x``: ``x += addend``), and the view is of the
+    sum (its :attr:`x` is ``dest``). ``count`` is the number of elements the floor was placed above (it
+    sizes the scan's output buffer).
     """
 
     def __init__(self, x: Tensor, scratch: Scratch, floor: float | None, *, name: str, check_finite: bool,
-                 count: int = 0, need_mean: bool = True, addend: Tensor | None = None) -> None:
-        self.x = x
+                 count: int = 0, need_mean: bool = True, addend: Tensor | None = None,
+                 dest: Tensor | None = None) -> None:
+        scan = scratch.scan(x, math.inf if floor is None else floor, name=name, check_finite=check_finite,
+                            need_total=need_mean, expected=count + count // 2, addend=addend, dest=dest)
+        self.x = x if dest is None else dest
         self.scratch = scratch
         self.floor = floor
         self.name = name
-        scan = scratch.scan(x, math.inf if floor is None else floor, name=name, check_finite=check_finite,
-                            need_total=need_mean, expected=count + count // 2, addend=addend)
         self.mean = scan.total / max(1, x.numel())
         self._max = scan.max
         self._sorted: tuple | None = None
         if floor is None:
             self.indices: Tensor | None = None
-            self.values = scratch.magnitudes(x)
+            self.values = scratch.magnitudes(self.x)
         else:
             self.indices = scan.indices
             self.values = scan.values
@@ -413,11 +437,22 @@ class MagnitudeView:
 
 
 def largest_in_order(indices: Tensor, values: Tensor, k: int) -> Tensor:
-    """The ``indices`` (increasing) of the ``k`` largest ``values``, still in increasing order: the
-    k-th largest value by ``torch.topk``, then one compare over the values, so the senders that need
-    sorted indices sort nothing. Among values tied with the k-th largest the first ones are kept."""
+    """The ``indices`` (increasing) of the ``k`` largest ``values`` (magnitudes), still in increasing
+    order, so the senders that need sorted indices sort nothing. Among values tied with the k-th
+    largest the first ones are kept.
+
+    Where the compiled kernel is in use (float32 values on the CPU) the k-th largest value comes from a
+    radix select on the values' bit patterns and the compaction is one pass in C
+    (``_scan.select_largest``); else from ``torch.topk``, then torch compares. NaN among the values
+    (unchecked input) makes both take torch.topk's own choice, sorted."""
     if k >= values.numel():
         return indices
+    if (k > 0 and _compiled_applies(values, torch.float32) and _compiled_applies(indices, torch.int64)
+            and indices.numel() == values.numel()):
+        chosen = torch.empty(k, dtype=torch.int64)
+        if _compiled.select_largest(indices.data_ptr(), values.data_ptr(), values.numel(), k,
+                                    chosen.data_ptr(), _kernel) == k:
+            return chosen
     kth = torch.topk(values, k, sorted=False).values.min()
     keep = values > kth
     short = k - int(keep.sum())
