@@ -62,6 +62,8 @@ def _fails_after_agreement():
     method(torch.ones(100))
     if rank == 1:
         def broken(grad, layout):
+            if method.agrees_in_reduce:  # topk agrees after its selection's scan: fail after that
+                method.agree(grad, layout, 0)
             raise MemoryError("out of memory (injected)")
         method.reduce = broken
     start = time.monotonic()
@@ -84,6 +86,37 @@ def test_a_failure_after_the_agreement_is_named_on_the_others_and_stops_the_meth
         first, second, _ = results[rank]
         assert "rank 1 failed mid-call (MemoryError: out of memory (injected))" in first, first
     assert all(second == ProtocolBroken.__name__ for _, second, _ in results)
+
+
+def _fails_before_agreement():
+    """Rank 1's selection raises before the agreement of a method that agrees after its scan."""
+    rank = dist.get_rank()
+    method = make_method("topka", density=0.1)
+    assert method.agrees_in_reduce
+    method(torch.ones(100))
+    residual = method.residual.clone()
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise MemoryError("out of memory (injected)")
+        method.selector.accumulate = broken
+    try:
+        method(torch.ones(100))
+        first = "went on"
+    except Exception as exc:  # noqa: BLE001
+        first = f"{type(exc).__name__}: {exc}"
+    if rank == 1:
+        del method.selector.accumulate
+    unchanged = bool(torch.equal(method.residual, residual))
+    method(torch.ones(100))  # nothing was sent: the ranks are still in step
+    return first, unchanged, method.step
+
+
+def test_a_failure_before_a_deferred_agreement_raises_on_every_rank_and_changes_nothing():
+    results = run_workers(3, _fails_before_agreement, timeout=90, stall_timeout=10)
+    for rank, (first, unchanged, step) in enumerate(results):
+        assert "out of memory (injected)" in first if rank == 1 else "rank 1" in first, first
+        assert "nothing was sent" in first, first
+        assert unchanged and step == 2
 
 
 def _local_problem_on_one_rank(kind, name):

@@ -68,7 +68,7 @@ class Group:
         dense: the small-tensor group (all-reduced densely in one fused call).
         method: the method instance of this group.
         residual: the group's error-feedback residual (``None`` when the method keeps none); the
-            method's ``residual`` attribute is this very tensor.
+            method's ``residual`` attribute is this very tensor (after every call, :meth:`call`).
     """
 
     index: int
@@ -120,11 +120,11 @@ class Group:
         """Run the method on the group's gradient into :meth:`outbuf`; its residual stays the group's
         tensor."""
         out = self.method(grad, self.layout if use_layout else None, out=self.outbuf())
-        if self.residual is not None and self.method.residual is not self.residual:
-            # a method that replaced its residual instead of updating it in place: keep ours
+        if self.residual is not None:
+            # a method that agrees after its selection keeps two residual buffers and alternates
+            # them (Method.commit_residual): the group's residual is the method's current one
             assert self.method.residual is not None
-            self.residual.copy_(self.method.residual)
-            self.method.residual = self.residual
+            self.residual = self.method.residual
         return out
 
 

@@ -31,7 +31,8 @@ from ..selection import NonFiniteInputError
 from ..transport.agreement import Agreement, AgreementError, agree
 from ..transport.disagreement import describe_options, gather_texts, options_text
 
-__all__ = ["check_call", "count_nonfinite", "AgreementError", "NonFiniteGradientError", "NONFINITE_POLICIES"]
+__all__ = ["check_call", "local_problem", "count_nonfinite", "AgreementError", "NonFiniteGradientError",
+           "NONFINITE_POLICIES"]
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +46,24 @@ class NonFiniteGradientError(NonFiniteInputError, AgreementError):
     """A rank's gradient holds NaN/Inf: raised on every rank, before anything is sent."""
 
 
-def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[str] = ()) -> dict[str, Any] | None:
+def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[str] = (), *,
+               nonfinite: int | None = None, failure: str | None = None) -> dict[str, Any] | None:
     """Check ``grad`` locally, then agree with every rank of ``method.comm`` on the call (one header
     all-reduce). Raises the same error on every rank when a rank's input is unusable, the ranks
     disagree, or (policy ``"error"``) a rank's gradient holds NaN/Inf. Returns ``None`` to go on, or
     the figures of a step skipped for non-finite input (policy ``"skip"``). ``method_names``: the
-    registered names, to name a differing method in the message."""
-    problem = _local_problem(grad, layout, method.name, method.residual)
+    registered names, to name a differing method in the message.
+
+    ``nonfinite``: the NaN/Inf elements of ``grad`` when the caller counted them already (a method
+    that agrees after its selection's scan, :attr:`Method.agrees_in_reduce`); ``None`` counts them
+    here (:func:`count_nonfinite`, one sum over the gradient). ``failure``: this rank failed locally
+    before the agreement (the message); every rank then raises."""
+    problem = local_problem(grad, layout, method.name, method.residual)
+    if failure is not None:
+        problem = (9, RuntimeError, f"{method.name}: {failure}")
     tensor = isinstance(grad, torch.Tensor)
     try:
-        header = _header(method, grad, layout, problem)
+        header = _header(method, grad, layout, problem, nonfinite)
     except Exception as exc:  # noqa: BLE001 - any local failure is told to every rank in the agreement
         problem = (9, RuntimeError, f"{method.name}: reading the gradient failed: {type(exc).__name__}: {exc}")
         header = _header(method, grad, layout, problem)
@@ -67,9 +76,10 @@ def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[st
     if bad_input:
         if problem is not None:
             raise problem[1](f"{problem[2]} (input rejected on {_ranks_text(bad_input)}; nothing was sent)")
-        raise AgreementError(f"{method.name}: {_ranks_text(bad_input)} passed an unusable gradient "
-                             f"({', '.join(_PROBLEMS[c][1] for c in sorted(set(verdict.column('input'))) if c)});"
-                             f" nothing was sent", bad_input, "input")
+        codes = sorted(set(verdict.column("input")) - {0})
+        what = "failed before sending" if codes == [9] else \
+            f"passed an unusable gradient ({', '.join(_PROBLEMS[c][1] for c in codes)})"
+        raise AgreementError(f"{method.name}: {_ranks_text(bad_input)} {what}; nothing was sent", bad_input, "input")
     mismatched = [name for name in verdict.mismatched() if name != "nonfinite"]
     if mismatched:
         odd = sorted({r for name in mismatched for r in verdict.outliers(name)[1]})
@@ -110,14 +120,17 @@ def _describe_mismatch(method: Any, name: str, grad: Any, layout: Layout) -> str
     return describe_options(texts).replace("option 'layout' differs: ", "")
 
 
-def _header(method: Any, grad: Any, layout: Layout, problem: tuple | None) -> dict[str, int]:
-    """This rank's description of the call, as int64 fields (see :mod:`..transport.agreement`)."""
+def _header(method: Any, grad: Any, layout: Layout, problem: tuple | None,
+            nonfinite: int | None = None) -> dict[str, int]:
+    """This rank's description of the call, as int64 fields (see :mod:`..transport.agreement`);
+    ``nonfinite`` when counted already, else counted here."""
     if problem is not None:
         return {"input": problem[0], **dict.fromkeys(_HEADER_FIELDS, 0)}
     n = grad.numel()
     return {"input": 0, "n": n, "dtype": _dtype_code(grad.dtype), "density": _float_bits(method.density),
             "step": method.step, "method": zlib.crc32(method.name.encode()), "options": _options_hash(method.options),
-            "layout": 0 if layout is None else _layout_hash(layout), "nonfinite": count_nonfinite(grad)}
+            "layout": 0 if layout is None else _layout_hash(layout),
+            "nonfinite": count_nonfinite(grad) if nonfinite is None else nonfinite}
 
 
 def _options_hash(options: dict[str, Any]) -> int:
@@ -147,7 +160,7 @@ _PROBLEMS: dict[int, tuple[type[Exception], str]] = {
     1: (TypeError, "not a torch.Tensor"), 2: (ValueError, "not 1-D"), 3: (TypeError, "not floating-point"),
     4: (ValueError, "bad layout"), 5: (ValueError, "requires grad"), 6: (ValueError, "meta tensor"),
     7: (TypeError, "not a dense (strided) tensor"), 8: (ValueError, "not on the residual's device"),
-    9: (RuntimeError, "gradient could not be read")}
+    9: (RuntimeError, "failed before sending")}
 
 # fields whose header value is a CRC: the message names what differs instead (_describe_mismatch)
 _NO_CRC = ("options", "layout")
@@ -155,7 +168,7 @@ _NO_CRC = ("options", "layout")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _local_problem(grad: Any, layout: Layout, name: str,
+def local_problem(grad: Any, layout: Layout, name: str,
                    residual: torch.Tensor | None = None) -> tuple[int, type[Exception], str] | None:
     """(code, exception type, message) of what makes ``grad`` / ``layout`` unusable here, or None.
 

@@ -23,7 +23,7 @@ from ..core.registry import Registry
 from ..core.validate import check_fraction
 from ..transport.comm import Communicator
 from ..transport.deadline import ProtocolBroken, explain_timeout, is_peer_failure, report_failure
-from .agreement import NONFINITE_POLICIES, AgreementError, NonFiniteGradientError, check_call
+from .agreement import NONFINITE_POLICIES, AgreementError, NonFiniteGradientError, check_call, local_problem
 from .stats import PHASES, Stats
 
 __all__ = ["Method", "Layout", "METHODS", "register_method", "selection_count", "check_density", "AgreementError",
@@ -51,6 +51,13 @@ class Method:
     #: For methods whose result is an estimate (a sketch): options under which it is exact, so that
     #: density 1 with them returns the dense average (DESIGN invariant 3). Empty for exact methods.
     exact_options: dict[str, Any] = {}
+    #: True when :meth:`reduce` makes the call's agreement itself (:meth:`agree`), after its local
+    #: work on the gradient and before its first message, so that the agreement's non-finite count
+    #: comes from that work (the selection's scan) instead of a pass of its own. Such a method
+    #: changes no state before :meth:`agree` returns: it accumulates into :meth:`spare_residual`
+    #: and adopts it with :meth:`commit_residual` once the ranks agreed. Otherwise the base class
+    #: agrees before :meth:`reduce` is called.
+    agrees_in_reduce: bool = False
 
     def __init__(self, comm: Communicator | None = None, *, density: float | None = None) -> None:
         self.comm = comm if comm is not None else Communicator()
@@ -68,6 +75,11 @@ class Method:
         self._call_out: torch.Tensor | None = None   # this call's out= tensor (None: a fresh result)
         self._out_support: torch.Tensor | None = None
         self._out_mark: tuple[int, int] | None = None
+        #: the second residual buffer of a method that agrees in reduce (see :meth:`spare_residual`)
+        self._spare: torch.Tensor | None = None
+        #: (seconds, traffic) of this call's agreement when reduce made it (:meth:`agree`)
+        self._agreement: tuple[float, Any] | None = None
+        self._agreement_entered = False
         #: why an earlier call failed after the ranks agreed (the ranks are out of step), or None
         self._broken: str | None = None
 
@@ -121,6 +133,41 @@ class Method:
                 or self.residual.device != grad.device:
             self.residual = torch.zeros_like(grad)
         return self.residual
+
+    def spare_residual(self, grad: torch.Tensor) -> torch.Tensor:
+        """A second buffer like ``grad`` (reused across calls) for a method that agrees in
+        :meth:`reduce`: it writes ``acc = residual + grad`` there, in the selection's scan, so the
+        residual is still intact when the ranks decide to skip the step or raise; once they agreed,
+        :meth:`commit_residual` makes it the residual. Error feedback then keeps two length-n buffers
+        instead of one (docs/memory.md)."""
+        spare = self._spare
+        if spare is None or spare.shape != grad.shape or spare.dtype != grad.dtype or spare.device != grad.device \
+                or (self.residual is not None and spare.data_ptr() == self.residual.data_ptr()):
+            self._spare = spare = torch.empty_like(grad)
+        return spare
+
+    def commit_residual(self, acc: torch.Tensor) -> None:
+        """Make ``acc`` (the :meth:`spare_residual` buffer) the residual; the old residual becomes
+        the next call's spare buffer."""
+        self.residual, self._spare = acc, self.residual
+
+    def agree(self, grad: torch.Tensor, layout: Layout, nonfinite: int) -> None:
+        """The call's agreement (:func:`.agreement.check_call`), made by a method whose
+        :attr:`agrees_in_reduce` is set, once per call, after its local work on ``grad`` and before
+        it sends anything; ``nonfinite``: the NaN/Inf elements that work found in ``grad`` (0 when
+        none; any positive number when there are some). Raises the agreement's error on every rank;
+        a step skipped by the non-finite policy leaves :meth:`reduce` by an internal exception that
+        :meth:`__call__` turns into the policy's result. Its header bytes and rounds are not the
+        method's traffic (they are booked apart, as when the base class agrees first)."""
+        if self._agreement is not None:
+            raise RuntimeError(f"{self.name}: agree() called twice in one call (a method bug)")
+        mark, start = self.comm.meter.snapshot(), time.perf_counter()
+        self._agreement_entered = True  # from here on, every rank learns of a failure in the agreement
+        skip = check_call(self, grad, layout, METHODS.names(), nonfinite=nonfinite)
+        self._agreement = (time.perf_counter() - start, self.comm.meter.since(mark))
+        if skip is not None:
+            raise _SkippedCall(skip)
+        self._agreed = True
 
     # ------------------------------------------------------------------ the output tensor
     def output_buffer(self, like: torch.Tensor) -> torch.Tensor:
@@ -202,23 +249,23 @@ class Method:
     def _call(self, grad: torch.Tensor, layout: Layout, out: torch.Tensor | None) -> torch.Tensor:
         start = time.perf_counter()
         self._agreed = False
-        skip = self._validate(grad, layout)
-        self._agreed = skip is None
+        self._agreement = None
+        self._agreement_entered = False
+        # a method that agrees in reduce does so after its local work, on input that passed the local
+        # checks; anything else (or a local problem, which the agreement tells every rank) agrees first
+        deferred = (self.agrees_in_reduce and isinstance(grad, torch.Tensor) and grad.numel() > 0
+                    and local_problem(grad, layout, self.name, self.residual) is None)
+        skip = None if deferred else self._validate(grad, layout)
+        self._agreed = skip is None and not deferred
         agreed = time.perf_counter()
         self._times = {}
         n = grad.numel()
         self.stats = Stats(n=n, selected=0 if self.sparse else n)
-        if self.tracks_sent and (skip is not None or n == 0):  # nothing sent: DGC masks nothing
-            self.last_sent = torch.empty(0, dtype=torch.int64, device=grad.device)
         if skip is not None:
-            self.stats.skipped = 1
-            self.stats.extra.update(skip)
-            self.stats.extra["time_agreement"] = agreed - start
-            self.stats.time_total = time.perf_counter() - start
-            if self.nonfinite == "propagate":  # as plain DDP's sum would: GradScaler sees it and skips
-                return torch.full_like(grad, float("nan")) if out is None else out.fill_(float("nan"))
-            return torch.zeros_like(grad) if out is None else out.zero_()
+            return self._skipped(grad, out, skip, agreed - start, start)
         if n == 0:  # nothing to reduce: the average of empty gradients is empty, on every method
+            if self.tracks_sent:
+                self.last_sent = torch.empty(0, dtype=torch.int64, device=grad.device)
             self.step += 1
             self.stats.time_total = time.perf_counter() - start
             return grad.new_zeros(0) if out is None else out
@@ -227,8 +274,17 @@ class Method:
         try:
             with self.comm.meter.phase(self.name):
                 result = self.reduce(grad, layout)
+        except _SkippedCall as skipped:
+            assert self._agreement is not None
+            return self._skipped(grad, out, skipped.figures, self._agreement[0], start)
+        except Exception as exc:
+            if deferred and not self._agreement_entered and not is_peer_failure(exc):
+                self._tell_others(grad, layout, exc)  # the other ranks wait in the agreement
+            raise
         finally:
             self._call_out = None
+        if deferred and self._agreement is None:
+            raise RuntimeError(f"{self.name}: reduce() returned without calling agree() (a method bug)")
         if out is None:
             if result.data_ptr() == grad.data_ptr():  # a method that reduced in place: not the caller's
                 result = result.clone()
@@ -238,6 +294,8 @@ class Method:
             result = out
         self._out_mark = None if out is None else (out.data_ptr(), out._version)
         traffic = self.comm.meter.since(mark)
+        if self._agreement is not None:  # made inside reduce: booked apart, as when made first
+            traffic = traffic.minus(self._agreement[1])
         stats = self.stats
         if not self.sparse:
             stats.nnz_out = n  # a dense method sends and returns every element
@@ -250,7 +308,7 @@ class Method:
         stats.header_bytes = traffic.header_bytes_sent
         stats.rounds = traffic.rounds
         stats.time_total = time.perf_counter() - start
-        stats.extra["time_agreement"] = agreed - start
+        stats.extra["time_agreement"] = agreed - start if self._agreement is None else self._agreement[0]
         for phase in PHASES:
             setattr(stats, f"time_{phase}", self._times.get(phase, 0.0))
         for phase, seconds in self._times.items():
@@ -258,6 +316,29 @@ class Method:
                 stats.extra[f"time_{phase}"] = seconds
         self.step += 1
         return result
+
+    def _skipped(self, grad: torch.Tensor, out: torch.Tensor | None, skip: dict[str, Any], agreement_s: float,
+                 start: float) -> torch.Tensor:
+        """The result of a call the ranks agreed to skip (a non-finite gradient under ``"skip"`` or
+        ``"propagate"``): nothing sent, residual, step and every other state unchanged."""
+        self.stats = Stats(n=grad.numel(), selected=0 if self.sparse else grad.numel())
+        if self.tracks_sent:  # nothing sent: DGC masks nothing
+            self.last_sent = torch.empty(0, dtype=torch.int64, device=grad.device)
+        self.stats.skipped = 1
+        self.stats.extra.update(skip)
+        self.stats.extra["time_agreement"] = agreement_s
+        self.stats.time_total = time.perf_counter() - start
+        if self.nonfinite == "propagate":  # as plain DDP's sum would: GradScaler sees it and skips
+            return torch.full_like(grad, float("nan")) if out is None else out.fill_(float("nan"))
+        return torch.zeros_like(grad) if out is None else out.zero_()
+
+    def _tell_others(self, grad: torch.Tensor, layout: Layout, exc: Exception) -> None:
+        """A local failure before the agreement of a method that agrees in reduce: the agreement
+        the other ranks are waiting in tells them, and every rank raises (this one from ``exc``)."""
+        try:
+            check_call(self, grad, layout, METHODS.names(), failure=f"{type(exc).__name__}: {exc}")
+        except Exception as told:  # noqa: BLE001 - the agreement's error, raised the same on every rank
+            raise told from exc
 
     def _validate(self, grad: Any, layout: Layout) -> dict[str, Any] | None:
         """Check ``grad`` locally, then agree with every rank on the call (:func:`.agreement.check_call`:
@@ -299,6 +380,14 @@ class Method:
     def __repr__(self) -> str:
         dens = "" if self.density is None else f", density={self.density:g}"
         return f"{type(self).__name__}(P={self.comm.size}{dens})"
+
+
+class _SkippedCall(Exception):
+    """Raised by :meth:`Method.agree` inside ``reduce`` when the ranks agreed to skip the step."""
+
+    def __init__(self, figures: dict[str, Any]) -> None:
+        super().__init__("step skipped")
+        self.figures = figures
 
 
 def check_density(method: str, sparse: bool, density: Any) -> float | None:

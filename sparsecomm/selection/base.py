@@ -89,6 +89,12 @@ class Selector:
         return None
 
     # -- state ----------------------------------------------------------------------------------------
+    @property
+    def stateless(self) -> bool:
+        """Whether the selector keeps no state between calls (a selection changes nothing but its
+        result), so that a selection can be made and then dropped."""
+        return type(self).state_dict is Selector.state_dict
+
     def state_dict(self) -> dict[str, Any]:
         """The state carried from one call to the next (empty for stateless selectors)."""
         return {}

@@ -161,8 +161,8 @@ class Communicator:
 
         Sends ``tensor`` (1-D) to local rank ``dst`` and returns the 1-D tensor that ``src`` sent
         (same dtype as ``tensor`` unless ``dtype`` is given). A size header (one int64) travels with
-        it (see :meth:`exchange_many`); it is booked as header bytes. ``dst=None`` receives only (``dtype`` then required);
-        ``src=None`` sends only and returns ``None``.
+        it (see :meth:`exchange_many`); it is booked as header bytes. ``dst=None`` receives only
+        (``dtype`` then required); ``src=None`` sends only and returns ``None``.
         """
         if src is not None and dtype is None:
             if tensor is None:
@@ -220,7 +220,7 @@ class Communicator:
         sizes = [int(m) * d.itemsize for m, d in zip(numels, dtypes, strict=False)]
         recv_payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device) if src is not None else None
         self._post(send_payload, dst, recv_payload, src, header=False)
-        return _split_payload(recv_payload, sizes, dtypes) if src is not None else []
+        return _split_payload(recv_payload, sizes, dtypes) if recv_payload is not None else []
 
     def _exchange_eager(self, dst: int | None, tensors: Sequence[torch.Tensor], src: int | None,
                         count: int, dtypes: Sequence[torch.dtype], device) -> list[torch.Tensor]:
@@ -266,7 +266,7 @@ class Communicator:
             else:
                 landing = torch.empty(total, dtype=torch.uint8, device=buffer_device)
                 payload = landing
-            inter = self.is_inter_node(src)
+            inter = src is not None and self.is_inter_node(src)
             self.meter.record_recv(header_bytes, header=True, inter_node=inter)
             if total:
                 self.meter.record_recv(total, inter_node=inter)
