@@ -21,9 +21,18 @@ import torch
 
 from ..core.registry import Registry
 from ..core.validate import check_fraction
+from ..selection import NonFiniteInputError
+from ..selection.scan import Scratch
 from ..transport.comm import Communicator
 from ..transport.deadline import ProtocolBroken, explain_timeout, is_peer_failure, report_failure
-from .agreement import NONFINITE_POLICIES, AgreementError, NonFiniteGradientError, check_call, local_problem
+from .agreement import (
+    NONFINITE_POLICIES,
+    AgreementError,
+    NonFiniteGradientError,
+    check_call,
+    count_nonfinite,
+    local_problem,
+)
 from .stats import PHASES, Stats
 
 __all__ = ["Method", "Layout", "METHODS", "register_method", "selection_count", "check_density", "AgreementError",
@@ -80,6 +89,7 @@ class Method:
         #: (seconds, traffic) of this call's agreement when reduce made it (:meth:`agree`)
         self._agreement: tuple[float, Any] | None = None
         self._agreement_entered = False
+        self._scratch = Scratch()  # the fused scan's buffers (accumulate_and_agree)
         #: why an earlier call failed after the ranks agreed (the ranks are out of step), or None
         self._broken: str | None = None
 
@@ -145,6 +155,39 @@ class Method:
                 or (self.residual is not None and spare.data_ptr() == self.residual.data_ptr()):
             self._spare = spare = torch.empty_like(grad)
         return spare
+
+    def accumulate_and_agree(self, grad: torch.Tensor, layout: Layout,
+                             select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Error feedback's ``acc = residual + grad`` and the call's agreement, for a method that
+        agrees in :meth:`reduce` (:attr:`agrees_in_reduce`), before its first message.
+
+        ``acc`` is written to :meth:`spare_residual` in one pass that also tells whether ``grad`` is
+        finite: ``select(residual, grad, acc)`` (a selector's fused scan, e.g.
+        ``selector.accumulate(residual, grad, k, dest=acc)``, which raises
+        :class:`~sparsecomm.selection.NonFiniteInputError` on a non-finite sum), or without
+        ``select`` the fused scan alone (:meth:`~sparsecomm.selection.scan.Scratch.scan` with no
+        candidates; elsewhere than on the CPU kernel an addition and a count). Then :meth:`agree`
+        with that verdict (nothing is sent before; a skipped step returns through it with the
+        residual untouched), then ``acc`` becomes the residual (:meth:`commit_residual`).
+        Returns (``acc``, ``select``'s result or ``None``)."""
+        acc = self.spare_residual(grad)
+        residual = self.residual_for(grad)
+        nonfinite, selected = 0, None
+        with self.timer("select" if select is not None else "residual"):
+            try:
+                if select is not None:
+                    selected = select(residual, grad, acc)
+                elif self._scratch.uses_compiled(residual, grad, acc):
+                    self._scratch.scan(residual, math.inf, name=self.name, check_finite=True, addend=grad, dest=acc)
+                else:
+                    torch.add(residual, grad, out=acc)
+                    nonfinite = count_nonfinite(grad)
+            except NonFiniteInputError:  # the scan's sum of |acc| is not finite: count (the rare path)
+                nonfinite = max(1, count_nonfinite(grad))
+        self.agree(grad, layout, nonfinite)
+        self.commit_residual(acc)
+        return acc, selected
 
     def commit_residual(self, acc: torch.Tensor) -> None:
         """Make ``acc`` (the :meth:`spare_residual` buffer) the residual; the old residual becomes

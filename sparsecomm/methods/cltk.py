@@ -80,6 +80,7 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
 
     sparse = True
     has_residual = True
+    agrees_in_reduce = True  # after acc = grad + residual (the leader's selection scan)
 
     def __init__(self, comm=None, *, density: float, allreduce: str = "rabenseifner",
                  global_error: bool = False) -> None:
@@ -92,13 +93,13 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
         n, P, r = grad.numel(), self.comm.size, self.comm.rank
         k = self.k(n)
         leader = self.step % P
-        acc = self.residual_for(grad)                 # acc is self.residual, updated in place
-        if r == leader:
-            with self.timer("select"):                # acc += grad inside the selector's scan
-                indices = ascending(self.selector.accumulate(acc, grad, k)).to(index_dtype(n))
+        # acc = grad + residual, in the leader's selection scan; the agreement follows it
+        acc, selected = self.accumulate_and_agree(
+            grad, layout, (lambda residual, g, dest: self.selector.accumulate(residual, g, k, dest=dest))
+            if r == leader else None)
+        if selected is not None:
+            indices = ascending(selected).to(index_dtype(n))
         else:
-            with self.timer("residual"):
-                acc.add_(grad)
             indices = torch.empty(k, dtype=index_dtype(n), device=grad.device)
         with self.timer("comm"):
             binomial_broadcast(self.comm, indices, leader)

@@ -38,14 +38,12 @@ import torch
 from torch import Tensor
 
 from ..core.cost import Cost
-from ..selection import NonFiniteInputError
 from ..selection import make as make_selector
 from ..selection.threshold import cap_selection
 from ..transport.chunk import SparseChunk, pair_bytes
 from ..transport.comm import Communicator
 from ..transport.merge import ascending, average_into
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_cost
-from .agreement import count_nonfinite
 from .base import Layout, Method
 
 __all__ = ["SelectorStateMixin", "SelectAllGather", "select_allgather_cost", "check_cap", "cap_limit",
@@ -152,21 +150,6 @@ class SelectAllGather(SelectorStateMixin, Method):
         and the agreement follows it (:meth:`~.base.Method.agree`), with no pass of its own."""
         return type(self).select is SelectAllGather.select and self.selector.stateless
 
-    def _accumulate_and_agree(self, grad: Tensor, layout: Layout) -> tuple[Tensor, Tensor]:
-        """``acc = residual + grad`` in the spare residual buffer and its selection, in one scan;
-        then the agreement, with the scan's verdict on the gradient's finiteness; then ``acc``
-        becomes the residual. Returns (acc, selected indices)."""
-        acc = self.spare_residual(grad)
-        nonfinite = 0
-        with self.timer("select"):
-            try:
-                idx = self.selector.accumulate(self.residual_for(grad), grad, self.k(grad.numel()), dest=acc)
-            except NonFiniteInputError:  # the scan's sum of |acc| is not finite: count (the rare path)
-                nonfinite = max(1, count_nonfinite(grad))
-        self.agree(grad, layout, nonfinite)  # raises (or skips the step) on every rank; nothing sent yet
-        self.commit_residual(acc)
-        return acc, idx
-
     def _known_counts(self, n: int) -> list[int] | None:
         """Every rank's message length when it is known before the exchange: the configured selector
         picks exactly k = ceil(density n) entries (an exact-count selector, ``select`` not overridden)
@@ -179,7 +162,11 @@ class SelectAllGather(SelectorStateMixin, Method):
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n = grad.numel()
         if self.agrees_in_reduce:
-            acc, idx = self._accumulate_and_agree(grad, layout)
+            k = self.k(n)
+            acc, selected = self.accumulate_and_agree(
+                grad, layout, lambda residual, g, dest: self.selector.accumulate(residual, g, k, dest=dest))
+            assert selected is not None
+            idx = selected
         else:
             with self.timer("select"):
                 acc = self.residual_for(grad)       # acc is self.residual, updated in place

@@ -215,6 +215,11 @@ class Scratch:
     def _use_compiled(x: Tensor) -> bool:
         return _compiled_applies(x, torch.float32)
 
+    @classmethod
+    def uses_compiled(cls, *tensors: Tensor) -> bool:
+        """Whether a scan of these tensors (``x``, ``addend``, ``dest``) runs the C kernel."""
+        return all(cls._use_compiled(t) for t in tensors)
+
     def _run_compiled(self, x: Tensor, floor: float, capacity: int, addend: Tensor | None = None,
                       dest: Tensor | None = None) -> tuple:
         """(count, total, max) of one kernel call writing up to ``capacity`` candidates (and, with
