@@ -113,6 +113,7 @@ class SparDL(Method):
 
     sparse = True
     has_residual = True
+    agrees_in_reduce = True  # after G = gradient + residual (Method.accumulate_and_agree)
 
     def __init__(self, comm: Communicator | None = None, *, density: float, teams: int | str = 1,
                  sag: str = "auto", selector: None | str | Callable = "exact_topk",
@@ -182,6 +183,9 @@ class SparDL(Method):
     # ------------------------------------------------------------------ the call
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         started = time.perf_counter()
+        # G = gradient + residual (Algorithm 1, line 1), in one scan that also tells the agreement
+        # whether the gradient is finite; nothing (the teams' split included) communicates before it
+        residual, _ = self.accumulate_and_agree(grad, layout)
         P, n = self.comm.size, grad.numel()
         k = self.k(n)
         d = self._teams_now(n, k, grad.element_size())
@@ -191,9 +195,6 @@ class SparDL(Method):
         bounds = chunk_offsets(n, m)
         counts = chunk_sizes(k, m)
 
-        residual = self.residual_for(grad)
-        with self.timer("residual"):
-            residual.add_(grad)                   # G = gradient + residual (Algorithm 1, line 1)
         # The accumulator is G itself, changed in place; its journal stands for G_copy (line 3)
         work = Accumulator(residual)
 
