@@ -25,6 +25,7 @@ from ..selection import NonFiniteInputError
 from ..selection.scan import Scratch
 from ..transport.comm import Communicator
 from ..transport.deadline import ProtocolBroken, explain_timeout, is_peer_failure, report_failure
+from ..transport.merge import GroupMask, Stale, average_into, clear
 from .agreement import (
     NONFINITE_POLICIES,
     AgreementError,
@@ -82,7 +83,8 @@ class Method:
         self._nonfinite = "error"
         self._times: dict[str, float] = {}
         self._call_out: torch.Tensor | None = None   # this call's out= tensor (None: a fresh result)
-        self._out_support: torch.Tensor | None = None
+        #: where this method last wrote its ``out=`` tensor (None: unknown, zero it all)
+        self._out_support: torch.Tensor | GroupMask | None = None
         self._out_mark: tuple[int, int] | None = None
         #: the second residual buffer of a method that agrees in reduce (see :meth:`spare_residual`)
         self._spare: torch.Tensor | None = None
@@ -218,19 +220,48 @@ class Method:
 
         Without ``out=`` it is a fresh tensor the caller owns. With ``method(grad, out=buf)`` it is
         ``buf``, zeroed: in full, or, when ``buf`` is the tensor this method filled on its previous
-        call and nobody wrote into it since (same storage, same ``_version``), only at the entries
-        that call wrote (see :meth:`output_written`), so a sparse call costs O(k) here instead of a
-        length-n write. That is the zero-allocation path of the DDP hook and the synchronizer.
+        call and nobody wrote into it since (same storage, same ``_version``), only where that call
+        wrote (see :meth:`output_written`), so a sparse call costs O(k) here instead of a length-n
+        write. That is the zero-allocation path of the DDP hook and the synchronizer. Methods that
+        decompress received chunks use :meth:`output_average` instead, which zeroes and writes in one
+        sweep.
         """
         out = self._call_out
         if out is None:
             return torch.zeros_like(like)
-        if self._out_support is not None and self._out_mark == (out.data_ptr(), out._version):
-            out.index_fill_(0, self._out_support, 0)
-        else:
-            out.zero_()
+        clear(out, self._stale(out))
         self._out_support = None  # until the method says where it wrote: a full zero next time
         return out
+
+    def output_average(self, like: torch.Tensor, indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                       divisor: int, *, keep_sign: bool = False) -> torch.Tensor:
+        """This call's output tensor (as :meth:`output_buffer`'s) made the average of the chunks
+        (``indices[c]``, ``values[c]``; each chunk's indices sorted for the C path) and zero elsewhere:
+        :func:`~sparsecomm.transport.merge.average_into`, which zeroes the entries of the previous call
+        and writes this one's in one ordered sweep, divided by ``divisor`` on the way (``keep_sign``: each
+        entry's sum starts from its first value, as an assignment ``out[i] = v / divisor`` does, instead
+        of from ``+0.0``). Records where it wrote for the next call and, where the merge counted them,
+        ``stats.nnz_out``."""
+        out = self._call_out
+        stale: Stale = "all"
+        if out is None:
+            out = torch.empty_like(like)
+        else:
+            stale = self._stale(out)
+        self._out_support = None  # until the write succeeds
+        written, nonzero = average_into(out, indices, values, divisor, stale=stale, keep_sign=keep_sign)
+        if self._call_out is not None:
+            self._out_support = written
+        if nonzero is not None:  # else the base class counts the non-zeros of the result
+            self.stats.nnz_out = nonzero
+        return out
+
+    def _stale(self, out: torch.Tensor) -> Stale:
+        """Where ``out`` (this call's ``out=`` tensor) may be non-zero: where this method's previous call
+        wrote, if ``out`` is that call's result untouched since, else anywhere."""
+        if self._out_support is not None and self._out_mark == (out.data_ptr(), out._version):
+            return self._out_support
+        return "all"
 
     def output_copy(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` copied into this call's output tensor (for dense methods that reduce in place)."""

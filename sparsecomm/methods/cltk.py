@@ -106,9 +106,7 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
             chosen = indices.long()
             summed = allreduce(self.comm, acc[chosen], self.allreduce)
         with self.timer("decompress"):
-            out = self.output_buffer(grad)
-            out[chosen] = summed.div_(P)
-            self.output_written(chosen)
+            out = self.output_average(grad, [chosen], [summed], P, keep_sign=True)  # summed / P, 0 elsewhere
         with self.timer("residual"):
             acc.index_fill_(0, chosen, 0)
         self.stats.update(selected=k if r == leader else 0, nnz_out=k, leader=leader,

@@ -349,9 +349,7 @@ class ExDyna(SparsificationMetrics, Method):
             total = len(union)
             summed = allreduce(self.comm, acc[union], self.allreduce) if total else acc[:0].clone()
         with self.timer("decompress"):
-            out = self.output_buffer(grad)
-            out[union] = summed.div_(P)
-            self.output_written(union)
+            out = self.output_average(grad, [union], [summed], P, keep_sign=True)  # summed / P, 0 elsewhere
         with self.timer("residual"):
             acc.index_fill_(0, union, 0)
         self.partition_counts = [counts[owner[p]] for p in range(P)]

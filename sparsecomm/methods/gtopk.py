@@ -87,10 +87,9 @@ class GlobalTopk(Method):
         with self.timer("comm"):
             current = self._broadcast(current, n, grad)
         with self.timer("decompress"):
-            out = self.output_buffer(grad)
-            where = current.indices.long()
-            out[where] = current.values.to(out.dtype) / comm.size
-            self.output_written(where)
+            # values / P at the (sorted) indices, 0 elsewhere
+            out = self.output_average(grad, [current.indices], [current.values.to(grad.dtype)], comm.size,
+                                      keep_sign=True)
         self.stats["nnz_out"] = current.nnz
         return out
 

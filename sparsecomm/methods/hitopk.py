@@ -56,7 +56,7 @@ from ..selection import make as make_selector
 from ..transport.chunk import SparseChunk, add_chunks, pair_bytes
 from ..transport.collectives import ring_reduce_scatter
 from ..transport.comm import Communicator
-from ..transport.merge import ascending, average_into
+from ..transport.merge import ascending
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_traffic
 from ..transport.topology import resolve_local_size, split_nodes
 from .base import Layout, Method, register_method, selection_count
@@ -120,14 +120,10 @@ class HiTopKComm(SelectorStateMixin, Method):
         with self.timer("comm"):
             shards = allgather_chunks(self.node, union)
         with self.timer("decompress"):
-            out = self.output_buffer(grad)
-            # the shards are disjoint and each sorted: one write per index, divided on the way
-            where, nonzero = average_into(out, [shard.indices for shard in shards],
-                                          [shard.values for shard in shards], self.comm.size)
-            self.output_written(where)
+            # the shards are disjoint and each sorted: one ordered sweep, divided on the way
+            out = self.output_average(grad, [shard.indices for shard in shards], [shard.values for shard in shards],
+                                      self.comm.size)
         self.stats["union_nnz"] = union.nnz
-        if nonzero is not None:  # else the base class counts the non-zeros of out
-            self.stats.nnz_out = nonzero
         self.stats["local_size"] = self.local_size
         self.stats.dense_fallback = self.one_node
         return out

@@ -56,7 +56,6 @@ from ..transport.alltoallv import alltoallv, alltoallv_traffic
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype, pair_bytes
 from ..transport.collectives import allreduce, allreduce_cost
 from ..transport.comm import Communicator
-from ..transport.merge import average_into
 from ..transport.sparse_collectives import allgatherv, allgatherv_traffic
 from .base import Layout, Method, register_method
 
@@ -169,9 +168,7 @@ class OkTopk(Method):
                 self.global_threshold = self.global_threshold / self.global_scale  # type: ignore[operator]
             elif chosen.nnz > 5 * k / 4:
                 self.global_threshold = self.global_threshold * self.global_scale  # type: ignore[operator]
-            out = self.output_buffer(grad)
-            written, _ = average_into(out, [chosen.indices], [chosen.values], P)  # sorted: one write each
-            self.output_written(written)
+            out = self.output_average(grad, [chosen.indices], [chosen.values], P)  # sorted: one sweep
             sent = idx[_members(idx, chosen.indices)]
             acc[sent] = 0                      # the residual keeps what did not reach the result
         self.last_sent = sent

@@ -76,13 +76,10 @@ class OmniReduce(Method):
         with self.timer("comm"):
             ids, sums, counts = block_allreduce(self.comm, blocks, values, num_blocks)
         with self.timer("decompress"):
-            out = self.output_buffer(grad)       # zero where the last call wrote
-            elements = ids.long().unsqueeze(1) * B + offsets
+            elements = ids.long().unsqueeze(1) * B + offsets  # sorted, as the ids are
             inside = elements < n                 # the last block may overhang the gradient
-            written, averages = elements[inside], sums.div(P)[inside]
-            out[written] = averages
-            self.output_written(written)
-        self.stats.nnz_out = int(torch.count_nonzero(averages))
+            # out = sums / P there and 0 elsewhere, in one sweep that also counts stats.nnz_out
+            out = self.output_average(grad, [elements[inside]], [sums.reshape(-1, B)[inside]], P, keep_sign=True)
         self.stats["blocks_sent"] = blocks.numel()
         self.stats["block_counts"] = counts["sent"]
         self.stats["result_blocks"] = counts["result"]

@@ -40,7 +40,7 @@ from ..selection import current_name as current_selector_name
 from ..selection import make as make_selector
 from ..transport.chunk import index_dtype
 from ..transport.comm import Communicator
-from ..transport.merge import ascending, average_into
+from ..transport.merge import ascending
 from ..transport.sparse_collectives import allgatherv, allgatherv_cost
 from .base import Layout, Method, register_method
 
@@ -278,20 +278,17 @@ class RedSync(Method):
         with self.timer("comm"):
             gathered = allgatherv(self.comm, message)
         with self.timer("decompress"):
-            out = self.output_buffer(grad)
-            received = [_sparse_entries(out, specs, unpack_message(specs, counts, indices, values))
-                        for counts, indices, values in gathered]
-            if any(spec.dense for spec in specs):  # dense layers were added in place: divide all of out
-                for indices, values in received:
+            messages = [unpack_message(specs, counts, indices, values) for counts, indices, values in gathered]
+            if any(spec.dense for spec in specs):  # dense layers are added in place: divide all of out
+                out = self.output_buffer(grad)
+                for indices, values in [_sparse_entries(out, specs, parts) for parts in messages]:
                     out.index_add_(0, indices.long(), values.to(out.dtype))
                 out.div_(self.comm.size)
                 self.output_written(None)
             else:  # each rank's indices are sorted (layer by layer, in layer order): one merge
-                union, nonzero = average_into(out, [i for i, _ in received], [v for _, v in received],
-                                              self.comm.size)
-                self.output_written(union)
-                if nonzero is not None:  # else the base class counts the non-zeros of out
-                    self.stats.nnz_out = nonzero
+                # (no dense layer: nothing is added into grad, which gives only the dtype and device)
+                received = [_sparse_entries(grad, specs, parts) for parts in messages]
+                out = self.output_average(grad, [i for i, _ in received], [v for _, v in received], self.comm.size)
         return out
 
     # ------------------------------------------------------------------ checkpoints

@@ -131,12 +131,9 @@ class SparseSketchReducer(Method):
             offsets = torch.arange(B, dtype=torch.int64, device=grad.device)
             union = (blocks.unsqueeze(1) * B + offsets).reshape(-1)
             union = union[union < n]
-            out = self.output_buffer(grad)
-            estimates = sketch.query(table, union).div_(P)
-            out[union] = estimates
-            self.output_written(union)
-        self.stats.update(nnz_out=int(torch.count_nonzero(estimates)), union_nnz=union.numel(),
-                          sketch_cells=rows * cols)
+            # out = estimate / P on the union and 0 elsewhere, in one sweep that also counts stats.nnz_out
+            out = self.output_average(grad, [union], [sketch.query(table, union)], P, keep_sign=True)
+        self.stats.update(union_nnz=union.numel(), sketch_cells=rows * cols)
         if self.measure_error:
             self._measure_error(out, idx, values)
         return out

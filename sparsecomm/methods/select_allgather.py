@@ -14,10 +14,10 @@ Per call, on every rank r:
    counts travel first as the size header of :meth:`Communicator.exchange_many` (the "initial element
    which indicates the length" of RedSync section 2.3).
 3. Every rank merges the P messages (each sorted by index) into the method's reused output buffer
-   (zeroed where the last call wrote, :meth:`~.base.Method.output_buffer`): each index's sum is taken
-   in rank order and written once, divided by P (:func:`~sparsecomm.transport.merge.average_into`),
-   so the result is the same bit for bit on every rank; no length-n vector is allocated per call, and
-   nothing is sorted or counted again.
+   (:meth:`~.base.Method.output_average`: one ordered sweep that zeroes where the last call wrote and
+   writes this call's average, :func:`~sparsecomm.transport.merge.average_into`): each index's sum is
+   taken in rank order and divided by P on the way, so the result is the same bit for bit on every
+   rank; no length-n vector is allocated per call, and nothing is sorted or counted again.
 
 The hard cap (``cap``, default 2): a selector whose count can exceed k (a threshold, SIDCo, a band
 selector) is cut to the ``ceil(cap * k)`` largest magnitudes it picked; what is cut stays in the
@@ -42,12 +42,11 @@ from ..selection import make as make_selector
 from ..selection.threshold import cap_selection
 from ..transport.chunk import SparseChunk, pair_bytes
 from ..transport.comm import Communicator
-from ..transport.merge import ascending, average_into
+from ..transport.merge import ascending
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_cost
 from .base import Layout, Method
 
-__all__ = ["SelectorStateMixin", "SelectAllGather", "select_allgather_cost", "check_cap", "cap_limit",
-           "add_messages"]
+__all__ = ["SelectorStateMixin", "SelectAllGather", "select_allgather_cost", "check_cap", "cap_limit"]
 
 
 def check_cap(cap: float | None, method: str) -> float | None:
@@ -63,14 +62,6 @@ def check_cap(cap: float | None, method: str) -> float | None:
 def cap_limit(cap: float | None, target: float) -> int | None:
     """The most entries a rank may select under ``cap`` with per-rank ``target`` (None: no cap)."""
     return None if cap is None else max(1, math.ceil(cap * target))
-
-
-def add_messages(out: Tensor, chunks: Sequence[SparseChunk], P: int) -> tuple[Tensor, int | None]:
-    """Write the average of ``chunks`` (their sum in chunk order, divided by P) into ``out``, which
-    is zero at their indices (:func:`~sparsecomm.transport.merge.average_into`: a merge of the sorted
-    chunks, one write per index). Returns (the int64 indices written, for
-    :meth:`~.base.Method.output_written`; the non-zero results, or ``None`` when not counted)."""
-    return average_into(out, [c.indices for c in chunks], [c.values for c in chunks], P)
 
 
 class SelectorStateMixin:
@@ -190,11 +181,8 @@ class SelectAllGather(SelectorStateMixin, Method):
         with self.timer("comm"):
             gathered = allgather_chunks(self.comm, chunk, counts=counts)
         with self.timer("decompress"):
-            out = self.output_buffer(grad)
-            union, nonzero = add_messages(out, gathered, self.comm.size)
-            self.output_written(union)
-            if nonzero is not None:  # else the base class counts the non-zeros of out
-                self.stats.nnz_out = nonzero
+            out = self.output_average(grad, [c.indices for c in gathered], [c.values for c in gathered],
+                                      self.comm.size)
         self.stats["message_bytes"] = chunk.nbytes()
         self.stats["counts"] = [received.nnz for received in gathered]
         self.stats["received_nnz"] = sum(self.stats["counts"])

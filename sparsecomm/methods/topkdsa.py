@@ -35,7 +35,6 @@ from ..core.cost import Cost, register_cost
 from ..core.validate import check_choice
 from ..selection import make as make_selector
 from ..transport.comm import Communicator
-from ..transport.merge import average_into
 from ..transport.sparse_stream import Stream, dense_switch_count, dsa_allreduce, dsa_cost, split_allreduce, split_cost
 from .base import Layout, Method, register_method
 
@@ -96,11 +95,7 @@ class TopkDSA(Method):
                 out = total.to_dense().reshape(-1).div_(P)
             else:  # sorted unique indices: the average written straight into the output buffer
                 assert total.indices is not None
-                out = self.output_buffer(grad)
-                written, nonzero = average_into(out, [total.indices], [total.values.reshape(-1)], P)
-                self.output_written(written)
-                if nonzero is not None:  # else the base class counts the non-zeros of out
-                    self.stats.nnz_out = nonzero
+                out = self.output_average(grad, [total.indices], [total.values.reshape(-1)], P)
         self.stats["algorithm"] = variant
         self.stats["sent_representation"] = kinds
         self.stats["dense_result"] = total.dense

@@ -1,28 +1,32 @@
-/* Merge of sorted sparse chunks: the decompression of the sparse methods in one ordered pass.
+/* Merge of sorted sparse chunks: the decompression of the sparse methods.
  *
  * Every sparse method ends by adding the P chunks it received, index by index, in rank order, and
- * (for the result) dividing each sum by P. Each chunk's indices arrive sorted, so the union is a
- * P-way merge, not a sort: a binary heap over the chunks' heads, keyed on (index, chunk number),
- * pops every (index, value) pair in increasing index and, for equal indices, in chunk order. Each
- * index's sum is therefore accumulated as 0 + v_0 + v_1 + ... in chunk order, in the value type,
- * exactly as torch's sequential index_add_ of one chunk after another does: the bits are those of
- * sparsecomm.transport.chunk.add_chunks' torch path, on every rank.
+ * (for the result) dividing each sum by P. Each chunk's indices arrive sorted, so nothing is sorted
+ * again: every index's sum is accumulated as 0 + v_0 + v_1 + ... in chunk order, in the value type,
+ * exactly as torch's sequential index_add_ of one chunk after another does: the bits are those of the
+ * torch paths in sparsecomm/transport/merge.py and chunk.py, on every rank.
  *
- *   merge_sum:     the coalesced sum, written as (unique index, sum) pairs;
- *   merge_average: the sum divided by `divisor`, written straight into a dense vector at its index
- *                  (true division, as torch's div), with the sorted unique indices written and the
- *                  non-zero results counted on the way.
+ *   merge_sum:     the coalesced sum, written as (unique index, sum) pairs: a P-way merge by a binary
+ *                  heap over the chunks' heads, keyed on (index, chunk number), popping every pair in
+ *                  increasing index and, for equal indices, in chunk order;
+ *   merge_average: the sum divided by `divisor` (true division, as torch's div) written into a dense
+ *                  vector, which is zero everywhere else afterwards: a blocked sweep over the vector
+ *                  (below) that also zeroes what the previous call wrote there, counts the non-zero
+ *                  results and records, one bit per 16 elements, where it wrote.
  *
  * Both first check, in one sequential read of the indices, that each chunk is sorted and (for
  * merge_average) every index lies inside the dense vector, and write nothing unless it holds: a chunk
- * out of order returns -1 (the caller then takes its torch path), an index out of range -2. Indices are int32 or int64, values float32 or float64, the
- * same types across the chunks. The GIL is released during the merge.
+ * out of order returns -1 (the caller then takes its torch path), an index out of range -2. Indices are
+ * int32 or int64, values float32 or float64, the same types across the chunks. The GIL is released
+ * during the merge.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MERGE_MAX_CHUNKS 4096
 #define CHUNK_BITS 12 /* a heap key is (index << CHUNK_BITS) | chunk: one compare orders both */
@@ -34,7 +38,8 @@ typedef struct {
     const void *val[MERGE_MAX_CHUNKS];
     int64_t len[MERGE_MAX_CHUNKS];
     int64_t pos[MERGE_MAX_CHUNKS];
-    int64_t heap[MERGE_MAX_CHUNKS]; /* keys of the chunks' heads, a binary min-heap */
+    int64_t heap[MERGE_MAX_CHUNKS]; /* merge_sum: keys of the chunks' heads, a binary min-heap */
+    int64_t end[MERGE_MAX_CHUNKS];  /* merge_average: where each chunk's run in the block ends */
     int wide_index;                 /* int64 indices (else int32) */
 } merge_t;
 
@@ -126,30 +131,235 @@ static inline int heap_advance(merge_t *m, int size) {
             out_val[count++] = sum;                                                                         \
         }                                                                                                   \
         return count;                                                                                       \
-    }                                                                                                       \
-    static int64_t merge_average_##T(merge_t *m, T *dense, T divisor, int64_t *out_idx,                    \
-                                     int64_t *nonzero) {                                                    \
-        int size = heap_build(m);                                                                           \
-        int64_t count = 0, nz = 0;                                                                          \
-        while (size > 0) {                                                                                  \
-            int64_t index = TOP_INDEX(m);                                                                   \
-            T sum = (T)0;                                                                                   \
-            while (size > 0 && TOP_INDEX(m) == index) {                                                     \
-                int c = TOP_CHUNK(m);                                                                       \
-                sum += ((const T *)m->val[c])[m->pos[c]];                                                   \
-                size = heap_advance(m, size);                                                               \
-            }                                                                                               \
-            T value = sum / divisor;                                                                        \
-            dense[index] = value;                                                                           \
-            nz += value != (T)0;                                                                            \
-            out_idx[count++] = index;                                                                       \
-        }                                                                                                   \
-        *nonzero = nz;                                                                                      \
-        return count;                                                                                       \
     }
 
 MERGE_BODY(float)
 MERGE_BODY(double)
+
+/* ---------------------------------------------------------------- merge_average: the blocked sweep
+ *
+ * The dense vector is processed in blocks of BLOCK elements, in order, without a heap: the chunks'
+ * cursors only advance, and each block takes from every chunk in turn the run of its entries that fall
+ * in the block (found by a scan of the indices; the second read, to add, comes from L1). The block's
+ * received entries and its stale groups (where the previous call wrote; see the mask below) bound the
+ * GROUP-element groups it must touch, and choose how it is written:
+ *
+ *   in place (that bound at most DENSE_NUM/DENSE_DEN of the block's groups): the lines to touch are
+ *       prefetched together, the stale groups zeroed, each run added in chunk order straight into the
+ *       vector, and every touched entry divided once. Only the cache lines of a stale group or a
+ *       received index are touched, each fetched once (the block stays in L1/L2 between the steps);
+ *   dense (more to touch, or the vector's contents unknown): the runs added in chunk order into a
+ *       zeroed scratch block in L1, then one loop divides the whole block, counts its non-zeros,
+ *       streams it into the vector with non-temporal stores (zeros and averages alike: one write
+ *       per cache line, no read of the vector) and zeroes the scratch again.
+ *
+ * Each entry's sum starts from `start`: +0.0 (index_add_ into zeros) or -0.0 (the first value itself,
+ * as an assignment). In the dense scratch +0.0 is already there; otherwise (and in place, to divide
+ * each touched entry once) a byte per entry of the block tells the first value from the next ones and
+ * a list holds the touched entries. The division multiplies by 1/divisor where the divisor is a power
+ * of two (the same correctly rounded quotient); the non-zero results are counted on the way, so no
+ * caller counts them again.
+ *
+ * The mask (one bit per group, the vector zero outside the marked groups) is read on entry in mode
+ * MASK_STALE and rewritten in place, block by block, with the groups this call wrote.
+ *
+ * Cost: one sequential read of the received pairs (plus the order check's read of the indices), and per
+ * block either its covered cache lines touched once or one streaming write of the block (and a
+ * vectorized pass over it in L1); O(P) per block with nothing to do. */
+#define BLOCK 4096      /* elements per block: a float block in a quarter of L1, a double block in half */
+#define GROUP 16        /* elements per mask bit: a float cache line */
+#define MASK_WORDS_PER_BLOCK (BLOCK / GROUP / 64)
+#define DENSE_NUM 1
+#define DENSE_DEN 3
+
+enum { MASK_CLEAN = 0, MASK_STALE = 1, MASK_ALL = 2 }; /* the vector zero / zero outside the mask / anything */
+
+typedef struct {
+    uint8_t seen[BLOCK];   /* in the block: whether the entry has its first value yet (all 0 between blocks) */
+    uint16_t list[BLOCK];  /* the entries touched in the block, in the order first touched */
+    uint8_t marks[BLOCK / GROUP]; /* in the block: whether a group was written (all 0 between blocks) */
+} block_t;
+
+/* The mask word of 64 groups from their marks (bytes 0 or 1), which it zeroes. */
+static inline uint64_t group_bits(uint8_t *marks) {
+    uint64_t word = 0;
+    for (int i = 0; i < 8; i++) {
+        uint64_t eight;
+        memcpy(&eight, marks + 8 * i, 8);
+        /* bytes of 0 or 1: the multiply gathers byte b's bit at bit 56 + b (no carries) */
+        word |= ((eight * UINT64_C(0x0102040810204080)) >> 56) << (8 * i);
+    }
+    memset(marks, 0, 64);
+    return word;
+}
+
+static inline int is_power_of_two(double d) {
+    int exponent;
+    return d > 0 && frexp(d, &exponent) == 0.5;
+}
+
+/* The end of a dense block: dst[i] = src[i] / divisor (times `inverse` where `scale`; src[i] itself
+ * unless `divide`) and src[i] = 0 for i in [0, size), dst written with non-temporal stores where the
+ * target has them; returns how many dst[i] != 0. An AVX2 variant where the CPU runs it, else SSE2 (on
+ * every x86-64), else plain C. */
+#define FINISH_ONE(T)                                                                                       \
+    static inline int64_t finish_one_##T(T *dst, T *src, int64_t i, int divide, int scale, T divisor,      \
+                                         T inverse) {                                                       \
+        T x = divide ? (scale ? src[i] * inverse : src[i] / divisor) : src[i];                              \
+        dst[i] = x;                                                                                         \
+        src[i] = (T)0;                                                                                      \
+        return x != (T)0;                                                                                   \
+    }
+FINISH_ONE(float)
+FINISH_ONE(double)
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define MERGE_HAVE_SIMD 1
+#define NEQ_SSE(SUF, a, b) _mm_cmpneq_##SUF(a, b)
+#define NEQ_AVX(SUF, a, b) _mm256_cmp_##SUF(a, b, _CMP_NEQ_UQ)
+/* PFX: _mm or _mm256; SUF: ps or pd; CT: the integer of T's width, counted lane by lane */
+#define FINISH_SIMD(NAME, ATTR, T, V, VI, PFX, SUF, ISUF, CT, SUB, NEQ)                                     \
+    ATTR static int64_t NAME(T *dst, T *src, int64_t size, int divide, int scale, T divisor, T inverse) {   \
+        enum { LANES = (int)(sizeof(V) / sizeof(T)) };                                                      \
+        int64_t i = 0, nz = 0;                                                                              \
+        for (; i < size && ((uintptr_t)(dst + i) & (sizeof(V) - 1)) != 0; i++)                              \
+            nz += finish_one_##T(dst, src, i, divide, scale, divisor, inverse);                             \
+        const V zero = PFX##_setzero_##SUF(), d = PFX##_set1_##SUF(divisor), inv = PFX##_set1_##SUF(inverse); \
+        VI count = PFX##_setzero_##ISUF(); /* minus the non-zeros, lane by lane */                          \
+        for (; i + LANES <= size; i += LANES) {                                                             \
+            V x = PFX##_loadu_##SUF(src + i);                                                               \
+            if (divide) x = scale ? PFX##_mul_##SUF(x, inv) : PFX##_div_##SUF(x, d);                        \
+            PFX##_stream_##SUF(dst + i, x);                                                                 \
+            PFX##_storeu_##SUF(src + i, zero);                                                              \
+            count = PFX##_##SUB(count, PFX##_cast##SUF##_##ISUF(NEQ(SUF, x, zero)));                        \
+        }                                                                                                   \
+        CT lanes[LANES];                                                                                    \
+        PFX##_storeu_##ISUF((VI *)(void *)lanes, count);                                                    \
+        for (int lane = 0; lane < LANES; lane++) nz += lanes[lane];                                         \
+        for (; i < size; i++) nz += finish_one_##T(dst, src, i, divide, scale, divisor, inverse);           \
+        return nz;                                                                                          \
+    }
+FINISH_SIMD(finish_float_sse2, , float, __m128, __m128i, _mm, ps, si128, int32_t, sub_epi32, NEQ_SSE)
+FINISH_SIMD(finish_double_sse2, , double, __m128d, __m128i, _mm, pd, si128, int64_t, sub_epi64, NEQ_SSE)
+FINISH_SIMD(finish_float_avx2, __attribute__((target("avx2"))), float, __m256, __m256i, _mm256, ps, si256, int32_t,
+            sub_epi32, NEQ_AVX)
+FINISH_SIMD(finish_double_avx2, __attribute__((target("avx2"))), double, __m256d, __m256i, _mm256, pd, si256,
+            int64_t, sub_epi64, NEQ_AVX)
+static int use_avx2 = 0; /* set at import */
+#define FINISH(T, ...) (use_avx2 ? finish_##T##_avx2(__VA_ARGS__) : finish_##T##_sse2(__VA_ARGS__))
+#define STREAM_FENCE() _mm_sfence()
+#else
+#define MERGE_HAVE_SIMD 0
+#define FINISH_PLAIN(T)                                                                                     \
+    static int64_t finish_##T(T *dst, T *src, int64_t size, int divide, int scale, T divisor, T inverse) {  \
+        int64_t nz = 0;                                                                                     \
+        for (int64_t i = 0; i < size; i++) nz += finish_one_##T(dst, src, i, divide, scale, divisor, inverse); \
+        return nz;                                                                                          \
+    }
+FINISH_PLAIN(float)
+FINISH_PLAIN(double)
+#define FINISH(T, ...) finish_##T(__VA_ARGS__)
+#define STREAM_FENCE()
+#endif
+
+/* Returns the non-zero results; the chunks were checked (sorted, inside [0, n)) before. One function per
+ * value type T and index type I. */
+#define AVERAGE_BODY(T, I)                                                                                  \
+    static int64_t merge_average_##T##_##I(merge_t *m, T *dense, int64_t n, double divisor, int keep_sign,  \
+                                           uint64_t *mask, int mode, T *scratch, block_t *b) {              \
+        const int nchunks = m->nchunks;                                                                     \
+        int64_t *pos = m->pos, *end = m->end, *len = m->len;                                                \
+        uint8_t *seen = b->seen;                                                                            \
+        uint16_t *list = b->list;                                                                           \
+        uint8_t *marks = b->marks;                                                                          \
+        int64_t nz = 0, mask_words = ((n + GROUP - 1) / GROUP + 63) / 64;                                    \
+        const int divide = divisor != 1.0, scale = is_power_of_two(divisor);                                \
+        const T d = (T)divisor, inverse = (T)(1.0 / divisor), start = keep_sign ? -(T)0 : (T)0;             \
+        for (int c = 0; c < nchunks; c++) pos[c] = 0;                                                       \
+        for (int64_t lo = 0; lo < n; lo += BLOCK) {                                                         \
+            const int64_t hi = lo + BLOCK < n ? lo + BLOCK : n, size = hi - lo;                             \
+            uint64_t *words = mask + lo / (GROUP * 64);                                                     \
+            const int64_t nwords = mask_words - lo / (GROUP * 64) < MASK_WORDS_PER_BLOCK                   \
+                                       ? mask_words - lo / (GROUP * 64) : MASK_WORDS_PER_BLOCK;             \
+            int64_t received = 0, stale = 0;                                                                \
+            for (int c = 0; c < nchunks; c++) { /* each chunk's run in the block */                         \
+                const I *ix = (const I *)m->idx[c];                                                         \
+                const int64_t length = len[c];                                                              \
+                int64_t p = pos[c];                                                                         \
+                while (p < length && ix[p] < hi) p++;                                                       \
+                end[c] = p;                                                                                 \
+                received += p - pos[c];                                                                     \
+            }                                                                                               \
+            if (mode == MASK_STALE)                                                                         \
+                for (int64_t w = 0; w < nwords; w++) stale += __builtin_popcountll(words[w]);               \
+            if (mode != MASK_ALL && received + stale == 0) continue; /* nothing stale, nothing received */  \
+            /* at most received + stale of its groups to touch: in place when that is a small share */      \
+            const int in_place = mode != MASK_ALL &&                                                        \
+                                 (received + stale) * DENSE_DEN <= (size + GROUP - 1) / GROUP * DENSE_NUM;  \
+            T *t = in_place ? dense + lo : scratch;                                                         \
+            if (in_place) { /* the lines to touch, fetched together (for writing) */                        \
+                if (mode == MASK_STALE)                                                                     \
+                    for (int64_t w = 0; w < nwords; w++)                                                    \
+                        for (uint64_t bits = words[w]; bits; bits &= bits - 1)                              \
+                            __builtin_prefetch(t + (w * 64 + __builtin_ctzll(bits)) * GROUP, 1, 3);         \
+                for (int c = 0; c < nchunks; c++)                                                           \
+                    for (int64_t p = pos[c]; p < end[c]; p++)                                               \
+                        __builtin_prefetch(t + ((const I *)m->idx[c])[p] - lo, 1, 3);                       \
+            }                                                                                               \
+            if (in_place && mode == MASK_STALE)                                                             \
+                for (int64_t w = 0; w < nwords; w++)                                                        \
+                    for (uint64_t bits = words[w]; bits; bits &= bits - 1) {                                \
+                        int64_t from = (w * 64 + __builtin_ctzll(bits)) * GROUP;                            \
+                        if (from + GROUP <= size)                                                           \
+                            memset(t + from, 0, GROUP * sizeof(T));                                         \
+                        else                                                                                \
+                            for (int64_t j = from; j < size; j++) t[j] = (T)0;                              \
+                    }                                                                                       \
+            int64_t touched = 0;                                                                            \
+            for (int c = 0; c < nchunks; c++) {                                                             \
+                const I *ix = (const I *)m->idx[c];                                                         \
+                const T *values = (const T *)m->val[c];                                                     \
+                const int64_t from = pos[c], to = end[c];                                                   \
+                if (in_place || keep_sign)                                                                  \
+                    for (int64_t p = from; p < to; p++) {                                                   \
+                        int64_t j = (int64_t)ix[p] - lo;                                                    \
+                        int first = !seen[j];                                                               \
+                        seen[j] = 1;                                                                        \
+                        list[touched] = (uint16_t)j;                                                        \
+                        touched += first;                                                                   \
+                        t[j] = (first ? start : t[j]) + values[p];                                          \
+                        marks[j / GROUP] = 1;                                                               \
+                    }                                                                                       \
+                else /* the scratch is zero: +0.0 is there to start from */                                 \
+                    for (int64_t p = from; p < to; p++) {                                                   \
+                        int64_t j = (int64_t)ix[p] - lo;                                                    \
+                        t[j] += values[p];                                                                  \
+                        marks[j / GROUP] = 1;                                                               \
+                    }                                                                                       \
+                pos[c] = to;                                                                                \
+            }                                                                                               \
+            for (int64_t i = 0; i < touched; i++) {                                                         \
+                int64_t j = list[i];                                                                        \
+                seen[j] = 0;                                                                                \
+                if (in_place) {                                                                             \
+                    T x = divide ? (scale ? t[j] * inverse : t[j] / d) : t[j];                              \
+                    t[j] = x;                                                                               \
+                    nz += x != (T)0;                                                                        \
+                }                                                                                           \
+            }                                                                                               \
+            if (!in_place) nz += FINISH(T, dense + lo, scratch, size, divide, scale, d, inverse);           \
+            for (int64_t w = 0; w < nwords; w++) words[w] = group_bits(marks + w * 64);                     \
+        }                                                                                                   \
+        STREAM_FENCE();                                                                                     \
+        return nz;                                                                                          \
+    }
+
+AVERAGE_BODY(float, int32_t)
+AVERAGE_BODY(float, int64_t)
+AVERAGE_BODY(double, int32_t)
+AVERAGE_BODY(double, int64_t)
+
 
 /* Reads the chunk pointers and lengths: three sequences of equal length (at most MERGE_MAX_CHUNKS). */
 static int read_chunks(merge_t *m, PyObject *idx_ptrs, PyObject *val_ptrs, PyObject *lens, int wide_index) {
@@ -214,37 +424,64 @@ static PyObject *merge_sum(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong((long long)count);
 }
 
-/* merge_average(idx_ptrs, val_ptrs, lens, wide_index, double, dense_ptr, n, divisor, out_idx_ptr)
- *   -> (count, nonzero)
- * out_idx (int64) must hold sum(lens) entries; dense must hold n. */
+/* merge_average(idx_ptrs, val_ptrs, lens, wide_index, wide_value, dense_ptr, n, divisor, negative_start,
+ *               mask_ptr, mode) -> (status, nonzero)
+ * dense must hold n elements, mask ((n + 15) / 16 + 63) / 64 words: the stale groups on entry (mode 1),
+ * zeros otherwise; the groups written on exit. status: 0, or -1 (a chunk out of order) or -2 (an index
+ * out of range), with nothing written. */
 static PyObject *merge_average(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *idx_ptrs, *val_ptrs, *lens;
-    int wide_index, wide_value;
-    unsigned long long dense, out_idx;
+    int wide_index, wide_value, negative_start, mode;
+    unsigned long long dense, mask;
     long long n;
     double divisor;
-    if (!PyArg_ParseTuple(args, "OOOppKLdK", &idx_ptrs, &val_ptrs, &lens, &wide_index, &wide_value, &dense, &n,
-                          &divisor, &out_idx))
+    if (!PyArg_ParseTuple(args, "OOOppKLdpKi", &idx_ptrs, &val_ptrs, &lens, &wide_index, &wide_value, &dense, &n,
+                          &divisor, &negative_start, &mask, &mode))
         return NULL;
-    merge_t *m = malloc(sizeof(merge_t));
-    if (m == NULL) return PyErr_NoMemory();
-    if (read_chunks(m, idx_ptrs, val_ptrs, lens, wide_index) < 0) {
-        free(m);
+    if (mode < MASK_CLEAN || mode > MASK_ALL || n < 0 || !(divisor > 0)) {
+        PyErr_SetString(PyExc_ValueError, "merge_average: bad mode, length or divisor");
         return NULL;
     }
-    int64_t count, nonzero = 0;
+    merge_t *m = malloc(sizeof(merge_t));
+    void *scratch = calloc(BLOCK, wide_value ? sizeof(double) : sizeof(float));
+    block_t *b = calloc(1, sizeof(block_t));
+    if (m == NULL || scratch == NULL || b == NULL) {
+        free(m);
+        free(scratch);
+        free(b);
+        return PyErr_NoMemory();
+    }
+    if (read_chunks(m, idx_ptrs, val_ptrs, lens, wide_index) < 0) {
+        free(m);
+        free(scratch);
+        free(b);
+        return NULL;
+    }
+    int64_t status, nonzero = 0;
     Py_BEGIN_ALLOW_THREADS
-    count = check_chunks(m, n);
-    if (count == 0 && wide_value)
-        count = merge_average_double(m, (double *)(uintptr_t)dense, divisor, (int64_t *)(uintptr_t)out_idx,
-                                     &nonzero);
-    else if (count == 0)
-        count = merge_average_float(m, (float *)(uintptr_t)dense, (float)divisor, (int64_t *)(uintptr_t)out_idx,
-                                    &nonzero);
+    status = check_chunks(m, n);
+    if (status == 0) {
+        uint64_t *words = (uint64_t *)(uintptr_t)mask;
+        if (wide_value) {
+            double *vector = (double *)(uintptr_t)dense;
+            nonzero = wide_index ? merge_average_double_int64_t(m, vector, n, divisor, negative_start, words, mode,
+                                                                (double *)scratch, b)
+                                 : merge_average_double_int32_t(m, vector, n, divisor, negative_start, words, mode,
+                                                                (double *)scratch, b);
+        } else {
+            float *vector = (float *)(uintptr_t)dense;
+            nonzero = wide_index ? merge_average_float_int64_t(m, vector, n, divisor, negative_start, words, mode,
+                                                               (float *)scratch, b)
+                                 : merge_average_float_int32_t(m, vector, n, divisor, negative_start, words, mode,
+                                                               (float *)scratch, b);
+        }
+    }
     Py_END_ALLOW_THREADS
     free(m);
-    return Py_BuildValue("LL", (long long)count, (long long)nonzero);
+    free(scratch);
+    free(b);
+    return Py_BuildValue("LL", (long long)status, (long long)nonzero);
 }
 
 static PyMethodDef methods[] = {
@@ -252,9 +489,10 @@ static PyMethodDef methods[] = {
      "merge_sum(idx_ptrs, val_ptrs, lens, wide_index, wide_value, out_idx_ptr, out_val_ptr) -> count: the "
      "coalesced sum of sorted chunks, in chunk order per index (-1: a chunk is not sorted)."},
     {"merge_average", merge_average, METH_VARARGS,
-     "merge_average(idx_ptrs, val_ptrs, lens, wide_index, wide_value, dense_ptr, n, divisor, out_idx_ptr) -> "
-     "(count, nonzero): dense[i] = (sum of the chunks at i, in chunk order) / divisor at every index of the "
-     "union (-1: a chunk is not sorted, -2: an index is out of range)."},
+     "merge_average(idx_ptrs, val_ptrs, lens, wide_index, wide_value, dense_ptr, n, divisor, negative_start, "
+     "mask_ptr, mode) -> (status, nonzero): dense[i] = (start + the chunks' values at i, in chunk order) / "
+     "divisor on the union, 0 elsewhere; the mask of written groups updated (status -1: a chunk is not "
+     "sorted, -2: an index is out of range)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,
@@ -267,4 +505,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,
                                     NULL,
                                     NULL};
 
-PyMODINIT_FUNC PyInit__merge(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__merge(void) {
+#if MERGE_HAVE_SIMD
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2");
+#endif
+    return PyModule_Create(&module);
+}

@@ -1,34 +1,41 @@
-"""Decompression in one ordered pass: the P sorted chunks a rank receives, merged instead of sorted.
+"""Decompression without a sort: the P sorted chunks a rank receives, merged into its output.
 
 Every sparse method ends by adding the chunks it received index by index, in rank order, and (for
 its result) dividing each sum by P. Each chunk's indices arrive sorted (the senders sort their
-selections), so on the CPU the union is a P-way merge (:mod:`._merge`, a C extension built at
-install): every index's sum is accumulated as ``0 + v_0 + v_1 + ...`` in chunk order, exactly what
-one ``index_add_`` per chunk gives, so the bits are those of the torch paths below on every rank.
+selections), so on the CPU nothing is sorted again (:mod:`._merge`, a C extension built at install):
+every index's sum is accumulated as ``0 + v_0 + v_1 + ...`` in chunk order, exactly what one
+``index_add_`` per chunk gives, so the bits are those of the torch paths below on every rank.
 
-* :func:`merge_sum`: the coalesced sum of sorted chunks (what :func:`.chunk.add_chunks` returns);
-* :func:`average_into`: the average written straight into a dense output, ``out[i] = sum_i / P``
-  at every index of the union (one write per index, the division on the way), returning the sorted
-  union and the number of non-zero results, so no caller sorts or counts again.
+* :func:`merge_sum`: the coalesced sum of sorted chunks (what :func:`.chunk.add_chunks` returns), by a
+  P-way heap merge;
+* :func:`average_into`: the average written straight into a dense output, ``out[i] = sum_i / P`` on the
+  union and zero elsewhere, by one ordered sweep over the output in blocks of 4096 elements that also
+  zeroes what the previous call wrote (its :class:`GroupMask`), divides on the way and counts the
+  non-zero results. A block with little to touch is written in place (only the cache lines of a stale
+  group or a received index, each fetched once); a fuller one is built in an L1 scratch block and
+  streamed out whole (one write per cache line, no read of the output).
 
 Both fall back to torch operations (the same bits) for CUDA tensors, half-precision values, mixed
 dtypes, unsorted chunks, or where the extension is not built: ``index_add_`` of one chunk after the
 other (deterministic even with CUDA's atomics, the positions of one sorted unique chunk being
 distinct) and a division of the touched entries.
 
-Cost on the CPU path: one sequential read of the indices (the order and range check), then
-``O(m log P)`` for ``m`` received pairs, one read of each pair and one write per output index.
+Cost of :func:`average_into` on the C path, for ``m`` received pairs over ``n`` elements: one
+sequential read of the pairs (and of the indices for the order and range check) and, per block, its
+touched cache lines or one streaming write of it: at most about one write of the output plus the
+pairs, however many chunks; ``O(n / 4096 + m)`` operations.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-__all__ = ["merge_sum", "average_into", "ascending", "compiled"]
+__all__ = ["merge_sum", "average_into", "clear", "GroupMask", "Stale", "GROUP", "ascending", "compiled"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,8 @@ except ImportError:  # built optionally (setup.py): no compiler at install time
 _VALUE_TYPES = (torch.float32, torch.float64)
 _INDEX_TYPES = (torch.int32, torch.int64)
 _MAX_CHUNKS = 4096
+#: elements per bit of a :class:`GroupMask` (as in _merge.c)
+GROUP = 16
 
 
 def compiled() -> bool:
@@ -88,33 +97,78 @@ def merge_sum(indices: Sequence[Tensor], values: Sequence[Tensor]) -> tuple[Tens
     return out_indices[:count], out_values[:count]
 
 
-def average_into(out: Tensor, indices: Sequence[Tensor], values: Sequence[Tensor],
-                 divisor: int) -> tuple[Tensor, int | None]:
-    """Write ``out[i] = (sum over the chunks, in order, of their values at i) / divisor`` at every
-    index ``i`` of the chunks; returns (the int64 indices written, the non-zero results or None).
+class GroupMask:
+    """Where an output written by :func:`average_into` may be non-zero: one bit per group of
+    :data:`GROUP` consecutive elements (``words``: int64, bit ``g % 64`` of word ``g // 64`` for group
+    ``g``), the output being zero outside the marked groups. About n/128 bytes; the C merge reads it to
+    zero the last call's entries and rewrites it in place with this call's."""
 
-    ``out`` must be zero at those indices (the method's output buffer is). On the C path the indices
-    come back sorted and unique and the non-zero count exact; on the torch path they may repeat
-    (concatenated as received) and the count is ``None`` (whoever needs it counts). The result is
-    bit-identical either way.
+    __slots__ = ("words", "n")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.words = torch.zeros(((n + GROUP - 1) // GROUP + 63) // 64, dtype=torch.int64)
+
+    def indices(self) -> Tensor:
+        """The int64 indices of every element of the marked groups (for a torch-side zeroing)."""
+        bits = (self.words.unsqueeze(1) >> torch.arange(64)) & 1
+        groups = torch.nonzero(bits.reshape(-1)).reshape(-1)
+        elements = (groups.unsqueeze(1) * GROUP + torch.arange(GROUP)).reshape(-1)
+        return elements[elements < self.n]
+
+
+#: what a caller knows of the output tensor before :func:`average_into` writes it: where it may be
+#: non-zero (``None``: nowhere, ``"all"``: anywhere, an index tensor, or the :class:`GroupMask` that the
+#: previous call on it returned)
+Stale = Tensor | GroupMask | Literal["all"] | None
+
+
+def clear(out: Tensor, stale: Stale) -> None:
+    """Zero ``out`` wherever ``stale`` says it may be non-zero (torch operations)."""
+    if isinstance(stale, GroupMask):
+        stale = stale.indices().to(out.device) if stale.n == out.numel() else "all"
+    if isinstance(stale, Tensor):
+        out.index_fill_(0, stale.to(device=out.device, dtype=torch.int64), 0)
+    elif stale is not None:
+        out.zero_()
+
+
+def average_into(out: Tensor, indices: Sequence[Tensor], values: Sequence[Tensor], divisor: int, *,
+                 stale: Stale = None, keep_sign: bool = False) -> tuple[Tensor | GroupMask, int | None]:
+    """Make ``out`` the average of the chunks: ``out[i] = (start + the chunks' values at i, in chunk
+    order) / divisor`` at every index ``i`` of the chunks, and zero everywhere else.
+
+    ``stale`` says where ``out`` may be non-zero before the call (see :data:`Stale`); those entries are
+    zeroed on the way, in the same sweep on the C path. ``start`` is ``+0.0`` (what ``index_add_`` into
+    zeros gives) or, with ``keep_sign``, ``-0.0`` (the first value itself: ``out[i] = v / divisor`` for a
+    chunk of unique indices, as an assignment gives, signed zeros kept).
+
+    Returns (where ``out`` may now be non-zero, the non-zero results or ``None``): on the C path a
+    :class:`GroupMask` (``stale`` itself, rewritten, when it was one for this ``out``) and the exact count
+    of non-zero results, taken while writing; on the torch path the int64 indices as received (repeats
+    possible) and ``None`` (whoever needs the count counts). Pass the first back as ``stale`` on the next
+    call on the same ``out`` if nothing wrote into ``out`` since. The result is bit-identical either way.
     """
     n = out.numel()
     if out.is_contiguous() and out.device.type == "cpu" and _mergeable(indices, values, out.dtype):
-        total = sum(i.numel() for i in indices)
-        written = torch.empty(total, dtype=torch.int64)
-        count, nonzero = _compiled.merge_average(*_pointers(indices, values), indices[0].dtype == torch.int64,
-                                                 out.dtype == torch.float64, out.data_ptr(), n, float(divisor),
-                                                 written.data_ptr())
-        if count == -2:
+        mask = stale if isinstance(stale, GroupMask) and stale.n == n else GroupMask(n)
+        if isinstance(stale, Tensor):
+            clear(out, stale)
+        mode = 1 if mask is stale else 2 if stale is not None and not isinstance(stale, Tensor) else 0
+        status, nonzero = _compiled.merge_average(*_pointers(indices, values), indices[0].dtype == torch.int64,
+                                                  out.dtype == torch.float64, out.data_ptr(), n, float(divisor),
+                                                  keep_sign, mask.words.data_ptr(), mode)
+        if status == -2:
             raise IndexError(f"average_into: an index lies outside the output of {n} elements")
-        if count >= 0:
-            return written[:count], nonzero
-    touched = []
-    for idx, vals in zip(indices, values, strict=True):
-        idx = idx.long()
-        out.index_add_(0, idx, vals.to(out.dtype))
-        touched.append(idx)
+        if status == 0:
+            return mask, nonzero
+    clear(out, stale)
+    touched = [idx.long() for idx in indices]
     union = torch.cat(touched) if touched else torch.empty(0, dtype=torch.int64, device=out.device)
+    if keep_sign:
+        out.index_fill_(0, union, -0.0)
+    for idx, vals in zip(touched, values, strict=True):
+        out.index_add_(0, idx, vals.to(out.dtype))
     if divisor != 1 and union.numel():
         out[union] = out[union].div_(divisor)  # repeats write the same quotient again
     return union, None

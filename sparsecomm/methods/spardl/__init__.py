@@ -39,7 +39,6 @@ from ...core.validate import check_int, is_int, is_number
 from ...selection import make as make_selector
 from ...transport.chunk import pair_bytes
 from ...transport.comm import Communicator
-from ...transport.merge import average_into
 from ...transport.sparse_collectives import allgather_chunks, bruck_traffic
 from ..base import Layout, Method, register_method
 from .sag import HAdjuster, bruck_sag, bsag_traffic, recursive_sag, rsag_traffic
@@ -222,10 +221,8 @@ class SparDL(Method):
             work.restore()                        # G everywhere else (G_copy, line 3) ...
             residual.index_copy_(0, indices, discarded)  # ... Algorithm 1, lines 13-15
         with self.timer("decompress"):
-            out = self.output_buffer(grad)        # zero where the last call wrote
-            # the blocks are disjoint and each sorted: one write per index, divided on the way
-            written, _ = average_into(out, [b.indices for b in blocks], [b.values for b in blocks], P)
-            self.output_written(written)
+            # the blocks are disjoint and each sorted: one ordered sweep, divided on the way
+            out = self.output_average(grad, [b.indices for b in blocks], [b.values for b in blocks], P)
         self.stats.update(selected=selected, nnz_out=int(indices.numel()), teams=d, sag=sag, k=k)
         if self.teams is None:
             self._record_trial(d, time.perf_counter() - started)
