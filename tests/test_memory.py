@@ -1,7 +1,9 @@
 """Memory of every method (issue 16, item 6), in gradient-sized buffers (4n bytes for float32):
 
-* kept between calls, for a method with a residual: at most 2 (the residual and the reused output);
-* at peak during a call, counting the caller's gradient and the returned output: at most 4.
+* kept between calls, for a method with a residual: at most 2 (the residual and, for a method that
+  agrees after its selection's scan on CPU, ``Method.agrees_in_reduce``, its spare residual);
+* at peak during a call, counting the caller's gradient and the returned output: at most 4, and 5
+  for a method that keeps the spare residual.
 
 Measured as resident memory in a fresh forked worker per method (``run_workers``), after a warm-up of
 the method on a small gradient (libraries, communication buffers), independent of how torch
@@ -64,12 +66,14 @@ def measure(name, n, calls=3):
         del out
     dist.barrier()
     kept = _status_kib("VmRSS") - base - 4 * n / 1024  # less the caller's gradient
-    return {"kept": kept / unit, "peak": (peak - base) / unit, "before": (before - base) / unit}
+    return {"kept": kept / unit, "peak": (peak - base) / unit, "before": (before - base) / unit,
+            "spare": method.agrees_in_reduce}
 
 
 def _row(name, n=N, P=2):
     per_rank = run_workers(P, measure, name, n, timeout=600)
-    return {"kept": max(r["kept"] for r in per_rank), "peak": max(r["peak"] for r in per_rank)}
+    return {"kept": max(r["kept"] for r in per_rank), "peak": max(r["peak"] for r in per_rank),
+            "spare": per_rank[0]["spare"]}
 
 
 #: methods whose peak is known to exceed 4 gradients, and why (docs/memory.md)
@@ -85,7 +89,7 @@ def _check(name, figures, n):
         assert figures["kept"] <= 2.2 + 2 ** 20 / (4 * n), (name, figures)
     if name in OVER_PEAK:
         pytest.xfail(OVER_PEAK[name])
-    assert figures["peak"] <= 4.2, (name, figures)
+    assert figures["peak"] <= (5.2 if figures["spare"] else 4.2), (name, figures)
 
 
 @pytest.mark.parametrize("name", ["topka", "spardl"])

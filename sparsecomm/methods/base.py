@@ -61,12 +61,14 @@ class Method:
     #: For methods whose result is an estimate (a sketch): options under which it is exact, so that
     #: density 1 with them returns the dense average (DESIGN invariant 3). Empty for exact methods.
     exact_options: dict[str, Any] = {}
-    #: True when :meth:`reduce` makes the call's agreement itself (:meth:`agree`), after its local
-    #: work on the gradient and before its first message, so that the agreement's non-finite count
-    #: comes from that work (the selection's scan) instead of a pass of its own. Such a method
-    #: changes no state before :meth:`agree` returns: it accumulates into :meth:`spare_residual`
-    #: and adopts it with :meth:`commit_residual` once the ranks agreed. Otherwise the base class
-    #: agrees before :meth:`reduce` is called.
+    #: True when :meth:`reduce` makes the call's agreement itself on CPU tensors (:meth:`agree`,
+    #: through :meth:`accumulate_and_agree`), after its local work on the gradient and before its
+    #: first message, so that the agreement's non-finite count comes from that work (the selection's
+    #: scan) instead of a pass of its own. Such a method changes no state before :meth:`agree`
+    #: returns: it accumulates into :meth:`spare_residual` (one more gradient-sized buffer) and
+    #: adopts it with :meth:`commit_residual` once the ranks agreed. On other devices, where memory
+    #: is scarcer and a pass cheaper, and for every other method, the base class agrees before
+    #: :meth:`reduce` is called (and :meth:`accumulate_and_agree` adds in place).
     agrees_in_reduce: bool = False
 
     def __init__(self, comm: Communicator | None = None, *, density: float | None = None) -> None:
@@ -159,7 +161,8 @@ class Method:
         return spare
 
     def accumulate_and_agree(self, grad: torch.Tensor, layout: Layout,
-                             select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                             select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+                             | None = None,
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Error feedback's ``acc = residual + grad`` and the call's agreement, for a method that
         agrees in :meth:`reduce` (:attr:`agrees_in_reduce`), before its first message.
@@ -172,7 +175,16 @@ class Method:
         candidates; elsewhere than on the CPU kernel an addition and a count). Then :meth:`agree`
         with that verdict (nothing is sent before; a skipped step returns through it with the
         residual untouched), then ``acc`` becomes the residual (:meth:`commit_residual`).
-        Returns (``acc``, ``select``'s result or ``None``)."""
+        Returns (``acc``, ``select``'s result or ``None``).
+
+        When the base class agreed before :meth:`reduce` (a method called on a CUDA tensor), the
+        addition is made in place instead (``select(residual, grad, None)``) and nothing is agreed
+        here: the residual and the output are then the only gradient-sized buffers."""
+        if self._agreed:
+            residual = self.residual_for(grad)
+            with self.timer("select" if select is not None else "residual"):
+                selected = select(residual, grad, None) if select is not None else residual.add_(grad)
+            return residual, selected if select is not None else None
         acc = self.spare_residual(grad)
         residual = self.residual_for(grad)
         nonfinite, selected = 0, None
@@ -327,8 +339,8 @@ class Method:
         self._agreement_entered = False
         # a method that agrees in reduce does so after its local work, on input that passed the local
         # checks; anything else (or a local problem, which the agreement tells every rank) agrees first
-        deferred = (self.agrees_in_reduce and isinstance(grad, torch.Tensor) and grad.numel() > 0
-                    and local_problem(grad, layout, self.name, self.residual) is None)
+        deferred = (self.agrees_in_reduce and isinstance(grad, torch.Tensor) and grad.device.type == "cpu"
+                    and grad.numel() > 0 and local_problem(grad, layout, self.name, self.residual) is None)
         skip = None if deferred else self._validate(grad, layout)
         self._agreed = skip is None and not deferred
         agreed = time.perf_counter()
