@@ -180,14 +180,17 @@ class Method:
         When the base class agreed before :meth:`reduce` (a method called on a CUDA tensor), the
         addition is made in place instead (``select(residual, grad, None)``) and nothing is agreed
         here: the residual and the output are then the only gradient-sized buffers."""
-        if self._agreed:
-            residual = self.residual_for(grad)
-            with self.timer("select" if select is not None else "residual"):
-                selected = select(residual, grad, None) if select is not None else residual.add_(grad)
-            return residual, selected if select is not None else None
-        acc = self.spare_residual(grad)
         residual = self.residual_for(grad)
-        nonfinite, selected = 0, None
+        selected: torch.Tensor | None = None
+        if self._agreed:
+            with self.timer("select" if select is not None else "residual"):
+                if select is not None:
+                    selected = select(residual, grad, None)
+                else:
+                    residual.add_(grad)
+            return residual, selected
+        acc = self.spare_residual(grad)
+        nonfinite = 0
         with self.timer("select" if select is not None else "residual"):
             try:
                 if select is not None:
