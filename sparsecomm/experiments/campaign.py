@@ -46,7 +46,7 @@ from typing import Any
 
 from ..cli.table import markdown_table
 from ..methods import available_methods, is_sparse, sparse_methods
-from .training import FLOOR, TrainConfig, save_record, train
+from .training import DEFAULT_DENSITY, FLOOR, TrainConfig, recipe_density, save_record, train
 
 __all__ = ["Workload", "WORKLOADS", "RunSpec", "RECIPES", "plan", "plan_low_density", "plan_recipes", "best_sparse",
            "run_campaign", "campaign_rows", "write_campaign_report", "speedups", "load_campaign", "metric_of",
@@ -163,12 +163,14 @@ def _check_seeds(seeds: Sequence[int]) -> list[int]:
 
 
 def plan(workloads: Sequence[str], nets: Sequence[str | None], methods: Sequence[str] | None = None,
-         density: float = 0.01, powersgd_ranks: Sequence[int] = POWERSGD_RANKS,
-         seeds: Sequence[int] = (0,)) -> list[RunSpec]:
+         density: float | None = None, powersgd_ranks: Sequence[int] = POWERSGD_RANKS,
+         seeds: Sequence[int] = (0,), registry: dict[str, Workload] | None = None) -> list[RunSpec]:
     """The first stage, in order: per seed, workload and network, the floor (``nosync``), DDP,
-    PowerSGD at each rank and each sparse method at ``density``. ``methods`` (names, ``nosync``,
-    ``ddp`` and ``powersgd`` included) restricts the plan; ``None`` takes them all. PowerSGD always
-    runs at ranks 2 and 4 (:data:`POWERSGD_RANKS`), and at the other ``powersgd_ranks`` given."""
+    PowerSGD at each rank and each sparse method at ``density`` (``None``: the density of the
+    method's recommended recipe on the workload's model, :func:`training.recipe_density`).
+    ``methods`` (names, ``nosync``, ``ddp`` and ``powersgd`` included) restricts the plan; ``None``
+    takes them all. PowerSGD always runs at ranks 2 and 4 (:data:`POWERSGD_RANKS`), and at the other
+    ``powersgd_ranks`` given. ``registry`` replaces :data:`WORKLOADS` (the demo's)."""
     chosen = _check(workloads, methods)
     ranks = sorted(set(POWERSGD_RANKS) | set(powersgd_ranks))
     runs: list[RunSpec] = []
@@ -181,17 +183,18 @@ def plan(workloads: Sequence[str], nets: Sequence[str | None], methods: Sequence
                     runs.append(RunSpec(workload, net, "ddp", seed=seed))
                 if "powersgd" in chosen:
                     runs += [RunSpec(workload, net, "powersgd", powersgd_rank=r, seed=seed) for r in ranks]
-                runs += [RunSpec(workload, net, m, density, seed=seed) for m in chosen
-                         if m not in BASELINE_NAMES and _is_sparse(m)]
+                model = (registry or WORKLOADS)[workload].model
+                runs += [RunSpec(workload, net, m, recipe_density(model, m) if density is None else density, seed=seed)
+                         for m in chosen if m not in BASELINE_NAMES and _is_sparse(m)]
     return runs
 
 
 def plan_low_density(workloads: Sequence[str], nets: Sequence[str | None], out: str,
                      methods: Sequence[str] | None = None, density: float = 0.001, best: int = 4,
-                     from_density: float = 0.01, seeds: Sequence[int] = (0,)) -> list[RunSpec]:
+                     from_density: float | None = None, seeds: Sequence[int] = (0,)) -> list[RunSpec]:
     """The second stage: the ``best`` sparse methods of the finished first-stage runs under
-    ``out`` (:func:`best_sparse`, per workload and network, over the first seed's runs) at
-    ``density``, for every seed."""
+    ``out`` (:func:`best_sparse`, per workload and network, over the first seed's runs, made at
+    ``from_density``: ``None`` for each method's recipe density) at ``density``, for every seed."""
     chosen = _check(workloads, methods)
     seeds = _check_seeds(seeds)
     return [RunSpec(workload, net, m, density, seed=seed) for seed in seeds for workload in workloads
@@ -200,10 +203,12 @@ def plan_low_density(workloads: Sequence[str], nets: Sequence[str | None], out: 
 
 
 def plan_recipes(workloads: Sequence[str], nets: Sequence[str | None], method: str,
-                 density: float = 0.01, seeds: Sequence[int] = (0,)) -> list[RunSpec]:
-    """``method`` under every recipe of :data:`RECIPES` (the campaign's own run of ``method`` takes
-    the recommended one), per seed, workload and network."""
+                 density: float | None = None, seeds: Sequence[int] = (0,)) -> list[RunSpec]:
+    """``method`` under every recipe of :data:`RECIPES` at ``density`` (``None``:
+    :data:`~.training.DEFAULT_DENSITY`; the campaign's own run of ``method`` takes the recommended
+    recipe), per seed, workload and network."""
     _check(workloads, [method])
+    density = DEFAULT_DENSITY if density is None else density
     return [RunSpec(workload, net, method, density, recipe=name, seed=seed) for seed in _check_seeds(seeds)
             for workload in workloads for net in nets for name in RECIPES]
 
@@ -238,12 +243,14 @@ def time_and_epochs_to_target(history: Sequence[dict[str, Any]], metric: str,
     return None, None
 
 
-def best_sparse(out: str, workload: str, net: str | None, density: float = 0.01, seed: int = 0) -> list[str]:
-    """Sparse methods with a finished run at ``density`` on ``workload`` / ``net`` (seed ``seed``),
-    fastest to the target first (those that never reached it last, by their final metric)."""
+def best_sparse(out: str, workload: str, net: str | None, density: float | None = None, seed: int = 0) -> list[str]:
+    """Sparse methods with a finished run at ``density`` (``None``: each method's recipe density)
+    on ``workload`` / ``net`` (seed ``seed``), fastest to the target first (those that never reached
+    it last, by their final metric)."""
     scored = []
     for method in sparse_methods():
-        path = record_path(out, RunSpec(workload, net, method, density, seed=seed))
+        made_at = recipe_density(WORKLOADS[workload].model, method) if density is None else density
+        path = record_path(out, RunSpec(workload, net, method, made_at, seed=seed))
         if not os.path.exists(path):
             continue
         with open(path) as handle:

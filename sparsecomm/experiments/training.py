@@ -56,7 +56,8 @@ from .data import Dataset, load_dataset
 from .models import MODEL_DEFAULTS, make_model, model_defaults
 
 __all__ = ["TrainConfig", "train", "train_worker", "save_record", "shell_safe", "BASELINES", "FLOOR",
-           "describe_method", "sparse_recipe", "MOMENTUM_CORRECTION_LR"]
+           "describe_method", "sparse_recipe", "recipe_density", "MOMENTUM_CORRECTION_RECIPES",
+           "DEFAULT_DENSITY"]
 
 log = logging.getLogger(__name__)
 
@@ -68,30 +69,44 @@ FLOOR = "nosync"
 
 LR_SCHEDULES = ("constant", "cosine")
 
-#: the recipe for sparse methods on models without a measured momentum-correction learning rate, and
-#: for methods that do not report the indices they sent: the DDP comm hook with the optimizer's
+#: the density of a sparse run where its recipe names none (``--density`` overrides every recipe's)
+DEFAULT_DENSITY = 0.01
+#: the recipe for sparse methods on models without a measured momentum-correction recipe, and for
+#: methods that do not report the indices they sent: the DDP comm hook with the optimizer's
 #: momentum (error feedback in the method's residual), no dense warm-up, the cosine learning-rate
 #: schedule (``lr_schedule="cosine"``, the default of ``sparsecomm train``; ``TrainConfig`` keeps
-#: "constant" so that a run cut into epochs-limited pieces keeps its schedule).
-SPARSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0}
+#: "constant" so that a run cut into epochs-limited pieces keeps its schedule), 1% density.
+SPARSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0,
+                                 "density": DEFAULT_DENSITY}
 #: dense methods and the torch baselines: DDP, the optimizer's own momentum
-DENSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0}
-#: the peak learning rate of DGC momentum correction (Lin et al. 2018, section 3.2) per model, where
-#: measured (docs/recipe.md): word-lstm at 3.0 = 0.3 / (1 - 0.9) ended the demo's budget 5.9% below
-#: PowerSGD's best rank, where the hook recipe at the same density ended 1.5% above it. Momentum
-#: factor masking leaves an entry sent every step no momentum, hence the larger lr than momentum SGD's.
-MOMENTUM_CORRECTION_LR: dict[str, float] = {"word-lstm": 3.0}
+DENSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0,
+                                "density": DEFAULT_DENSITY}
+#: DGC momentum correction (Lin et al. 2018, section 3.2) per model, where measured at the
+#: campaign's budget (docs/recipe.md): its peak learning rate and density. Momentum factor masking
+#: leaves an entry sent every step no momentum, hence the larger lr than momentum SGD's (3.0 =
+#: 0.3 / (1 - 0.9) on the word LSTM); a lower density keeps more entries' momentum, and on the word
+#: LSTM 0.5% ended 3 epochs below 1% and below DDP.
+MOMENTUM_CORRECTION_RECIPES: dict[str, dict[str, float]] = {
+    "word-lstm": {"lr": 3.0, "density": 0.005},
+    "vgg-fc": {"lr": 0.02, "density": 0.01},
+}
 
 
 def sparse_recipe(model: str, method: str) -> dict[str, Any]:
     """The recommended recipe of the sparse ``method`` on ``model`` (docs/recipe.md): DGC momentum
     correction through the :class:`SparseSynchronizer` (momentum-free optimizer) at the model's
-    :data:`MOMENTUM_CORRECTION_LR`, where the model has one and the method reports the indices it
-    sent (``tracks_sent``, needed by momentum factor masking); otherwise :data:`SPARSE_RECIPE`."""
-    if model in MOMENTUM_CORRECTION_LR and tracks_sent(method):
+    :data:`MOMENTUM_CORRECTION_RECIPES` lr and density, where the model has one and the method
+    reports the indices it sent (``tracks_sent``, needed by momentum factor masking); otherwise
+    :data:`SPARSE_RECIPE`."""
+    if model in MOMENTUM_CORRECTION_RECIPES and tracks_sent(method):
         return {"sync": "synchronizer", "momentum_correction": True, "dense_warmup_steps": 0,
-                "lr": MOMENTUM_CORRECTION_LR[model]}
+                **MOMENTUM_CORRECTION_RECIPES[model]}
     return dict(SPARSE_RECIPE)
+
+
+def recipe_density(model: str, method: str) -> float:
+    """The density of ``method``'s recommended recipe on ``model`` (:func:`sparse_recipe`)."""
+    return float(sparse_recipe(model, method)["density"])
 
 
 def scheduled_lr(config: TrainConfig, step: int, total_steps: int) -> float:
@@ -114,7 +129,7 @@ class TrainConfig:
     model: str = "cnn"
     data: str = "digits"
     method: str = "dense"
-    density: float = 0.01
+    density: float = None  # type: ignore[assignment]  # None: the recipe's (DEFAULT_DENSITY where it names none)
     workers: int = 4
     # None: the model's tuned value on this data (models.MODEL_DEFAULTS), filled in by __post_init__
     epochs: int = None  # type: ignore[assignment]

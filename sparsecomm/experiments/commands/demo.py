@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="campaign workload (default lstm)")
     parser.add_argument("--methods", default=None,
                         help=f"comma-separated (default nosync,ddp,powersgd,{','.join(DEMO_SPARSE)})")
-    parser.add_argument("--density", type=float, default=0.01, help="density of the sparse methods (default 0.01)")
+    parser.add_argument("--density", type=float, default=None,
+                        help="density of the sparse methods (default: each method's recipe density, "
+                        "training.sparse_recipe: 0.005 for TopkA on word-lstm, else 0.01)")
     parser.add_argument("--train-size", type=int, default=1920,
                         help="training samples (sequences or images) per run (default 1920: 60 steps at P=4)")
     parser.add_argument("--epochs", type=int, default=1, help="epochs per run (default 1)")
@@ -65,10 +67,11 @@ def demo_workload(name: str, train_size: int, epochs: int, **model_options) -> c
 
 
 def run_demo(workload: campaign.Workload, methods: list[str], net: str | None, out: str, workers: int,
-             density: float = 0.01, command: str = "sparsecomm demo") -> dict:
+             density: float | None = None, command: str = "sparsecomm demo") -> dict:
     """Train ``methods`` on ``workload`` and write the report into ``out/report``; returns the
-    report's paths, rows and summary."""
-    specs = campaign.plan([workload.name], [net], methods, density=density)
+    report's paths, rows and summary. ``density``: of every sparse method (``None``: each method's
+    recipe density)."""
+    specs = campaign.plan([workload.name], [net], methods, density=density, registry={workload.name: workload})
     campaign.run_campaign(specs, out, {"workers": workers}, workloads={workload.name: workload},
                           echo=lambda line: print(line, flush=True))
     records = campaign.load_campaign(out)

@@ -33,14 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="spardl",
                         help="a sparsecomm method (sparsecomm.available_methods()) or a torch baseline: "
                              f"{', '.join(BASELINES)}")
-    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--density", type=float, default=None,
+                        help="default: the recipe's (training.sparse_recipe: 0.005 for TopkA-like methods on "
+                        "word-lstm under momentum correction, else 0.01)")
     parser.add_argument("--net", default=None, help="emulated network: a tc rate in bits per second such as 1gbit "
                         "or 100mbit, or NODESxLOCAL:RATE, or loopback (the default)")
     parser.add_argument("--epochs", type=int, default=None, help="default: the model's tuned value (MODEL_DEFAULTS)")
     parser.add_argument("--batch-size", type=int, default=None, help="per worker; default: the model's tuned value")
     parser.add_argument("--lr", type=float, default=None,
                         help="peak learning rate; default: the model's tuned value (under momentum correction: "
-                        "the recipe's, training.MOMENTUM_CORRECTION_LR)")
+                        "the recipe's, training.MOMENTUM_CORRECTION_RECIPES)")
     parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="cosine",
                         help="cosine decays the learning rate to 0 over the run")
     parser.add_argument("--momentum", type=float, default=0.9)
