@@ -37,7 +37,7 @@ def _skipped_step_changes_nothing(name, policy):
             torch.equal(method.residual, reference.residual))
 
 
-@pytest.mark.parametrize("name", ["topka", "topk", "cltk", "spardl"])
+@pytest.mark.parametrize("name", ["topka", "topk", "cltk", "spardl", "topkdsa", "gtopk", "s2reducer", "omnireduce"])
 @pytest.mark.parametrize("policy", ["skip", "propagate"])
 def test_a_skipped_step_leaves_the_residual_bit_for_bit_and_the_next_step_as_without_it(name, policy):
     for unchanged, skipped, result, next_equal, residual_equal in run_workers(3, _skipped_step_changes_nothing, name,
@@ -87,7 +87,8 @@ def _counts_of_the_separate_pass(name):
 
 
 @pytest.mark.parametrize("name, folded", [("topka", True), ("topk", True), ("cltk", True),
-                                          ("spardl", True), ("threshold", False)])
+                                          ("spardl", True), ("topkdsa", True), ("gtopk", True),
+                                          ("s2reducer", True), ("omnireduce", True), ("threshold", False)])
 def test_the_non_finite_count_rides_on_the_selection_scan(name, folded):
     """A folded method never runs the agreement's own pass over a finite gradient; the others do,
     once per call. Either way the agreement is timed."""

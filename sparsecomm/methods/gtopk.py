@@ -4,6 +4,8 @@ baseline of SparDL's Table I ([SparDL], "gTopk": 2 log P alpha, 4 k log P beta).
 Per call, on every rank r:
 
 1. ``acc = grad + residual``; keep the local top-k of ``acc`` (exact), the rest stays in the residual.
+   The sum is written to a second buffer inside the selection's scan, which also tells the call's
+   agreement whether the gradient is finite (:meth:`~sparsecomm.methods.base.Method.accumulate_and_agree`).
 2. Reduction along a binomial tree to rank 0: at step ``mask`` = 1, 2, 4, ... a rank whose lowest
    set bit is ``mask`` sends its current k-sparse vector (indices, values) to ``r - mask`` and leaves;
    a rank receiving from ``r + mask`` adds the two by index and keeps the top-k of the sum. What the
@@ -56,6 +58,7 @@ class GlobalTopk(Method):
 
     sparse = True
     has_residual = True
+    agrees_in_reduce = True  # after the selection's scan of acc = residual + grad
 
     def __init__(self, comm=None, *, density: float) -> None:
         super().__init__(comm, density=density)
@@ -64,9 +67,12 @@ class GlobalTopk(Method):
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         comm, n = self.comm, grad.numel()
         k = self.k(n)
-        acc = self.residual_for(grad)   # the residual buffer, which will hold grad + residual
+        # acc = residual + grad, written inside the selector's scan, which also tells the agreement
+        # whether grad is finite; acc is the residual from here on
+        acc, local_idx = self.accumulate_and_agree(
+            grad, layout, lambda residual, g, dest: self.selector.accumulate(residual, g, k, dest=dest))
+        assert local_idx is not None
         with self.timer("select"):
-            local_idx = self.selector.accumulate(acc, grad, k)   # acc += grad inside the selector's scan
             held = SparseChunk.gather(acc, local_idx)
         with self.timer("residual"):
             acc.index_fill_(0, local_idx, 0)           # residual = acc minus what is sent

@@ -4,7 +4,9 @@ baseline of S2 Reducer's evaluation ([S2Reducer], section 4, Fig. 3 and 7).
 Per call, on every rank:
 
 1. ``acc = grad + residual``; the blocks of ``block_size`` elements with the largest L2 norm are
-   selected whole (``selectors.make("block_topk")``), at least k = ceil(density * n) elements; the
+   selected whole (``selectors.make("block_topk")``, its energies taken chunk by chunk as the sum is
+   written, whose total also tells the call's agreement whether the gradient is finite: one read of
+   gradient and residual, one write of ``acc``), at least k = ceil(density * n) elements; the
    rest of ``acc`` stays in the residual (error feedback, nothing lost). With density 1 every block
    is selected and OmniReduce is what its paper describes: a lossless all-reduce that skips the
    all-zero blocks of an already sparse gradient (embedding layers, block-sparsified gradients).
@@ -12,7 +14,9 @@ Per call, on every rank:
    come back by an all-gather (:func:`~sparsecomm.transport.block_aggregate.block_allreduce`: an
    all-to-all of P - 1 rounds, then ceil(log2 P) rounds). The last block is padded with zeros on
    the wire when ``block_size`` does not divide n.
-3. Divide by P.
+3. Divide by P, written into the output block by block
+   (:func:`~sparsecomm.transport.merge.average_blocks_into`: only the result blocks and the last call's
+   are touched).
 
 Cost (:func:`_omnireduce_cost`): P - 1 + ceil(log2 P) rounds; exact from the block counts the call
 records (stats ``block_counts``, ``result_blocks``); from k alone an upper bound (every rank's
@@ -25,15 +29,15 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from ..core.cost import Cost, chunk_sizes, register_cost
 from ..core.validate import check_int
-from ..selection import make as make_selector
+from ..selection.block import BlockTopK, gather_blocks, zero_blocks
 from ..transport.block_aggregate import block_allreduce, block_allreduce_traffic
 from ..transport.comm import Communicator
 from .base import Layout, Method, register_method
+from .block_output import output_average_blocks
 
 __all__ = ["OmniReduce"]
 
@@ -50,36 +54,36 @@ class OmniReduce(Method):
     sparse = True
     has_residual = True
     tracks_sent = True
+    agrees_in_reduce = True  # after the block energies' chunked scan of acc = residual + grad
 
     def __init__(self, comm: Communicator | None = None, *, density: float, block_size: int = 256) -> None:
         super().__init__(comm, density=density)
         self.block_size = check_int("block_size", block_size, minimum=1)
-        self.selector = make_selector("block_topk", block_size=block_size)
+        self.selector = BlockTopK(block_size=block_size)  # selectors.make("block_topk")
 
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n, P, B = grad.numel(), self.comm.size, self.block_size
-        num_blocks = math.ceil(n / B)
-        offsets = torch.arange(B, dtype=torch.int64, device=grad.device)
+        k = self.k(n)
+        # acc = residual + grad, added chunk by chunk as the block energies are taken (whose sum tells
+        # the agreement whether grad is finite); acc is the residual from here on
+        acc, blocks = self.accumulate_and_agree(
+            grad, layout, lambda residual, g, dest: self.selector.accumulate_blocks(residual, g, k, dest))
+        assert blocks is not None
         with self.timer("select"):
-            acc = self.residual_for(grad).add_(grad)
-            idx = self.selector(acc, self.k(n))
-            blocks = torch.unique(idx // B)
-            elements = blocks.unsqueeze(1) * B + offsets
-            inside = elements < n
-            values = torch.zeros(blocks.numel(), B, dtype=grad.dtype, device=grad.device)
-            values[inside] = acc[elements[inside]]
-            acc[idx] = 0                                     # acc is the residual: what stays
+            values = gather_blocks(acc, blocks, B)          # (blocks, B), zero past n
+        with self.timer("residual"):
+            zero_blocks(acc, blocks, B)                     # what stays: acc minus what is sent
+        with self.timer("select"):
+            self.last_sent = self.selector.elements(blocks, n)
             nonzero = values.ne(0).any(1)
             blocks, values = blocks[nonzero], values[nonzero]
-        self.last_sent = idx
-        self.stats.selected = idx.numel()
+        self.stats.selected = self.last_sent.numel()
         with self.timer("comm"):
-            ids, sums, counts = block_allreduce(self.comm, blocks, values, num_blocks)
+            ids, sums, counts = block_allreduce(self.comm, blocks, values, num_blocks=math.ceil(n / B))
         with self.timer("decompress"):
-            elements = ids.long().unsqueeze(1) * B + offsets  # sorted, as the ids are
-            inside = elements < n                 # the last block may overhang the gradient
-            # out = sums / P there and 0 elsewhere, in one sweep that also counts stats.nnz_out
-            out = self.output_average(grad, [elements[inside]], [sums.reshape(-1, B)[inside]], P, keep_sign=True)
+            # out = sums / P on the result blocks (sorted ids) and 0 elsewhere, in one pass over those
+            # blocks and the last call's, which also counts stats.nnz_out
+            out = output_average_blocks(self, grad, ids, B, sums, P, keep_sign=True)
         self.stats["blocks_sent"] = blocks.numel()
         self.stats["block_counts"] = counts["sent"]
         self.stats["result_blocks"] = counts["result"]

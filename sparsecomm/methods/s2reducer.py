@@ -6,7 +6,9 @@ Per call, on every rank:
 
 1. ``acc = grad + residual``; block-wise top-K by L2 norm (``selectors.make("block_topk")``, section
    2.2) picks whole blocks of ``block_size`` elements, at least k = ceil(density * n) elements; the
-   rest of ``acc`` stays in the residual (error feedback).
+   rest of ``acc`` stays in the residual (error feedback). The sum is written chunk by chunk as the
+   block energies are taken, whose total also tells the call's agreement whether the gradient is
+   finite: one read of gradient and residual and one write of ``acc``.
 2. Insert the selected values into a ``rows`` x ``cols`` count-sketch (:mod:`sparsecomm.selection.sketch`)
    with ``rows * cols ~= sketch_ratio * k`` (the paper's lambda, 0.5 its best setting); mark the
    selected blocks in the bitmap (Algorithm 1 lines 2-7). The hashes are seeded by ``(seed, step)``,
@@ -14,7 +16,10 @@ Per call, on every rank:
 3. All-reduce the sketch table and the bitmap (line 8) with the metered Rabenseifner all-reduce
    (``allreduce="ring"`` for the ring).
 4. Every element of a block set in the summed bitmap is queried as the median over the rows
-   (lines 9-15); the rest of the output is zero. Divide by P.
+   (lines 9-15); the rest of the output is zero. Divide by P. On the CPU, C kernels hash and insert
+   (:meth:`CountSketch.insert`), query the union block by block (:meth:`CountSketch.query_blocks`) and
+   write it into the output (:func:`~sparsecomm.transport.merge.average_blocks_into`), touching only
+   the union's blocks and the last call's.
 
 Both all-reduces give every rank the same table and bitmap and the query is deterministic, so
 every rank returns the same bits.
@@ -47,11 +52,12 @@ from torch import Tensor
 
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_int, is_number
-from ..selection import make as make_selector
+from ..selection.block import BlockTopK, gather_blocks, zero_blocks
 from ..selection.sketch import CountSketch
 from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator
 from .base import Layout, Method, register_method
+from .block_output import output_average_blocks
 
 __all__ = ["SparseSketchReducer", "sketch_shape", "bitmap_dtype"]
 
@@ -89,6 +95,7 @@ class SparseSketchReducer(Method):
     #: one row with at least 2^ceil(log2 n) columns: the hash is a permutation, so no collisions
     exact_options = {"rows": 1, "sketch_ratio": 2.0}
     has_residual = True
+    agrees_in_reduce = True  # after the block energies' chunked scan of acc = residual + grad
 
     def __init__(self, comm: Communicator | None = None, *, density: float, sketch_ratio: float = 0.5,
                  rows: int = 3, block_size: int = 32, seed: int = 0, allreduce: str = "rabenseifner",
@@ -104,36 +111,41 @@ class SparseSketchReducer(Method):
         self.seed = int(seed)
         self.allreduce_name = check_allreduce(allreduce, "s2reducer")
         self.measure_error = bool(measure_error)
-        self.selector = make_selector("block_topk", block_size=block_size)
+        self.selector = BlockTopK(block_size=block_size)  # selectors.make("block_topk")
 
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n, P, B = grad.numel(), self.comm.size, self.block_size
-        rows, cols = sketch_shape(self.k(n), self.sketch_ratio, self.rows)
+        k = self.k(n)
+        rows, cols = sketch_shape(k, self.sketch_ratio, self.rows)
         sketch = CountSketch(n, rows, cols, seed=self.seed * _SEED_STRIDE + self.step)
-        with self.timer("residual"):
-            acc = self.residual_for(grad).add_(grad)
+        # acc = residual + grad, added chunk by chunk as the block energies are taken (whose sum tells
+        # the agreement whether grad is finite); acc is the residual from here on
+        acc, blocks = self.accumulate_and_agree(
+            grad, layout, lambda residual, g, dest: self.selector.accumulate_blocks(residual, g, k, dest))
+        assert blocks is not None
         with self.timer("select"):
-            idx = torch.sort(self.selector(acc, self.k(n))).values
-            values = acc[idx]
+            idx = self.selector.elements(blocks, n)          # increasing
+            values = gather_blocks(acc, blocks, B).reshape(-1)[:idx.numel()]
         with self.timer("residual"):
-            acc.index_fill_(0, idx, 0)                       # acc is the residual: what stays
+            zero_blocks(acc, blocks, B)                      # what stays: acc minus what is sent
         with self.timer("select"):
             table = sketch.insert(sketch.empty_table(grad.dtype, grad.device), idx, values)
             bitmap = torch.zeros(math.ceil(n / B), dtype=bitmap_dtype(P), device=grad.device)
-            bitmap[idx // B] = 1
+            bitmap[blocks] = 1
         self.last_sent = idx
         self.stats["selected"] = idx.numel()
         with self.timer("comm"):
             table = allreduce(self.comm, table.reshape(-1), self.allreduce_name).view(rows, cols)
             bitmap = allreduce(self.comm, bitmap, self.allreduce_name)
         with self.timer("decompress"):
-            blocks = torch.nonzero(bitmap).reshape(-1)
-            offsets = torch.arange(B, dtype=torch.int64, device=grad.device)
-            union = (blocks.unsqueeze(1) * B + offsets).reshape(-1)
-            union = union[union < n]
-            # out = estimate / P on the union and 0 elsewhere, in one sweep that also counts stats.nnz_out
-            out = self.output_average(grad, [union], [sketch.query(table, union)], P, keep_sign=True)
-        self.stats.update(union_nnz=union.numel(), sketch_cells=rows * cols)
+            union = torch.nonzero(bitmap).reshape(-1)        # the blocks any rank selected, increasing
+            # out = estimate / P on the union's elements and 0 elsewhere: the queries block by block,
+            # then one write of those blocks (and the last call's) that also counts stats.nnz_out
+            estimates = sketch.query_blocks(table, union, B)
+            out = output_average_blocks(self, grad, union, B, estimates, P, keep_sign=True)
+        short = -n % B if union.numel() and int(union[-1]) == n // B else 0  # the short last block's gap
+        union_nnz = union.numel() * B - short
+        self.stats.update(union_nnz=union_nnz, sketch_cells=rows * cols)
         if self.measure_error:
             self._measure_error(out, idx, values)
         return out

@@ -6,7 +6,9 @@
 Per call, on every rank:
 
 1. ``acc = grad + residual``; keep the exact local top-k of ``acc`` (the library's exact selector,
-   the same as TopkA's); the rest stays in the residual.
+   the same as TopkA's); the rest stays in the residual. The sum is written to a second buffer inside
+   the selection's scan, which also tells the call's agreement whether the gradient is finite
+   (:meth:`~sparsecomm.methods.base.Method.accumulate_and_agree`: no pass of the agreement's own).
 2. The k (index, value) pairs form a sparse stream (:class:`~sparsecomm.transport.sparse_stream.Stream`);
    the streams are summed over the ranks with
    * ``algorithm="recursive_doubling"``: SSAR_Recursive_double, log2 p' rounds (+2 for the fold when P
@@ -65,6 +67,7 @@ class TopkDSA(Method):
     sparse = True
     has_residual = True
     tracks_sent = True
+    agrees_in_reduce = True  # after the selection's scan of acc = residual + grad
 
     def __init__(self, comm: Communicator | None = None, *, density: float, algorithm: str = "auto",
                  selector: str = "exact_topk") -> None:
@@ -77,11 +80,15 @@ class TopkDSA(Method):
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n, P = grad.numel(), self.comm.size
         k = self.k(n)
+        # acc = residual + grad, written inside the selector's scan, which also tells the agreement
+        # whether grad is finite; acc is the residual from here on
+        acc, idx = self.accumulate_and_agree(
+            grad, layout, lambda residual, g, dest: self.selector.accumulate(residual, g, k, dest=dest))
+        assert idx is not None
         with self.timer("select"):
-            acc = self.residual_for(grad)                 # acc += grad inside the selector's scan
-            idx = self.selector.accumulate(acc, grad, k)
             stream = Stream.sparse(n, idx, acc[idx])
-            acc[idx] = 0                                  # acc is the residual: what stays
+        with self.timer("residual"):
+            acc.index_fill_(0, idx, 0)                    # what stays: acc minus what is sent
         self.last_sent = idx
         self.stats.selected = k
         variant = resolve_algorithm(self.algorithm, P, n, k, grad.element_size())

@@ -3,7 +3,7 @@
 The vector is cut into consecutive blocks of ``block_size`` elements (the last may be shorter); the
 blocks with the largest L2 norm are selected whole. ``ceil(k / block_size)`` blocks are taken, one
 more if the short last block is among them and the count fell below ``k``, so the count lies in
-``[k, k + block_size - 1]``.
+``[k, k + block_size - 1]``. The indices come block after block, in increasing order.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .base import Selector, assert_finite
 from .exact import TopK
 from .registry import register_selector
 
-__all__ = ["BlockTopK"]
+__all__ = ["BlockTopK", "gather_blocks", "zero_blocks"]
 
 
 #: elements squared at a time by :meth:`BlockTopK.block_energies` (on a GPU a chunk of 64K elements
@@ -42,11 +42,13 @@ class BlockTopK(Selector):
         self._squares: Tensor | None = None
         self._block_topk = TopK(check_finite=False)
 
-    def block_energies(self, x: Tensor) -> Tensor:
+    def block_energies(self, x: Tensor, addend: Tensor | None = None, dest: Tensor | None = None) -> Tensor:
         """Squared L2 norm of each block (float32 for half-precision input, which could overflow).
 
         Computed chunk by chunk through a reused buffer of at most ``_CHUNK`` elements, so the
-        selector keeps no gradient-sized buffer between calls."""
+        selector keeps no gradient-sized buffer between calls. With ``addend`` it is the energies of
+        ``dest = x + addend`` (``dest``: ``x`` when ``None``), each chunk added just before it is squared,
+        while it is in cache: one read of ``x`` and ``addend`` and one write of ``dest`` in all."""
         dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         n, size = x.numel(), self.block_size
         chunk = max(size, (_CHUNK_CUDA if x.is_cuda else _CHUNK) // size * size)
@@ -54,8 +56,11 @@ class BlockTopK(Selector):
         if buf is None or buf.numel() < min(chunk, n) or buf.dtype != dtype or buf.device != x.device:
             self._squares = buf = torch.empty(min(chunk, n), dtype=dtype, device=x.device)
         energies = torch.empty(math.ceil(n / size), dtype=dtype, device=x.device)
+        target = x if dest is None else dest
         for start in range(0, n, chunk):
             part = x[start:start + chunk]
+            if addend is not None:
+                part = torch.add(part, addend[start:start + chunk], out=target[start:start + chunk])
             squares = torch.square(part.to(dtype), out=buf[:part.numel()])
             full = part.numel() // size
             first = start // size
@@ -65,15 +70,65 @@ class BlockTopK(Selector):
         return energies
 
     def select(self, x: Tensor, k: int) -> Tensor:
+        return self.elements(self.select_blocks(x, k), x.numel())
+
+    def select_blocks(self, x: Tensor, k: int) -> Tensor:
+        """The ids of the selected blocks, in increasing order, for ``k >= 1`` (every block when ``k >= n``)."""
+        return self._largest_blocks(x, self.block_energies(x), k)
+
+    def accumulate_blocks(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None = None) -> Tensor:
+        """``dest = x + addend`` (``dest``: ``x`` when ``None``), then :meth:`select_blocks` of it, in one
+        read of each vector (:meth:`block_energies` adds chunk by chunk)."""
+        return self._largest_blocks(x if dest is None else dest, self.block_energies(x, addend, dest), k)
+
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
+        return self.elements(self.accumulate_blocks(x, addend, k, dest), x.numel())
+
+    def elements(self, blocks: Tensor, n: int) -> Tensor:
+        """The int64 indices of the elements of ``blocks`` below ``n``, block after block."""
+        size = self.block_size
+        offsets = torch.arange(size, dtype=torch.int64, device=blocks.device)
+        indices = (blocks.unsqueeze(1) * size + offsets).flatten()
+        return indices[indices < n] if n % size else indices
+
+    def _largest_blocks(self, x: Tensor, energies: Tensor, k: int) -> Tensor:
         n, size = x.numel(), self.block_size
-        energies = self.block_energies(x)
         if self.check_finite and not math.isfinite(float(energies.sum())):
             assert_finite(x, self.name)  # raises on NaN/Inf; a finite input only overflowed the sum
+        if k >= n:
+            return torch.arange(energies.numel(), dtype=torch.int64, device=x.device)
         n_blocks = math.ceil(k / size)
         blocks = self._block_topk(energies, n_blocks)
         short = (size - n % size) % size  # elements the last block lacks
         if short and n_blocks * size - short < k and bool((blocks == energies.numel() - 1).any()):
             blocks = self._block_topk(energies, n_blocks + 1)
-        offsets = torch.arange(size, dtype=torch.int64, device=x.device)
-        indices = (blocks.unsqueeze(1) * size + offsets).flatten()
-        return indices[indices < n] if n % size else indices
+        return torch.sort(blocks).values
+
+
+def _split(x: Tensor, blocks: Tensor, size: int) -> tuple[Tensor, Tensor, int]:
+    """(``x``'s whole blocks as rows, the ids among ``blocks`` of whole blocks, the length of the short
+    last block if ``blocks`` ends with it, else 0). ``blocks``: increasing ids."""
+    whole = x.numel() // size
+    tail = x.numel() - whole * size
+    short = tail if tail and blocks.numel() and int(blocks[-1]) == whole else 0
+    return x[:whole * size].view(whole, size), blocks[:-1] if short else blocks, short
+
+
+def gather_blocks(x: Tensor, blocks: Tensor, size: int) -> Tensor:
+    """The values of the blocks of ``size`` elements with the (increasing) ids ``blocks``, as a
+    ``(len(blocks), size)`` tensor, zero past the end of ``x``."""
+    rows, ids, short = _split(x, blocks, size)
+    if not short:
+        return rows.index_select(0, ids)
+    values = torch.zeros(blocks.numel(), size, dtype=x.dtype, device=x.device)
+    values[:-1] = rows.index_select(0, ids)
+    values[-1, :short] = x[x.numel() - short:]
+    return values
+
+
+def zero_blocks(x: Tensor, blocks: Tensor, size: int) -> None:
+    """Zero the blocks of ``size`` elements with the (increasing) ids ``blocks`` in ``x``."""
+    rows, ids, short = _split(x, blocks, size)
+    rows.index_fill_(0, ids, 0)
+    if short:
+        x[x.numel() - short:] = 0

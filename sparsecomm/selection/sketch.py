@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..core.validate import check_int
+from ..transport.merge import sketch_insert, sketch_query_blocks
 
 __all__ = ["CountSketch", "index_bits"]
 
@@ -81,11 +82,22 @@ class CountSketch:
         signs = torch.stack([1 - 2 * (mix(idx) & 1) for mix in self._signs])
         return buckets, signs
 
+    def _keys(self) -> tuple:
+        """(cols, mask, shift, a, b, c) for the C kernels: the keys of the bucket mixers, then the sign mixers."""
+        mixers = self._buckets + self._signs
+        first = mixers[0]
+        return (self.cols, first.mask, first.shift, [m.a for m in mixers], [m.b for m in mixers],
+                [m.c for m in mixers])
+
     def empty_table(self, dtype: torch.dtype, device=None) -> Tensor:
         return torch.zeros(self.rows, self.cols, dtype=dtype, device=device)
 
     def insert(self, table: Tensor, indices: Tensor, values: Tensor) -> Tensor:
-        """Add ``values`` at ``indices`` into ``table`` (Algorithm 1 lines 3-7); returns ``table``."""
+        """Add ``values`` at ``indices`` into ``table`` (Algorithm 1 lines 3-7); returns ``table``.
+        On the CPU a C kernel hashes and adds in one go (:func:`~sparsecomm.transport.merge.sketch_insert`,
+        the same bits)."""
+        if sketch_insert(self._keys(), table, indices, values):
+            return table
         buckets, signs = self.hashes(indices)
         for row in range(self.rows):
             table[row].index_add_(0, buckets[row], values * signs[row].to(values.dtype))
@@ -99,3 +111,20 @@ class CountSketch:
         if self.rows == 1:
             return estimates[0]
         return estimates.median(dim=0).values
+
+    def query_blocks(self, table: Tensor, blocks: Tensor, block_size: int) -> Tensor:
+        """:meth:`query` of every element of the given blocks of ``block_size`` elements, as a
+        ``(len(blocks), block_size)`` tensor (0 past n): the estimates of ``blocks[b] * block_size + j``.
+        On the CPU a C kernel (:func:`~sparsecomm.transport.merge.sketch_query_blocks`, the same bits),
+        without the index of every element."""
+        blocks = blocks.reshape(-1)
+        if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) * block_size >= self.n):
+            raise IndexError(f"CountSketch.query_blocks: a block of {block_size} lies outside [0, {self.n})")
+        estimates = sketch_query_blocks(self._keys(), table, blocks, block_size, self.n)
+        if estimates is not None:
+            return estimates
+        elements = blocks.to(torch.int64).unsqueeze(1) * block_size + torch.arange(block_size, device=blocks.device)
+        inside = elements < self.n
+        estimates = torch.zeros(elements.shape, dtype=table.dtype, device=table.device)
+        estimates[inside] = self.query(table, elements[inside])
+        return estimates

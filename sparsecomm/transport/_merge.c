@@ -361,6 +361,189 @@ AVERAGE_BODY(double, int32_t)
 AVERAGE_BODY(double, int64_t)
 
 
+/* average_blocks: the average of one chunk made of whole blocks, written as merge_average writes it.
+ * Block `ids[b]` (strictly increasing, each below ceil(n / size)) covers elements [ids[b] * size,
+ * ids[b] * size + size) clipped to n; its values are values[b * size + j] (those past n ignored). Every
+ * covered element becomes (start + value) / divisor, everything else is zero afterwards (mode: as
+ * merge_average's, the stale groups zeroed first), the mask is rewritten with the covered groups.
+ * Returns the non-zero results. Cost: the covered elements and the stale groups, plus the mask. */
+#define BLOCKS_BODY(T, I)                                                                                   \
+    static int64_t average_blocks_##T##_##I(const I *ids, int64_t nblocks, int64_t size, const T *values,   \
+                                            T *dense, int64_t n, double divisor, int keep_sign,             \
+                                            uint64_t *mask, int mode) {                                     \
+        const int64_t mask_words = ((n + GROUP - 1) / GROUP + 63) / 64;                                     \
+        const int divide = divisor != 1.0, scale = is_power_of_two(divisor);                                \
+        const T d = (T)divisor, inverse = (T)(1.0 / divisor), start = keep_sign ? -(T)0 : (T)0;             \
+        int64_t nz = 0, done = 0; /* done: the elements below it are final (MASK_ALL) */                    \
+        if (mode == MASK_STALE)                                                                             \
+            for (int64_t w = 0; w < mask_words; w++)                                                        \
+                for (uint64_t bits = mask[w]; bits; bits &= bits - 1) {                                     \
+                    int64_t from = (w * 64 + __builtin_ctzll(bits)) * GROUP;                                \
+                    int64_t to = from + GROUP < n ? from + GROUP : n;                                       \
+                    memset(dense + from, 0, (size_t)(to - from) * sizeof(T));                               \
+                }                                                                                           \
+        memset(mask, 0, (size_t)mask_words * sizeof(uint64_t));                                             \
+        for (int64_t b = 0; b < nblocks; b++) {                                                             \
+            const int64_t lo = (int64_t)ids[b] * size, hi = lo + size < n ? lo + size : n;                  \
+            const T *v = values + b * size - lo;                                                            \
+            if (mode == MASK_ALL) memset(dense + done, 0, (size_t)(lo - done) * sizeof(T));                 \
+            for (int64_t i = lo; i < hi; i++) {                                                             \
+                T x = start + v[i];                                                                         \
+                if (divide) x = scale ? x * inverse : x / d;                                                \
+                dense[i] = x;                                                                               \
+                nz += x != (T)0;                                                                            \
+            }                                                                                               \
+            for (int64_t g = lo / GROUP; g <= (hi - 1) / GROUP; g++) mask[g / 64] |= UINT64_C(1) << (g % 64); \
+            done = hi;                                                                                      \
+        }                                                                                                   \
+        if (mode == MASK_ALL) memset(dense + done, 0, (size_t)(n - done) * sizeof(T));                      \
+        return nz;                                                                                          \
+    }
+
+BLOCKS_BODY(float, int32_t)
+BLOCKS_BODY(float, int64_t)
+BLOCKS_BODY(double, int32_t)
+BLOCKS_BODY(double, int64_t)
+
+/* 0 when the block ids are strictly increasing and each below `limit`, -1 when out of order, -2 when
+ * one lies outside. */
+static int check_blocks(const void *ids, int wide, int64_t nblocks, int64_t limit) {
+    int64_t previous = -1;
+    for (int64_t b = 0; b < nblocks; b++) {
+        int64_t id = wide ? ((const int64_t *)ids)[b] : (int64_t)((const int32_t *)ids)[b];
+        if (id < 0 || id >= limit) return -2;
+        if (id <= previous) return -1;
+        previous = id;
+    }
+    return 0;
+}
+
+/* The count-sketch hashes of sparsecomm/selection/sketch.py: per row a bucket mixer and a sign mixer,
+ * each x -> (x*a + b) & mask, x ^= x >> shift, x = (x*c) & mask, x ^= x >> shift (wrapping unsigned
+ * arithmetic: the bits of torch's int64 operations on x < 2^62); bucket = mix(i) % cols, sign = +1 when
+ * the sign mix is even, else -1. A mask below 2^32 takes 32-bit arithmetic (the same low bits) and a
+ * division-free modulo. */
+#define SKETCH_MAX_ROWS 64
+typedef struct {
+    int rows;
+    uint64_t cols, fastmod; /* fastmod: 2^64 / cols rounded up, for x % cols with 32-bit x and cols */
+    uint64_t mask;
+    int shift;
+    uint64_t a[2 * SKETCH_MAX_ROWS], b[2 * SKETCH_MAX_ROWS], c[2 * SKETCH_MAX_ROWS]; /* buckets, then signs */
+} sketch_t;
+
+static inline uint64_t sketch_mix(const sketch_t *s, int m, uint64_t x) {
+    if (s->mask <= UINT32_MAX) {
+        uint32_t y = ((uint32_t)x * (uint32_t)s->a[m] + (uint32_t)s->b[m]) & (uint32_t)s->mask;
+        y ^= y >> s->shift;
+        y = (y * (uint32_t)s->c[m]) & (uint32_t)s->mask;
+        return y ^ (y >> s->shift);
+    }
+    x = (x * s->a[m] + s->b[m]) & s->mask;
+    x ^= x >> s->shift;
+    x = (x * s->c[m]) & s->mask;
+    return x ^ (x >> s->shift);
+}
+
+static inline uint64_t sketch_bucket(const sketch_t *s, int row, uint64_t i) {
+    uint64_t x = sketch_mix(s, row, i);
+    if (s->mask <= UINT32_MAX && s->cols <= UINT32_MAX) /* Lemire's fastmod, exact for 32-bit x and cols */
+        return (uint64_t)(((__uint128_t)(s->fastmod * x) * s->cols) >> 64);
+    return x % s->cols;
+}
+
+/* The lower median of e[0..rows) as torch's median over a dimension gives it: a NaN if there is one
+ * (the first), else the element at (rows - 1) / 2 of a stable sort by `<`. */
+#define MEDIAN(T)                                                                                           \
+    static inline T median_##T(T *e, int rows) {                                                            \
+        for (int r = 0; r < rows; r++)                                                                      \
+            if (e[r] != e[r]) return e[r];                                                                  \
+        for (int r = 1; r < rows; r++) { /* insertion sort: stable */                                       \
+            T x = e[r];                                                                                     \
+            int q = r;                                                                                      \
+            for (; q > 0 && x < e[q - 1]; q--) e[q] = e[q - 1];                                             \
+            e[q] = x;                                                                                       \
+        }                                                                                                   \
+        return e[(rows - 1) / 2];                                                                           \
+    }
+MEDIAN(float)
+MEDIAN(double)
+
+/* sketch_insert: table[r * cols + bucket_r(idx[p])] += values[p] * sign_r(idx[p]), row by row, p in
+ * order (torch's index_add_ of values * signs, row after row). */
+#define INSERT_BODY(T, I)                                                                                   \
+    static void sketch_insert_##T##_##I(const sketch_t *s, const I *idx, const T *values, int64_t m,        \
+                                        T *table) {                                                         \
+        for (int r = 0; r < s->rows; r++) {                                                                 \
+            T *row = table + (int64_t)r * (int64_t)s->cols;                                                 \
+            for (int64_t p = 0; p < m; p++) {                                                               \
+                uint64_t i = (uint64_t)idx[p];                                                              \
+                T sign = (sketch_mix(s, s->rows + r, i) & 1) ? (T)-1 : (T)1;                                \
+                row[sketch_bucket(s, r, i)] += values[p] * sign;                                            \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+
+/* sketch_query_blocks: out[b * size + j] = the median over the rows of sign_r(i) * table[r, bucket_r(i)]
+ * for element i = ids[b] * size + j below n (the query of CountSketch.query); past n, 0. */
+#define QUERY_BODY(T, I)                                                                                    \
+    static void sketch_query_##T##_##I(const sketch_t *s, const I *ids, int64_t nblocks, int64_t size,      \
+                                       int64_t n, const T *table, T *out) {                                 \
+        T e[SKETCH_MAX_ROWS];                                                                               \
+        for (int64_t b = 0; b < nblocks; b++) {                                                             \
+            const int64_t lo = (int64_t)ids[b] * size;                                                      \
+            for (int64_t j = 0; j < size; j++) {                                                            \
+                const uint64_t i = (uint64_t)(lo + j);                                                      \
+                if (lo + j >= n) {                                                                          \
+                    out[b * size + j] = (T)0;                                                               \
+                    continue;                                                                               \
+                }                                                                                           \
+                for (int r = 0; r < s->rows; r++) {                                                         \
+                    T sign = (sketch_mix(s, s->rows + r, i) & 1) ? (T)-1 : (T)1;                            \
+                    e[r] = table[(int64_t)r * (int64_t)s->cols + (int64_t)sketch_bucket(s, r, i)] * sign;   \
+                }                                                                                           \
+                out[b * size + j] = s->rows == 1 ? e[0] : median_##T(e, s->rows);                           \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+INSERT_BODY(float, int32_t)
+INSERT_BODY(float, int64_t)
+INSERT_BODY(double, int32_t)
+INSERT_BODY(double, int64_t)
+QUERY_BODY(float, int32_t)
+QUERY_BODY(float, int64_t)
+QUERY_BODY(double, int32_t)
+QUERY_BODY(double, int64_t)
+
+/* Reads (cols, mask, shift, a, b, c) with a, b, c sequences of 2 * rows keys (bucket mixers, then sign
+ * mixers). */
+static int read_sketch(sketch_t *s, long long cols, unsigned long long mask, int shift, PyObject *a, PyObject *b,
+                       PyObject *c) {
+    Py_ssize_t count = PySequence_Size(a);
+    if (count < 0) return -1;
+    if (count < 2 || count % 2 || count > 2 * SKETCH_MAX_ROWS || PySequence_Size(b) != count ||
+        PySequence_Size(c) != count || cols < 1 || shift < 1 || shift > 63 || mask >= (UINT64_C(1) << 62)) {
+        PyErr_SetString(PyExc_ValueError, "sketch: bad keys, columns, mask or shift");
+        return -1;
+    }
+    s->rows = (int)(count / 2);
+    s->cols = (uint64_t)cols;
+    s->fastmod = UINT64_MAX / s->cols + 1;
+    s->mask = mask;
+    s->shift = shift;
+    PyObject *lists[3] = {a, b, c};
+    uint64_t *keys[3] = {s->a, s->b, s->c};
+    for (int k = 0; k < 3; k++)
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *item = PySequence_GetItem(lists[k], i);
+            if (item == NULL) return -1;
+            keys[k][i] = PyLong_AsUnsignedLongLong(item);
+            Py_DECREF(item);
+            if (PyErr_Occurred()) return -1;
+        }
+    return 0;
+}
+
 /* Reads the chunk pointers and lengths: three sequences of equal length (at most MERGE_MAX_CHUNKS). */
 static int read_chunks(merge_t *m, PyObject *idx_ptrs, PyObject *val_ptrs, PyObject *lens, int wide_index) {
     Py_ssize_t count = PySequence_Size(idx_ptrs);
@@ -484,6 +667,107 @@ static PyObject *merge_average(PyObject *self, PyObject *args) {
     return Py_BuildValue("LL", (long long)status, (long long)nonzero);
 }
 
+/* average_blocks(ids_ptr, nblocks, wide_index, size, values_ptr, wide_value, dense_ptr, n, divisor,
+ *                negative_start, mask_ptr, mode) -> (status, nonzero); status -1: ids out of order, -2: an
+ * id out of range, with nothing written. */
+static PyObject *average_blocks(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long ids, values, dense, mask;
+    long long nblocks, size, n;
+    int wide_index, wide_value, negative_start, mode;
+    double divisor;
+    if (!PyArg_ParseTuple(args, "KLpLKpKLdpKi", &ids, &nblocks, &wide_index, &size, &values, &wide_value, &dense,
+                          &n, &divisor, &negative_start, &mask, &mode))
+        return NULL;
+    if (mode < MASK_CLEAN || mode > MASK_ALL || n < 0 || nblocks < 0 || size < 1 || !(divisor > 0)) {
+        PyErr_SetString(PyExc_ValueError, "average_blocks: bad mode, length, block size or divisor");
+        return NULL;
+    }
+    int64_t status, nonzero = 0;
+    const void *id = (const void *)(uintptr_t)ids;
+    uint64_t *words = (uint64_t *)(uintptr_t)mask;
+    Py_BEGIN_ALLOW_THREADS
+    status = check_blocks(id, wide_index, nblocks, (n + size - 1) / size);
+    if (status == 0) {
+        if (wide_value)
+            nonzero = wide_index ? average_blocks_double_int64_t(id, nblocks, size, (const double *)(uintptr_t)values,
+                                                                 (double *)(uintptr_t)dense, n, divisor,
+                                                                 negative_start, words, mode)
+                                 : average_blocks_double_int32_t(id, nblocks, size, (const double *)(uintptr_t)values,
+                                                                 (double *)(uintptr_t)dense, n, divisor,
+                                                                 negative_start, words, mode);
+        else
+            nonzero = wide_index ? average_blocks_float_int64_t(id, nblocks, size, (const float *)(uintptr_t)values,
+                                                                (float *)(uintptr_t)dense, n, divisor, negative_start,
+                                                                words, mode)
+                                 : average_blocks_float_int32_t(id, nblocks, size, (const float *)(uintptr_t)values,
+                                                                (float *)(uintptr_t)dense, n, divisor, negative_start,
+                                                                words, mode);
+    }
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("LL", (long long)status, (long long)nonzero);
+}
+
+/* sketch_insert(cols, mask, shift, a, b, c, idx_ptr, m, wide_index, values_ptr, wide_value, table_ptr)
+ * sketch_query_blocks(cols, mask, shift, a, b, c, ids_ptr, nblocks, wide_index, size, n, table_ptr,
+ *                     wide_value, out_ptr)
+ * The indices (block ids) must lie in [0, n) ([0, ceil(n / size))): the caller checks. */
+static PyObject *sketch_insert(PyObject *self, PyObject *args) {
+    (void)self;
+    long long cols, m;
+    unsigned long long mask, idx, values, table;
+    int shift, wide_index, wide_value;
+    PyObject *a, *b, *c;
+    sketch_t s;
+    if (!PyArg_ParseTuple(args, "LKiOOOKLpKpK", &cols, &mask, &shift, &a, &b, &c, &idx, &m, &wide_index, &values,
+                          &wide_value, &table) ||
+        read_sketch(&s, cols, mask, shift, a, b, c) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (wide_value && wide_index)
+        sketch_insert_double_int64_t(&s, (const int64_t *)(uintptr_t)idx, (const double *)(uintptr_t)values, m,
+                                     (double *)(uintptr_t)table);
+    else if (wide_value)
+        sketch_insert_double_int32_t(&s, (const int32_t *)(uintptr_t)idx, (const double *)(uintptr_t)values, m,
+                                     (double *)(uintptr_t)table);
+    else if (wide_index)
+        sketch_insert_float_int64_t(&s, (const int64_t *)(uintptr_t)idx, (const float *)(uintptr_t)values, m,
+                                    (float *)(uintptr_t)table);
+    else
+        sketch_insert_float_int32_t(&s, (const int32_t *)(uintptr_t)idx, (const float *)(uintptr_t)values, m,
+                                    (float *)(uintptr_t)table);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *sketch_query_blocks(PyObject *self, PyObject *args) {
+    (void)self;
+    long long cols, nblocks, size, n;
+    unsigned long long mask, ids, table, out;
+    int shift, wide_index, wide_value;
+    PyObject *a, *b, *c;
+    sketch_t s;
+    if (!PyArg_ParseTuple(args, "LKiOOOKLpLLKpK", &cols, &mask, &shift, &a, &b, &c, &ids, &nblocks, &wide_index,
+                          &size, &n, &table, &wide_value, &out) ||
+        read_sketch(&s, cols, mask, shift, a, b, c) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (wide_value && wide_index)
+        sketch_query_double_int64_t(&s, (const int64_t *)(uintptr_t)ids, nblocks, size, n,
+                                    (const double *)(uintptr_t)table, (double *)(uintptr_t)out);
+    else if (wide_value)
+        sketch_query_double_int32_t(&s, (const int32_t *)(uintptr_t)ids, nblocks, size, n,
+                                    (const double *)(uintptr_t)table, (double *)(uintptr_t)out);
+    else if (wide_index)
+        sketch_query_float_int64_t(&s, (const int64_t *)(uintptr_t)ids, nblocks, size, n,
+                                   (const float *)(uintptr_t)table, (float *)(uintptr_t)out);
+    else
+        sketch_query_float_int32_t(&s, (const int32_t *)(uintptr_t)ids, nblocks, size, n,
+                                   (const float *)(uintptr_t)table, (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"merge_sum", merge_sum, METH_VARARGS,
      "merge_sum(idx_ptrs, val_ptrs, lens, wide_index, wide_value, out_idx_ptr, out_val_ptr) -> count: the "
@@ -493,6 +777,16 @@ static PyMethodDef methods[] = {
      "mask_ptr, mode) -> (status, nonzero): dense[i] = (start + the chunks' values at i, in chunk order) / "
      "divisor on the union, 0 elsewhere; the mask of written groups updated (status -1: a chunk is not "
      "sorted, -2: an index is out of range)."},
+    {"average_blocks", average_blocks, METH_VARARGS,
+     "average_blocks(ids_ptr, nblocks, wide_index, size, values_ptr, wide_value, dense_ptr, n, divisor, "
+     "negative_start, mask_ptr, mode) -> (status, nonzero): merge_average of one chunk of whole blocks, given by "
+     "their sorted ids and their values (nblocks x size)."},
+    {"sketch_insert", sketch_insert, METH_VARARGS,
+     "sketch_insert(cols, mask, shift, a, b, c, idx_ptr, m, wide_index, values_ptr, wide_value, table_ptr): add "
+     "the signed values into their buckets of each row of a count-sketch table, in order."},
+    {"sketch_query_blocks", sketch_query_blocks, METH_VARARGS,
+     "sketch_query_blocks(cols, mask, shift, a, b, c, ids_ptr, nblocks, wide_index, size, n, table_ptr, "
+     "wide_value, out_ptr): the count-sketch estimate (median over the rows) of every element of the blocks."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,

@@ -15,7 +15,13 @@ every index's sum is accumulated as ``0 + v_0 + v_1 + ...`` in chunk order, exac
   group or a received index, each fetched once); a fuller one is built in an L1 scratch block and
   streamed out whole (one write per cache line, no read of the output).
 
-Both fall back to torch operations (the same bits) for CUDA tensors, half-precision values, mixed
+* :func:`average_blocks_into`: the same for one chunk made of whole blocks, given by their ids and a block
+  size (OmniReduce's and S2 Reducer's results), without the index of every element.
+
+Beside them, the count-sketch kernels of S2 Reducer's decompression (:func:`sketch_insert`,
+:func:`sketch_query_blocks`; :class:`sparsecomm.selection.sketch.CountSketch` calls them).
+
+The merges fall back to torch operations (the same bits) for CUDA tensors, half-precision values, mixed
 dtypes, unsorted chunks, or where the extension is not built: ``index_add_`` of one chunk after the
 other (deterministic even with CUDA's atomics, the positions of one sorted unique chunk being
 distinct) and a division of the touched entries.
@@ -35,7 +41,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["merge_sum", "average_into", "clear", "GroupMask", "Stale", "GROUP", "ascending", "compiled"]
+__all__ = ["merge_sum", "average_into", "average_blocks_into", "clear", "GroupMask", "Stale", "GROUP", "ascending",
+           "compiled", "sketch_insert", "sketch_query_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -172,3 +179,75 @@ def average_into(out: Tensor, indices: Sequence[Tensor], values: Sequence[Tensor
     if divisor != 1 and union.numel():
         out[union] = out[union].div_(divisor)  # repeats write the same quotient again
     return union, None
+
+
+def average_blocks_into(out: Tensor, blocks: Tensor, block_size: int, values: Tensor, divisor: int, *,
+                        stale: Stale = None, keep_sign: bool = False) -> tuple[Tensor | GroupMask, int | None]:
+    """:func:`average_into` of one chunk made of whole blocks: element ``blocks[b] * block_size + j``
+    (for ``j < block_size``, those below ``out.numel()``) takes ``values[b, j]`` (``values``: ``(len(blocks),
+    block_size)``), everything else is zero. ``blocks``: strictly increasing block ids. Same result, bits
+    and return values as :func:`average_into` given the index of every element, which the C path never
+    builds: it writes the blocks and zeroes the stale groups (or, with ``stale="all"``, the gaps), touching
+    only those."""
+    n = out.numel()
+    values = values.reshape(blocks.numel(), block_size)
+    if (_compiled is not None and out.is_contiguous() and out.device.type == "cpu" and out.dtype in _VALUE_TYPES
+            and values.dtype == out.dtype and values.device.type == "cpu" and values.is_contiguous()
+            and blocks.device.type == "cpu" and blocks.dtype in _INDEX_TYPES and blocks.is_contiguous()):
+        mask = stale if isinstance(stale, GroupMask) and stale.n == n else GroupMask(n)
+        if isinstance(stale, Tensor):
+            clear(out, stale)
+        mode = 1 if mask is stale else 2 if stale is not None and not isinstance(stale, Tensor) else 0
+        status, nonzero = _compiled.average_blocks(blocks.data_ptr(), blocks.numel(), blocks.dtype == torch.int64,
+                                                   block_size, values.data_ptr(), out.dtype == torch.float64,
+                                                   out.data_ptr(), n, float(divisor), keep_sign,
+                                                   mask.words.data_ptr(), mode)
+        if status == -2:
+            raise IndexError(f"average_blocks_into: a block lies outside the output of {n} elements")
+        if status == 0:
+            return mask, nonzero
+    elements = blocks.long().unsqueeze(1) * block_size + torch.arange(block_size, device=blocks.device)
+    inside = elements < n
+    if not bool((blocks[1:] > blocks[:-1]).all()):
+        order = torch.argsort(blocks)
+        elements, inside, values = elements[order], inside[order], values[order]
+    return average_into(out, [elements[inside]], [values[inside]], divisor, stale=stale, keep_sign=keep_sign)
+
+
+def _sketch_args(keys: tuple[int, int, int, Sequence[int], Sequence[int], Sequence[int]]) -> tuple:
+    cols, mask, shift, a, b, c = keys
+    return int(cols), int(mask), int(shift), list(a), list(b), list(c)
+
+
+def sketch_insert(keys: tuple[int, int, int, Sequence[int], Sequence[int], Sequence[int]], table: Tensor,
+                  indices: Tensor, values: Tensor) -> bool:
+    """For :meth:`~sparsecomm.selection.sketch.CountSketch.insert` (``keys``: its columns, mask, shift and
+    the multiply-xorshift keys a, b, c of the bucket mixers then the sign mixers): add ``values * sign``
+    at each index's bucket of each row of ``table`` (rows x cols, contiguous), row by row, indices in
+    order, the bits of ``index_add_``. Returns False, having done nothing, where the C kernel does not
+    apply (the caller's torch path does)."""
+    if not (_compiled is not None and table.device.type == "cpu" and table.is_contiguous()
+            and table.dtype in _VALUE_TYPES and values.dtype == table.dtype and values.device.type == "cpu"
+            and values.is_contiguous() and indices.device.type == "cpu" and indices.dtype in _INDEX_TYPES
+            and indices.is_contiguous() and indices.numel() == values.numel()):
+        return False
+    _compiled.sketch_insert(*_sketch_args(keys), indices.data_ptr(), indices.numel(),
+                            indices.dtype == torch.int64, values.data_ptr(), table.dtype == torch.float64,
+                            table.data_ptr())
+    return True
+
+
+def sketch_query_blocks(keys: tuple[int, int, int, Sequence[int], Sequence[int], Sequence[int]], table: Tensor,
+                        blocks: Tensor, block_size: int, n: int) -> Tensor | None:
+    """For :meth:`~sparsecomm.selection.sketch.CountSketch.query_blocks`: the estimate of every element of
+    the blocks (``(len(blocks), block_size)``, 0 past ``n``; ``blocks`` inside ``[0, ceil(n / block_size))``),
+    or ``None`` where the C kernel does not apply."""
+    if not (_compiled is not None and table.device.type == "cpu" and table.is_contiguous()
+            and table.dtype in _VALUE_TYPES and blocks.device.type == "cpu" and blocks.dtype in _INDEX_TYPES
+            and blocks.is_contiguous()):
+        return None
+    out = torch.empty(blocks.numel(), block_size, dtype=table.dtype)
+    _compiled.sketch_query_blocks(*_sketch_args(keys), blocks.data_ptr(), blocks.numel(),
+                                  blocks.dtype == torch.int64, block_size, n, table.data_ptr(),
+                                  table.dtype == torch.float64, out.data_ptr())
+    return out

@@ -87,10 +87,15 @@ class Stream:
     @classmethod
     def sparse(cls, N: int, indices: Tensor, values: Tensor, width: int = 1) -> Stream:
         """A sparse stream of ``indices`` (unique, any order) and their rows (``values`` of m*width
-        elements), switched to dense right away when past the break-even point."""
-        order = torch.argsort(indices)
-        rows = values.reshape(indices.numel(), width)[order]
-        return cls(N, rows, indices[order].to(index_dtype(N))).settle()
+        elements), switched to dense right away when past the break-even point. Indices already in
+        increasing order (as most selectors return them) are taken as they are, after one compare."""
+        rows = values.reshape(indices.numel(), width)
+        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+            order = torch.argsort(indices)
+            rows, indices = rows[order], indices[order]
+        else:
+            rows = rows.clone()  # the stream owns its rows either way
+        return cls(N, rows, indices.to(index_dtype(N))).settle()
 
     def settle(self) -> Stream:
         """Switch to dense when the sparse form is past the break-even point."""
