@@ -25,7 +25,7 @@ from ..selection import NonFiniteInputError
 from ..selection.scan import Scratch
 from ..transport.comm import Communicator
 from ..transport.deadline import ProtocolBroken, explain_timeout, is_peer_failure, report_failure
-from ..transport.merge import GroupMask, Stale, average_into, clear
+from ..transport.merge import GroupMask, Stale, average_blocks_into, average_into, clear
 from .agreement import (
     NONFINITE_POLICIES,
     AgreementError,
@@ -268,6 +268,29 @@ class Method:
         if self._call_out is not None:
             self._out_support = written
         if nonzero is not None:  # else the base class counts the non-zeros of the result
+            self.stats.nnz_out = nonzero
+        return out
+
+    def output_average_blocks(self, like: torch.Tensor, blocks: torch.Tensor, block_size: int, values: torch.Tensor,
+                              divisor: int, *, keep_sign: bool = False) -> torch.Tensor:
+        """:meth:`output_average` for a result made of whole blocks (OmniReduce, S2 Reducer): element
+        ``blocks[b] * block_size + j`` (below n) becomes ``values[b, j] / divisor``, every other element
+        zero (``blocks``: increasing ids; ``values``: ``len(blocks) * block_size`` values). Written by
+        :func:`~sparsecomm.transport.merge.average_blocks_into`, which touches only those blocks and the
+        last call's groups, never building the index of every element; the same bits, records and
+        ``stats.nnz_out`` as :meth:`output_average` given those indices."""
+        out = self._call_out
+        stale: Stale = "all"
+        if out is None:
+            out = torch.empty_like(like)
+        else:
+            stale = self._stale(out)
+        self._out_support = None  # until the write succeeds
+        written, nonzero = average_blocks_into(out, blocks, block_size, values, divisor, stale=stale,
+                                               keep_sign=keep_sign)
+        if self._call_out is not None:
+            self._out_support = written
+        if nonzero is not None:
             self.stats.nnz_out = nonzero
         return out
 

@@ -37,7 +37,6 @@ from ..selection.block import BlockTopK, gather_blocks, zero_blocks
 from ..transport.block_aggregate import block_allreduce, block_allreduce_traffic
 from ..transport.comm import Communicator
 from .base import Layout, Method, register_method
-from .block_output import output_average_blocks
 
 __all__ = ["OmniReduce"]
 
@@ -83,7 +82,7 @@ class OmniReduce(Method):
         with self.timer("decompress"):
             # out = sums / P on the result blocks (sorted ids) and 0 elsewhere, in one pass over those
             # blocks and the last call's, which also counts stats.nnz_out
-            out = output_average_blocks(self, grad, ids, B, sums, P, keep_sign=True)
+            out = self.output_average_blocks(grad, ids, B, sums, P, keep_sign=True)
         self.stats["blocks_sent"] = blocks.numel()
         self.stats["block_counts"] = counts["sent"]
         self.stats["result_blocks"] = counts["result"]

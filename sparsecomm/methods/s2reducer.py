@@ -57,7 +57,6 @@ from ..selection.sketch import CountSketch
 from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator
 from .base import Layout, Method, register_method
-from .block_output import output_average_blocks
 
 __all__ = ["SparseSketchReducer", "sketch_shape", "bitmap_dtype"]
 
@@ -142,7 +141,7 @@ class SparseSketchReducer(Method):
             # out = estimate / P on the union's elements and 0 elsewhere: the queries block by block,
             # then one write of those blocks (and the last call's) that also counts stats.nnz_out
             estimates = sketch.query_blocks(table, union, B)
-            out = output_average_blocks(self, grad, union, B, estimates, P, keep_sign=True)
+            out = self.output_average_blocks(grad, union, B, estimates, P, keep_sign=True)
         short = -n % B if union.numel() and int(union[-1]) == n // B else 0  # the short last block's gap
         union_nnz = union.numel() * B - short
         self.stats.update(union_nnz=union_nnz, sketch_cells=rows * cols)
