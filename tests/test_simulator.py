@@ -484,3 +484,24 @@ def test_a_gpu_calibration_fits_decompression_per_entry_touched():
     cpu = profile_from_records(records, density=0.01, net="loopback", device="cpu", cores=2, colocated=True,
                                selectors={}, recv_element_s=0.0, meta={})
     assert cpu.methods["topka"]["decompress_per"] == "byte"
+
+
+def test_a_one_size_calibration_keeps_the_selectors_fixed_part_out_of_the_per_element_work():
+    """exact_topk's sampled floor (about 256 / density elements and their top-k) costs the same at
+    any n: calibrated at n = 1M alone, it must not be scaled 5x at n = 5M."""
+    from sparsecomm.simulator.calibration import measure_selector_fixed
+
+    density, select, fixed = 0.01, 2e-9, 0.5e-3
+    records = _split_records(2, [1_000_000], density, select, 0.0, methods=("topka",))
+    for record in records:
+        record["runs"][0]["selector"] = "exact_topk"
+    profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
+                                   selectors={}, recv_element_s=0.0, meta={},
+                                   selector_fixed_s={"exact_topk": fixed})
+    fit = profile.methods["topka"]
+    assert fit["s0"] == pytest.approx(fixed) and fit["s1"] == pytest.approx((select * 1e6 - fixed) / 1e6)
+    at_5m = predict("topka", 2, 5_000_000, density, profile=profile).work_s
+    assert at_5m == pytest.approx(5 * select * 1e6 - 4 * fixed, rel=1e-6)
+    # the one-process measurement: a fixed part between 0 and the call's time, for every selector
+    measured = measure_selector_fixed(200_000, density, repeat=2)
+    assert "exact_topk" in measured and all(seconds >= 0 for seconds in measured.values())

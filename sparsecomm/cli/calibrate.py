@@ -50,6 +50,7 @@ def _torchrun(args, methods, sizes) -> int:
         calibration_worker,
         device_name,
         measure_recv_element,
+        measure_selector_fixed,
         measure_selectors,
         profile_from_records,
     )
@@ -74,6 +75,7 @@ def _torchrun(args, methods, sizes) -> int:
                 device=device_name(device), cores=available_cores(), colocated=False,
                 selectors=measure_selectors(n_sel, args.density, device=device),
                 recv_element_s=measure_recv_element(n_sel, selection_count(args.density, n), device=device),
+                selector_fixed_s=measure_selector_fixed(n_sel, args.density, device=device),
                 meta={"P": dist.get_world_size(), "sizes": sizes, "density": args.density,
                       "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
             profile.save(args.out)

@@ -44,7 +44,8 @@ from .model import (
     touched_entries,
 )
 
-__all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_recv_element",
+__all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_selector_fixed",
+           "measure_recv_element",
            "profile_from_records", "refit", "merge_records", "method_runs", "time_method_in_worker", "slowest_best",
            "split_work",
            "LINK_SIZES"]
@@ -130,7 +131,8 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
 
     Returns this rank's per-call wall times (each call starts after a barrier), its CPU times
     (``time.process_time``: this process's threads, the backend's included), the calls' stats and
-    whether the method agreed after its selection's scan (``agreement_folded``: no pass of its own).
+    whether the method agreed after its selection's scan (``agreement_folded``: no pass of its own),
+    and the name of its selector (``selector``, "" when it has none of its own).
     The gradient and result buffers are allocated once (the result goes ``out=``, as in the
     DDP hook and the synchronizer); each call gets a fresh copy of the gradient made before the clock
     starts. On a CUDA ``device`` the clock stops after the device has finished the call.
@@ -159,7 +161,8 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
             cpu.append(time.process_time() - cpu_start)
             stats.append(method.stats)
     folded = bool(method.agrees_in_reduce) and work.device.type == "cpu"
-    return {"times": times, "cpu": cpu, "stats": stats, "agreement_folded": folded}
+    selector = getattr(getattr(method, "selector", None), "name", "")
+    return {"times": times, "cpu": cpu, "stats": stats, "agreement_folded": folded, "selector": selector}
 
 
 def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, repeat: int,
@@ -175,7 +178,7 @@ def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, re
             runs.append({"method": name, "n": n, "times": result["times"], "cpu": result["cpu"],
                          "time_comm": [s.time_comm for s in stats],
                          "time_agreement": [s.extra.get("time_agreement", 0.0) for s in stats],
-                         "agreement_folded": result["agreement_folded"],
+                         "agreement_folded": result["agreement_folded"], "selector": result["selector"],
                          "time_select": [s.time_select for s in stats],
                          "time_decompress": [s.time_decompress for s in stats],
                          "bytes_sent": max(s.bytes_sent for s in stats)})
@@ -227,7 +230,8 @@ def slowest_best(records: Sequence[dict[str, Any]], i: int) -> float:
 
 def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[str, dict[str, float]],
                  dense: dict[str, float], contention: float = 1.0, net: str = "loopback",
-                 colocated: bool = True, device: str = "cpu") -> dict[str, dict[str, Any]]:
+                 colocated: bool = True, device: str = "cpu",
+                 selector_fixed: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """Per method and size, estimators of the undisturbed call (this machine is shared; a disturbed
     call is only ever slower, so the least over calls is the estimate):
 
@@ -246,9 +250,10 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
       first also makes a pass over the gradient (its finiteness count), so its rounds are costed at
       the folded methods' median per round and the rest stays with the selection, per element;
     * selection: work less decompression and the agreement's rounds, fitted per gradient element
-      (``s1``, ``s0``);
-    * communication's CPU (where the calls' CPU time was recorded): for each rank, of its fastest
-      call, the CPU time less the wall time of its own work, then the largest over ranks
+      (``s1``, ``s0``); calibrated at one size, ``s0`` is the fixed part of the method's selector
+      (``selector_fixed``: :func:`measure_selector_fixed`, where the run names its selector);
+    * communication's CPU (where the calls' CPU time was recorded): for each rank, of the call whose
+      own work took the least wall time, the CPU time less that work, then the largest over ranks
       (``comm_cpu_s``); over :func:`~.simulator.comm_cpu_seconds` at this P, the ``comm_cpu_factor``
       (the method's own messages: headers, index and value messages sent apart);
     * traffic factor: metered bytes over the formula's (data-dependent counts: the measured density);
@@ -262,6 +267,7 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     decompress: dict[str, dict[int, tuple[float, float]]] = {}  # n -> (sweep bytes, seconds)
     agreement: dict[str, dict[int, float]] = {}
     folded: dict[str, bool] = {}
+    selectors = {run["method"]: run.get("selector", "") for run in records[0]["runs"]}
     comm_cpu: dict[str, dict[int, tuple[float, float]]] = {}  # n -> (seconds, comm_cpu_seconds there)
     for i, run in enumerate(records[0]["runs"]):
         name, n = run["method"], run["n"]
@@ -279,9 +285,11 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
             agreement.setdefault(name, {})[n] = min(work, max(min(r["runs"][i]["time_agreement"]) for r in records))
             folded[name] = bool(run.get("agreement_folded"))
         if "cpu" in run and "cpu_round_s" in link:
-            fastest = [min(zip(r["runs"][i]["times"], r["runs"][i]["time_comm"], r["runs"][i]["cpu"], strict=True))
-                       for r in records]
-            spent = max(max(0.0, cpu - (t - c)) for t, c, cpu in fastest)
+            # per rank the call whose own work took the least wall time (the least disturbed: its work's
+            # wall time is its CPU time), its CPU time less that work
+            least = [min((t - c, cpu) for t, c, cpu in zip(r["runs"][i]["times"], r["runs"][i]["time_comm"],
+                                                           r["runs"][i]["cpu"], strict=True)) for r in records]
+            spent = max(max(0.0, cpu - own_work) for own_work, cpu in least)
             comm_cpu.setdefault(name, {})[n] = (spent, sum(comm_cpu_seconds(name, P, n, density, link, layout)))
         comm = (total - work) / contention
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
@@ -315,7 +323,8 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
         if name in decompress:
             out[name].update(split_work([(n, w) for n, w, *_ in samples], decompress[name],
                                         None if round_s is None else {n: round_s * rounds for n, *_ in samples},
-                                        unit="byte" if device == "cpu" else "entry"))
+                                        unit="byte" if device == "cpu" else "entry",
+                                        fixed=(selector_fixed or {}).get(selectors.get(name, ""), 0.0)))
         if name in comm_cpu:
             out[name]["comm_cpu_s"] = {str(n): spent for n, (spent, _) in comm_cpu[name].items()}
             out[name]["comm_cpu_factor"] = statistics.mean(spent / formula if formula > 0 else 1.0
@@ -324,19 +333,26 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
 
 
 def split_work(work: Sequence[tuple[int, float]], decompress: dict[int, tuple[float, float]],
-               agreement: dict[int, float] | None = None, unit: str = "byte") -> dict[str, Any]:
+               agreement: dict[int, float] | None = None, unit: str = "byte", fixed: float = 0.0) -> dict[str, Any]:
     """The per-element coefficients of a method's work: ``d1`` seconds per ``unit`` of the
     decompression ("byte" of its sweep's memory traffic, or "entry" touched; ``d0`` fixed), ``s1``
     per gradient element (``s0`` fixed) of the rest (selection,
     residual, compression: the work less the decompression and the agreement's rounds). ``work``:
     (n, seconds) samples; ``decompress``: n -> (units, seconds); ``agreement``: n -> seconds of the
-    agreement's rounds (none: the agreement stays in the rest). Units 0 (a dense method) fit the
-    decompression per gradient element instead (``decompress_per``: ``unit`` or "element")."""
+    agreement's rounds (none: the agreement stays in the rest); ``fixed``: the rest's seconds per call
+    that do not grow with n (the selector's sample), taken as ``s0`` when ``work`` has one size only
+    (two sizes fit ``s0`` themselves). Units 0 (a dense method) fit the decompression per gradient
+    element instead (``decompress_per``: ``unit`` or "element")."""
     per_unit = all(units > 0 for units, _ in decompress.values())
     d1, d0 = fit_work([(int(units if per_unit else n), seconds) for n, (units, seconds) in decompress.items()]) \
         if any(seconds > 0 for _, seconds in decompress.values()) else (0.0, 0.0)
     agreement = agreement or {}
-    s1, s0 = fit_work([(n, max(0.0, w - decompress[n][1] - agreement.get(n, 0.0))) for n, w in work])
+    rest = [(n, max(0.0, w - decompress[n][1] - agreement.get(n, 0.0))) for n, w in work]
+    if len({n for n, _ in rest}) == 1 and fixed > 0:
+        s0 = min(fixed, min(seconds for _, seconds in rest))
+        s1, _ = fit_work([(n, seconds - s0) for n, seconds in rest])
+    else:
+        s1, s0 = fit_work(rest)
     return {"s1": s1, "s0": s0, "d1": d1, "d0": d0, "decompress_per": unit if per_unit else "element",
             "decompress_s": {str(n): seconds for n, (_, seconds) in decompress.items()}}
 
@@ -348,8 +364,8 @@ def _wall(device: str) -> float:
     return time.perf_counter()
 
 
-def measure_selectors(n: int, density: float, repeat: int = 3, device: str = "cpu") -> dict[str, float]:
-    """Seconds per element of each selector picking ``density * n`` of n normal values (this process)."""
+def _selector_times(n: int, density: float, repeat: int, device: str) -> dict[str, list[float]]:
+    """Each selector's call times picking ``density * n`` of n normal values (this process)."""
     from .. import selection as selectors
 
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
@@ -367,8 +383,24 @@ def measure_selectors(n: int, density: float, repeat: int = 3, device: str = "cp
             start = _wall(device)
             sel(x, k)
             times.append(_wall(device) - start)
-        out[name] = statistics.median(times) / n
+        out[name] = times
     return out
+
+
+def measure_selectors(n: int, density: float, repeat: int = 3, device: str = "cpu") -> dict[str, float]:
+    """Seconds per element of each selector picking ``density * n`` of n normal values (this process)."""
+    return {name: statistics.median(times) / n for name, times in _selector_times(n, density, repeat, device).items()}
+
+
+def measure_selector_fixed(n: int, density: float, repeat: int = 5, device: str = "cpu") -> dict[str, float]:
+    """Seconds per call of each selector that do not grow with n at this density (this process): from
+    its least time at n and at n / 4, ``t = fixed + per_element * n``. Selectors that take a sample
+    of a size set by the density alone (``exact_topk``'s floor: about 256 / density elements) and a
+    top-k of it have such a part; a calibration at one size cannot tell it from the per-element
+    work (:func:`split_work`)."""
+    large = _selector_times(n, density, repeat, device)
+    small = _selector_times(n // 4, density, repeat, device)
+    return {name: min(max(0.0, (4 * min(small[name]) - min(times)) / 3), min(times)) for name, times in large.items()}
 
 
 def measure_recv_element(n: int, received: int, repeat: int = 3, device: str = "cpu") -> float:
@@ -387,14 +419,15 @@ def measure_recv_element(n: int, received: int, repeat: int = 3, device: str = "
 
 def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, net: str, device: str,
                          cores: int, colocated: bool, selectors: dict[str, float], recv_element_s: float,
-                         meta: dict[str, Any]) -> Profile:
+                         meta: dict[str, Any], selector_fixed_s: dict[str, float] | None = None) -> Profile:
     """The profile from every rank's :func:`calibration_worker` result and the one-process figures."""
     links, dense = fit_links(records), _fit_dense(records)
     contention = comm_contention(records[0]["P"], cores, colocated, net)
     return Profile(net=net, device=device, cores=cores, colocated=colocated, links=links,
                    dense_allreduce=dense, selectors=selectors, recv_element_s=recv_element_s,
-                   methods=_fit_methods(records, density, links, dense, contention, net, colocated, device),
-                   meta=meta,
+                   methods=_fit_methods(records, density, links, dense, contention, net, colocated, device,
+                                        selector_fixed_s),
+                   selector_fixed_s=dict(selector_fixed_s or {}), meta=meta,
                    records=[dict(r) for r in records])
 
 
@@ -443,6 +476,7 @@ def refit(profile: Profile) -> Profile:
     return profile_from_records(profile.records, density=profile.meta["density"], net=profile.net,
                                 device=profile.device, cores=profile.cores, colocated=profile.colocated,
                                 selectors=profile.selectors, recv_element_s=profile.recv_element_s,
+                                selector_fixed_s=profile.selector_fixed_s,
                                 meta=profile.meta)
 
 
@@ -479,6 +513,7 @@ def calibrate(P: int, methods: Sequence[str], sizes: Sequence[int], density: flo
         records, density=density, net=net or "loopback", device=device_name(device),
         cores=1 if gpu else available_cores(), colocated=not gpu,
         selectors=measure_selectors(n_sel if gpu else min(n_sel, 4_000_000), density, device=device),
+        selector_fixed_s=measure_selector_fixed(n_sel if gpu else min(n_sel, 4_000_000), density, device=device),
         recv_element_s=measure_recv_element(n_sel if gpu else min(n_sel, 4_000_000),
                                             max(1, selection_count(density, n_sel)) * P, device=device),
         meta={"P": P, "sizes": list(sizes), "density": density, "repeat": repeat,

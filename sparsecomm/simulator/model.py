@@ -16,7 +16,9 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   density, B-SAG's h). Without a profile it is 1 (the documented bound).
 * Work is modelled by what it touches. ``s1``, ``s0``: selection, residual, compression (the
   call's wall time less its ``time_comm``, ``time_decompress`` and the agreement's rounds), per
-  element of the gradient (n). ``d1``, ``d0``: decompression (the method's ``time_decompress``) per
+  element of the gradient (n) and per call (calibrated at one size, ``s0`` is the fixed part of the
+  method's selector measured in one process, ``Profile.selector_fixed_s``: exact top-k's sampled
+  floor costs the same at any n). ``d1``, ``d0``: decompression (the method's ``time_decompress``) per
   byte of its blocked sweep's memory traffic, ``swept(P, n)`` (:func:`decompress_bytes`: the pairs
   the rank touches, its own k and what it receives by the cost formula, read once, and the output's
   cache lines, touched in place or streamed whole, at most one write of the output: it grows with
@@ -118,6 +120,8 @@ class Profile:
     selectors: dict[str, float] = field(default_factory=dict)
     #: seconds per received sparse element (scatter-add into the output)
     recv_element_s: float = 0.0
+    #: selector name -> seconds per call that do not grow with n at the calibration's density
+    selector_fixed_s: dict[str, float] = field(default_factory=dict)
     #: method -> {"w1": s per element, "w0": s, "traffic_factor": f, "P": P_cal, "density": d, ...}
     methods: dict[str, dict[str, Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
