@@ -505,3 +505,16 @@ def test_a_one_size_calibration_keeps_the_selectors_fixed_part_out_of_the_per_el
     # the one-process measurement: a fixed part between 0 and the call's time, for every selector
     measured = measure_selector_fixed(200_000, density, repeat=2)
     assert "exact_topk" in measured and all(seconds >= 0 for seconds in measured.values())
+
+
+def test_the_agreement_is_the_last_arriving_ranks_not_the_wait_of_the_others():
+    """Rank 0 finishes its selection 5 ms early and waits in the agreement for rank 1: that wait is
+    imbalance of the selection, not the agreement's messages (0.3 ms, rank 1's)."""
+    records = _split_records(2, [1_000_000], 0.01, 2e-9, 0.0, methods=("topka",), agreement_round=0.3e-3)
+    run0 = records[0]["runs"][0]
+    records[0] = {**records[0], "runs": [{**run0, "time_agreement": [t + 0.005 for t in run0["time_agreement"]],
+                             "time_select": [t - 0.005 for t in run0["time_select"]]}]}
+    fit = profile_from_records(records, density=0.01, net="1gbit", device="cpu", cores=2, colocated=True,
+                               selectors={}, recv_element_s=0.0, meta={}).methods["topka"]
+    assert fit["agreement_round_s"] == pytest.approx(0.3e-3)
+    assert fit["s1"] == pytest.approx(2e-9)  # the critical rank's work: its selection and its agreement

@@ -244,7 +244,8 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
       :func:`~.simulator.decompress_bytes` of the entries the rank touches, its own k and the P x k
       or so it receives), on a GPU ``device`` (no sweep: one ``index_add_`` per chunk) per entry
       touched (:func:`~.simulator.touched_entries`), or per gradient element for a dense method;
-    * agreement: the same estimator on the agreement's time (where recorded), per agreement round
+    * agreement: the least over calls and over ranks of the agreement's time (where recorded: the
+      rank that arrives last waits least, so its time is the messages' own), per agreement round
       (``agreement_round_s``; :func:`~.simulator.agreement_rounds` at this P). A method that agrees
       after its selection's scan (``agreement_folded``) spends it all on the rounds; one that agrees
       first also makes a pass over the gradient (its finiteness count), so its rounds are costed at
@@ -282,7 +283,9 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
             units = (decompress_bytes if device == "cpu" else touched_entries)(name, P, n, k, density, layout)
             decompress.setdefault(name, {})[n] = (units, seconds)
         if "time_agreement" in run:
-            agreement.setdefault(name, {})[n] = min(work, max(min(r["runs"][i]["time_agreement"]) for r in records))
+            # the rank that arrives last waits least: its agreement is the messages' own cost (the others'
+            # wait for it is imbalance of the work before, which stays with that work)
+            agreement.setdefault(name, {})[n] = min(work, min(min(r["runs"][i]["time_agreement"]) for r in records))
             folded[name] = bool(run.get("agreement_folded"))
         if "cpu" in run and "cpu_round_s" in link:
             # per rank the call whose own work took the least wall time (the least disturbed: its work's
