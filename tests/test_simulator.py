@@ -518,3 +518,28 @@ def test_the_agreement_is_the_last_arriving_ranks_not_the_wait_of_the_others():
                                selectors={}, recv_element_s=0.0, meta={}).methods["topka"]
     assert fit["agreement_round_s"] == pytest.approx(0.3e-3)
     assert fit["s1"] == pytest.approx(2e-9)  # the critical rank's work: its selection and its agreement
+
+
+def test_on_an_emulated_rate_a_formula_over_estimate_is_the_buckets_burst_a_fixed_credit_per_call():
+    """topka's 80 KB at P = 2 pass in the token bucket's burst, faster than the rate: the formula
+    over-estimates by a fixed amount per call (the burst), which must not shrink the 2 MB at P = 6
+    by the same fraction. On loopback the over-estimate stays a factor."""
+    density, measured = 0.01, 0.1e-3
+    records = _split_records(2, [1_000_000], density, 2e-9, 0.0, methods=("topka",))
+    run = records[0]["runs"][0]  # shared by the ranks' records
+    run["times"] = [t - 0.01 + measured for t in run["times"]]
+    run["time_comm"] = [measured] * len(run["time_comm"])
+    profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
+                                   selectors={}, recv_element_s=0.0, meta={})
+    formula = {P: predict("topka", P, n, density, alpha=ALPHA, beta=BETA)
+               for P, n in ((2, 1_000_000), (6, 5_000_000))}
+    assert formula[2].comm_s > measured
+    assert predict("topka", 2, 1_000_000, density, profile=profile).comm_s == pytest.approx(measured)
+    credit = formula[2].comm_s - measured
+    p6 = predict("topka", 6, 5_000_000, density, profile=profile)
+    assert p6.comm_s == pytest.approx(3 * p6.rounds * ALPHA + formula[6].bytes_sent * BETA - credit)
+    profile.net = "loopback"
+    factor = measured / formula[2].comm_s
+    assert predict("topka", 2, 1_000_000, density, profile=profile).comm_s == pytest.approx(measured)
+    assert predict("topka", 6, 5_000_000, density, profile=profile).comm_s == pytest.approx(
+        factor * 3 * (p6.rounds * ALPHA + formula[6].bytes_sent * BETA))

@@ -4,8 +4,8 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
 
     T = comm + work
     comm = f * (rounds * alpha * c_s + link_contention(P) * traffic_factor * bytes_sent * beta) + rounds * o * c_s
-           + shared_cpu(cpu_comm(P, n), wire, c_r)
-           (rounds, bytes_sent: the slowest of a few sampled ranks; wire: the bytes' term)
+           - burst + shared_cpu(cpu_comm(P, n), wire, c_r)
+           (rounds, bytes_sent: the slowest of a few sampled ranks; wire: the bytes' term less the burst)
     work = (s1 * n + s0 + d1 * swept(P, n) + d0 + a_r * ceil(log2 P)) * contention(P) / contention(P_cal)
 
 * ``rounds`` and ``bytes_sent`` come from the formula registered with the method
@@ -40,7 +40,10 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   formula's there. Where the measurement is longer, the difference is what the formula's rounds
   leave out, a cost per message (a round's size header, index and value messages sent apart, a
   peer process's wake-up): ``o`` = difference / rounds at P_cal, f = 1. Where it is shorter (the
-  formula over-estimates), o = 0 and f = measured / formula (the profile's ``comm_factor``). Only
+  formula over-estimates), o = 0 and f = measured / formula (the profile's ``comm_factor``), except
+  on an emulated rate (:func:`tc_rate`), where the over-estimate is the token bucket's burst (bytes
+  that pass at once at the start of a call): f = 1 and ``burst`` = formula - measured, that much
+  less time per call at any P (a fixed credit, not a fraction of the bytes). Only
   on the profile's own network: with a given alpha and beta, o = 0 and f = 1 (the traffic factor
   still applies).
 * ``link_contention(P)`` (:func:`comm_contention`) is ``P / cores`` on loopback with colocated
@@ -84,7 +87,7 @@ from ..methods.base import selection_count
 __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", "UnknownMethodError",
            "fit_work", "comm_contention", "layout_options", "PROFILE_VERSION", "speedup_table", "crossover",
            "faster_range", "plot_projection", "touched_entries", "work_seconds", "agreement_rounds",
-           "decompress_bytes", "comm_cpu_seconds", "shared_cpu"]
+           "decompress_bytes", "comm_cpu_seconds", "shared_cpu", "tc_rate"]
 
 PROFILE_VERSION = 1
 
@@ -187,6 +190,12 @@ def comm_contention(P: int, cores: int, colocated: bool, net: str) -> float:
     Under an emulated rate (``net`` a tc rate) or on a cluster the link's rate bounds it instead (1).
     """
     return max(1.0, P / cores) if colocated and net == "loopback" else 1.0
+
+
+def tc_rate(net: str) -> bool:
+    """Whether a profile's network is an emulated rate (``sparsecomm.launch.netemu``: a tc token
+    bucket per link, e.g. "1gbit", "2x4:1gbit"), not loopback or a torchrun job's own network."""
+    return net != "loopback" and not net.startswith("torchrun")
 
 
 def layout_options(name: str, P: int, net: str, colocated: bool) -> dict[str, Any]:
@@ -364,7 +373,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
             if not given:
                 contention_rounds = contention / calib_contention
                 link = profile._link()
-                if share and profile.net != "loopback" and "comm_cpu_factor" in calib and "cpu_round_s" in link:
+                if share and tc_rate(profile.net) and "comm_cpu_factor" in calib and "cpu_round_s" in link:
                     per_message, per_byte = comm_cpu_seconds(name, P, n, density, link, options)
                     comm_cpu = (calib["comm_cpu_factor"] * per_message, calib["comm_cpu_factor"] * per_byte)
                 if contention_rounds > 1:
@@ -387,25 +396,29 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         if compute_scale != 1.0:
             rests.append(f"ASSUMED compute {compute_scale:g}x this device")
     comm, rounds, sent, exact = predict_comm(name, P, n, density, a, b, options, factor)
-    per_round = 0.0
+    per_round = burst_credit = 0.0
     if profile is not None and calib and comm_factor != 1.0 and calib.get("comm_s"):
         # the measured comm at the calibration P against the formula's there: what the formula leaves
         # out is a cost per message (a round's size header, separate index and value messages, the
-        # peer's wake-up), added per round; a formula that over-estimates is scaled down
+        # peer's wake-up), added per round; a formula that over-estimates is scaled down, except on an
+        # emulated rate, where the over-estimate is the token bucket's burst: bytes per call that pass
+        # at once, a fixed credit per call however many bytes follow
         n_cal = max(int(size) for size in calib["comm_s"])
         measured = float(calib["comm_s"][str(n_cal)])
         formula, rounds_cal, _, _ = predict_comm(name, calib["P"], n_cal, density, a, b, calib_options, factor)
         if measured >= formula and rounds_cal:
             per_round, comm_factor = (measured - formula) / rounds_cal, 1.0
+        elif formula > 0 and tc_rate(profile.net):
+            burst_credit, comm_factor = formula - measured, 1.0
         elif formula > 0:
             comm_factor = measured / formula
     # the rounds' fixed cost is CPU time the colocated workers share; where the messages' CPU was
     # measured (a rate-limited network) that share is its own term and the rounds keep their time
     round_scale = contention_rounds if comm_cpu is None else 1.0
     wire = comm_factor * contention_comm * (comm - rounds * a)
-    comm = comm_factor * rounds * a * round_scale + wire + rounds * per_round * round_scale
+    comm = max(0.0, comm_factor * rounds * a * round_scale + wire + rounds * per_round * round_scale - burst_credit)
     if comm_cpu is not None:
-        comm += shared_cpu(comm_cpu, wire, contention_rounds)
+        comm += shared_cpu(comm_cpu, max(0.0, wire - burst_credit), contention_rounds)
     hidden = min(overlap * comm, backward_s)
     if overlap:
         rests.append(f"overlap {overlap:g} of comm behind {backward_s * 1e3:.0f} ms backward")
