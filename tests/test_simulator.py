@@ -315,54 +315,121 @@ def test_faster_range_names_where_a_method_beats_dense():
     assert faster_range(rows([1.5, 0.9, 1.2, 0.9]), "x") == "P <= 8, P = 32"
 
 
-def _split_records(P, sizes, density, select_per_element, decompress_per_entry, methods=("topka", "spardl", "dense")):
+def _split_records(P, sizes, density, select_per_element, decompress_per_byte, methods=("topka", "spardl", "dense"),
+                   agreement_round=0.0, comm_cpu=None):
     """Worker records whose work is ``select_per_element`` per gradient element plus
-    ``decompress_per_entry`` per entry the rank touches (its k and what it receives), the latter in
-    the method's ``time_decompress``: the calibration must recover both."""
-    from sparsecomm.simulator.model import layout_options, touched_entries
+    ``decompress_per_byte`` per byte of the decompression's sweep (of the entries the rank touches:
+    its k and what it receives), the latter in the method's ``time_decompress``, plus
+    ``agreement_round`` per agreement round (folded into the selection's scan), and, with ``comm_cpu``
+    (method -> seconds), that much CPU in the call's communication: the calibration must recover them."""
+    from sparsecomm.simulator.model import agreement_rounds, decompress_bytes, layout_options
 
     runs = []
     for n in sizes:
         for name in methods:
             k = selection_count(density, n) if method_class(name).sparse else 0
-            touched = touched_entries(name, P, n, k, density, layout_options(name, P, "loopback", True))
-            decompress = decompress_per_entry * touched
-            work = select_per_element * n + decompress
+            decompress = decompress_per_byte * decompress_bytes(name, P, n, k, density,
+                                                                layout_options(name, P, "loopback", True))
+            agree = agreement_round * agreement_rounds(P)
+            work = select_per_element * n + decompress + agree
             sent = max(cost(name, P=P, n=n, k=k, rank=r, density=density).bytes_sent for r in range(P))
             runs.append({"method": name, "n": n, "times": [0.01 + work] * 3, "time_comm": [0.01] * 3,
                          "time_select": [select_per_element * n] * 3, "time_decompress": [decompress] * 3,
+                         "time_agreement": [agree] * 3, "agreement_folded": name != "dense",
                          "bytes_sent": sent})
+            if comm_cpu is not None:
+                runs[-1]["cpu"] = [work + comm_cpu[name]] * 3
     dense = [{"n": m, "rounds": cost("dense", P=P, n=m, rank=0).rounds,
               "bytes": cost("dense", P=P, n=m, rank=0).bytes_sent,
               "seconds": 2 * ALPHA + 4 * m * BETA} for m in (1_000, 1_000_000)]
     return [{"P": P, "links": _link_record(r, P), "dense": dense, "runs": runs} for r in range(P)]
 
 
-def test_work_is_modelled_by_what_it_touches_selection_by_n_decompression_by_entries_received():
-    """Calibrated at P = 2, n = 1M (the held-out point of issue 25: P = 6, n = 5M), the work of the
-    all-gather family grows with the P x k entries received, not with n alone."""
-    from sparsecomm.simulator.model import layout_options, touched_entries
+def test_work_is_modelled_by_what_it_touches_selection_by_n_decompression_by_its_sweep():
+    """Calibrated at P = 2, n = 1M (the held-out point of issue 25: P = 6, n = 5M): selection grows
+    with n; the decompression with the pairs received and the output's lines written (the blocked
+    sweep), at most about one write of the output however many pairs arrive."""
+    from sparsecomm.simulator.model import decompress_bytes, layout_options, touched_entries
 
-    density, select, entry = 0.01, 2e-9, 40e-9
-    records = _split_records(2, [1_000_000], density, select, entry)
+    density, select, per_byte = 0.01, 2e-9, 0.1e-9
+    records = _split_records(2, [1_000_000], density, select, per_byte)
     profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
                                    selectors={}, recv_element_s=5e-9, meta={})
     fit = profile.methods["topka"]
-    assert fit["s1"] == pytest.approx(select) and fit["d1"] == pytest.approx(entry)
+    assert fit["s1"] == pytest.approx(select) and fit["d1"] == pytest.approx(per_byte)
+    assert fit["decompress_per"] == "byte"
     P, n = 6, 5_000_000
     k = selection_count(density, n)
     for name in ("topka", "spardl"):
-        touched = touched_entries(name, P, n, k, density, layout_options(name, P, "1gbit", True))
-        truth = (select * n + entry * touched) * 3  # 6 workers on 2 cores
+        swept = decompress_bytes(name, P, n, k, density, layout_options(name, P, "1gbit", True))
+        truth = (select * n + per_byte * swept) * 3  # 6 workers on 2 cores
         assert predict(name, P, n, density, profile=profile).work_s == pytest.approx(truth, rel=1e-6)
-    # topka receives (P - 1) k: its decompression grows 5x from P = 2 to P = 6 at the same n
+    # topka touches P x k entries: 6% of the elements at P = 6, so about 62% of the output's lines,
+    # more than a third: every block streamed, one write of the output (4n bytes) plus the pairs
     assert touched_entries("topka", 6, n, k, density, {}) == pytest.approx(6 * k)
-    # the legacy model (one per-element figure, a one-process scatter-add per extra entry) under-predicts it
-    legacy = {name: {key: v for key, v in m.items() if key not in ("s1", "s0", "d1", "d0", "decompress_per")}
-              for name, m in profile.methods.items()}
-    old = Profile(**{**profile.__dict__, "methods": legacy})
-    assert predict("topka", P, n, density, profile=old).work_s < 0.75 * predict("topka", P, n, density,
-                                                                                   profile=profile).work_s
+    assert decompress_bytes("topka", 6, n, k, density, {}) == pytest.approx(4 * n + 8 * 6 * k)
+    # at P = 2, n = 1M (2%) a block is swept in place: its touched lines, 3 x 27% of the output
+    share = 1 - math.exp(-16 * 2 * 10_000 / 1_000_000)
+    assert decompress_bytes("topka", 2, 1_000_000, 10_000, density, {}) == pytest.approx(
+        8 * 20_000 + 4e6 * 3 * share)
+    # per entry it would grow 15x from the calibration to P = 6, n = 5M; the sweep grows 6.9x
+    growth = decompress_bytes("topka", 6, n, k, density, {}) / decompress_bytes("topka", 2, 1_000_000, 10_000,
+                                                                                   density, {})
+    assert 6 < growth < 8
+    # however many pairs arrive, the output is written about once
+    many = decompress_bytes("topka", 1024, n, k, density, {})
+    assert many == pytest.approx(4 * n + 8 * 1024 * k)
+
+
+def test_agreement_is_costed_per_round_and_the_messages_cpu_shares_the_cores():
+    """The agreement (ceil(log2 P) small messages) is its own term: 1 round at P = 2, 3 at P = 6, not
+    a cost per gradient element. On a rate-limited network the communication's CPU time (per
+    message and byte, measured) is shared by the colocated workers: the messages' part (P / cores - 1)
+    x more, the bytes' part where the shared CPU outlasts the wire."""
+    from sparsecomm.simulator.model import agreement_rounds, comm_cpu_seconds, layout_options, shared_cpu
+
+    assert [agreement_rounds(P) for P in (1, 2, 3, 4, 6, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
+    density, select, per_byte, round_s = 0.01, 2e-9, 0.1e-9, 0.4e-3
+    spent = {"topka": 0.002, "spardl": 0.003, "dense": 0.004}
+    records = _split_records(2, [1_000_000], density, select, per_byte, agreement_round=round_s, comm_cpu=spent)
+    for r, record in enumerate(records):  # CPU of the links: 300 us per message, 0.5 ns per byte moved
+        for sample in record["links"]:
+            sample["bytes_recv"] = cost(sample["algorithm"], P=2, n=sample["n"], rank=r).bytes_recv
+            sample["cpu"] = 300e-6 * sample["rounds"] + 0.5e-9 * (sample["bytes"] + sample["bytes_recv"])
+    profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
+                                   selectors={}, recv_element_s=0.0, meta={})
+    link = profile.links["intra"]
+    assert link["cpu_round_s"] == pytest.approx(300e-6) and link["cpu_byte_s"] == pytest.approx(0.5e-9)
+    fit = profile.methods["topka"]
+    assert fit["agreement_round_s"] == pytest.approx(round_s)
+    assert fit["s1"] == pytest.approx(select)  # the agreement is not in the per-element work
+    at_cal = comm_cpu_seconds("topka", 2, 1_000_000, density, link, {})
+    assert at_cal == pytest.approx((300e-6, 0.5e-9 * 2 * 80_000))  # 1 message, 80 KB each way
+    assert fit["comm_cpu_factor"] == pytest.approx(spent["topka"] / sum(at_cal))
+    P, n = 6, 5_000_000
+    layout = layout_options("topka", P, "1gbit", True)
+    p6 = predict("topka", P, n, density, profile=profile)
+    without = dict(fit)
+    del without["agreement_round_s"], without["comm_cpu_factor"]
+    legacy = predict("topka", P, n, density, profile=Profile(**{**profile.__dict__,
+                                                                 "methods": {"topka": without}}))
+    assert p6.work_s - legacy.work_s == pytest.approx(3 * round_s * 3)  # 3 rounds, 6 workers on 2 cores
+    cpu6 = tuple(fit["comm_cpu_factor"] * part for part in comm_cpu_seconds("topka", P, n, density, link, layout))
+    assert cpu6[0] == pytest.approx(3 * fit["comm_cpu_factor"] * 300e-6)  # 3 messages (Bruck)
+    assert cpu6[1] == pytest.approx(25 * fit["comm_cpu_factor"] * 0.5e-9 * 2 * 80_000)  # 25x the bytes
+    # the rounds' fixed cost no longer scales by itself: the measured CPU carries the contention
+    formula = predict("topka", P, n, density, alpha=ALPHA, beta=BETA, options=layout).comm_s
+    legacy_formula = predict("topka", P, n, density, profile=Profile(**{**profile.__dict__,
+                                                                         "methods": {"topka": without}}),
+                             use_comm_factor=False)
+    assert legacy_formula.comm_s == pytest.approx(formula + 2 * p6.rounds * ALPHA)
+    wire = formula - p6.rounds * ALPHA
+    assert predict("topka", P, n, density, profile=profile, use_comm_factor=False).comm_s == pytest.approx(
+        formula + shared_cpu(cpu6, wire, 3.0))
+    assert shared_cpu(cpu6, wire, 3.0) > 2 * cpu6[0]
+    # a cluster (a device per worker) shares nothing: no CPU term, no agreement contention
+    cluster = predict("topka", P, n, density, profile=profile, colocated=False, use_comm_factor=False)
+    assert cluster.comm_s == pytest.approx(formula)
 
 
 def test_split_work_fits_two_sizes_and_merged_calibrations_keep_the_timers():
@@ -373,6 +440,106 @@ def test_split_work_fits_two_sizes_and_merged_calibrations_keep_the_timers():
     assert fit["d1"] == pytest.approx(2 / 60_000 * 1e-3) and fit["s1"] == pytest.approx(1.333e-9, rel=1e-3)
     dense = split_work([(1_000_000, 0.002)], {1_000_000: (0.0, 0.001)})
     assert dense["decompress_per"] == "element" and dense["d1"] == pytest.approx(1e-9)
-    records = _split_records(2, [100_000], 0.01, 1e-9, 1e-8, methods=("topka",))
+    records = _split_records(2, [100_000], 0.01, 1e-9, 1e-10, methods=("topka",), comm_cpu={"topka": 0.001})
     merged = merge_records(records, records)
-    assert len(merged[0]["runs"][0]["time_decompress"]) == 6
+    for key in ("time_decompress", "time_agreement", "cpu"):
+        assert len(merged[0]["runs"][0][key]) == 6
+
+
+def test_simvalidate_report_says_when_under_what_load_and_which_held_out_points_miss():
+    from sparsecomm.experiments.bench.simvalidate import report_header, validation_table
+
+    base = {"net": "1gbit", "n": 5_000_000, "P": 6, "density": 0.01, "calibrated_P": 2,
+            "calibrated_sizes": [1_000_000], "comm_s": 0.01, "work_s": 0.02}
+    rows = [{**base, "method": "topka", "measured_s": 0.060, "predicted_s": 0.050, "when": "2026-11-26 04:08 UTC",
+             "load": 1.2},
+            {**base, "method": "spardl", "measured_s": 0.060, "predicted_s": 0.030, "when": "2026-11-26 04:20 UTC",
+             "load": 0.9}]
+    header = report_header(rows, "sparsecomm bench simvalidate -P 6")
+    assert "2026-11-26 04:08 UTC .. 2026-11-26 04:20 UTC" in header and "0.9 .. 1.2" in header
+    assert header.endswith("    sparsecomm bench simvalidate -P 6")
+    table = validation_table(rows)
+    assert "| within 25% |" in table and "| -17% | yes | yes |" in table and "| -50% | yes | no |" in table
+    assert "within 25%: 1/2; outside: spardl (P=6, n=5000000, 1gbit)" in table
+
+
+def test_shared_cpu_puts_the_messages_cpu_on_the_path_and_hides_the_bytes_cpu_behind_the_wire():
+    from sparsecomm.simulator.model import shared_cpu
+
+    assert shared_cpu((0.002, 0.004), 0.010, 1.0) == 0.0  # the calibration's contention: nothing added
+    # 3 processes a core: the messages' CPU twice more; the bytes' 12 ms of CPU outlast the 10 ms wire by 2
+    assert shared_cpu((0.002, 0.004), 0.010, 3.0) == pytest.approx(2 * 0.002 + 0.002)
+    # a bandwidth-bound call (dense at 1 Gbit/s): its bytes' CPU, shared, still fits behind the wire
+    assert shared_cpu((0.001, 0.030), 0.270, 3.0) == pytest.approx(2 * 0.001)
+    # CPU-bound bytes (the wire faster than their copies): the calibrated time held the CPU once
+    assert shared_cpu((0.0, 0.004), 0.001, 3.0) == pytest.approx(0.008)
+
+
+def test_a_gpu_calibration_fits_decompression_per_entry_touched():
+    """On a GPU the decompression is an ``index_add_`` per chunk, not the CPU's blocked sweep."""
+    records = _split_records(2, [1_000_000], 0.01, 2e-9, 0.1e-9, methods=("topka",))
+    gpu = profile_from_records(records, density=0.01, net="loopback", device="cuda (a GPU)", cores=1,
+                               colocated=False, selectors={}, recv_element_s=0.0, meta={})
+    assert gpu.methods["topka"]["decompress_per"] == "entry"
+    cpu = profile_from_records(records, density=0.01, net="loopback", device="cpu", cores=2, colocated=True,
+                               selectors={}, recv_element_s=0.0, meta={})
+    assert cpu.methods["topka"]["decompress_per"] == "byte"
+
+
+def test_a_one_size_calibration_keeps_the_selectors_fixed_part_out_of_the_per_element_work():
+    """exact_topk's sampled floor (about 256 / density elements and their top-k) costs the same at
+    any n: calibrated at n = 1M alone, it must not be scaled 5x at n = 5M."""
+    from sparsecomm.simulator.calibration import measure_selector_fixed
+
+    density, select, fixed = 0.01, 2e-9, 0.5e-3
+    records = _split_records(2, [1_000_000], density, select, 0.0, methods=("topka",))
+    for record in records:
+        record["runs"][0]["selector"] = "exact_topk"
+    profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
+                                   selectors={}, recv_element_s=0.0, meta={},
+                                   selector_fixed_s={"exact_topk": fixed})
+    fit = profile.methods["topka"]
+    assert fit["s0"] == pytest.approx(fixed) and fit["s1"] == pytest.approx((select * 1e6 - fixed) / 1e6)
+    at_5m = predict("topka", 2, 5_000_000, density, profile=profile).work_s
+    assert at_5m == pytest.approx(5 * select * 1e6 - 4 * fixed, rel=1e-6)
+    # the one-process measurement: a fixed part between 0 and the call's time, for every selector
+    measured = measure_selector_fixed(200_000, density, repeat=2)
+    assert "exact_topk" in measured and all(seconds >= 0 for seconds in measured.values())
+
+
+def test_the_agreement_is_the_last_arriving_ranks_not_the_wait_of_the_others():
+    """Rank 0 finishes its selection 5 ms early and waits in the agreement for rank 1: that wait is
+    imbalance of the selection, not the agreement's messages (0.3 ms, rank 1's)."""
+    records = _split_records(2, [1_000_000], 0.01, 2e-9, 0.0, methods=("topka",), agreement_round=0.3e-3)
+    run0 = records[0]["runs"][0]
+    records[0] = {**records[0], "runs": [{**run0, "time_agreement": [t + 0.005 for t in run0["time_agreement"]],
+                             "time_select": [t - 0.005 for t in run0["time_select"]]}]}
+    fit = profile_from_records(records, density=0.01, net="1gbit", device="cpu", cores=2, colocated=True,
+                               selectors={}, recv_element_s=0.0, meta={}).methods["topka"]
+    assert fit["agreement_round_s"] == pytest.approx(0.3e-3)
+    assert fit["s1"] == pytest.approx(2e-9)  # the critical rank's work: its selection and its agreement
+
+
+def test_on_an_emulated_rate_a_formula_over_estimate_is_the_buckets_burst_a_fixed_credit_per_call():
+    """topka's 80 KB at P = 2 pass in the token bucket's burst, faster than the rate: the formula
+    over-estimates by a fixed amount per call (the burst), which must not shrink the 2 MB at P = 6
+    by the same fraction. On loopback the over-estimate stays a factor."""
+    density, measured = 0.01, 0.1e-3
+    records = _split_records(2, [1_000_000], density, 2e-9, 0.0, methods=("topka",))
+    run = records[0]["runs"][0]  # shared by the ranks' records
+    run["times"] = [t - 0.01 + measured for t in run["times"]]
+    run["time_comm"] = [measured] * len(run["time_comm"])
+    profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
+                                   selectors={}, recv_element_s=0.0, meta={})
+    formula = {P: predict("topka", P, n, density, alpha=ALPHA, beta=BETA)
+               for P, n in ((2, 1_000_000), (6, 5_000_000))}
+    assert formula[2].comm_s > measured
+    assert predict("topka", 2, 1_000_000, density, profile=profile).comm_s == pytest.approx(measured)
+    credit = formula[2].comm_s - measured
+    p6 = predict("topka", 6, 5_000_000, density, profile=profile)
+    assert p6.comm_s == pytest.approx(3 * p6.rounds * ALPHA + formula[6].bytes_sent * BETA - credit)
+    profile.net = "loopback"
+    factor = measured / formula[2].comm_s
+    assert predict("topka", 2, 1_000_000, density, profile=profile).comm_s == pytest.approx(measured)
+    assert predict("topka", 6, 5_000_000, density, profile=profile).comm_s == pytest.approx(
+        factor * 3 * (p6.rounds * ALPHA + formula[6].bytes_sent * BETA))

@@ -50,6 +50,7 @@ def _torchrun(args, methods, sizes) -> int:
         calibration_worker,
         device_name,
         measure_recv_element,
+        measure_selector_fixed,
         measure_selectors,
         profile_from_records,
     )
@@ -74,6 +75,7 @@ def _torchrun(args, methods, sizes) -> int:
                 device=device_name(device), cores=available_cores(), colocated=False,
                 selectors=measure_selectors(n_sel, args.density, device=device),
                 recv_element_s=measure_recv_element(n_sel, selection_count(args.density, n), device=device),
+                selector_fixed_s=measure_selector_fixed(n_sel, args.density, device=device),
                 meta={"P": dist.get_world_size(), "sizes": sizes, "density": args.density,
                       "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
             profile.save(args.out)
@@ -84,18 +86,26 @@ def _torchrun(args, methods, sizes) -> int:
 
 
 def _work_line(m: dict) -> str:
-    """A method's fitted work: selection per gradient element and decompression per touched entry."""
+    """A method's fitted work: selection per gradient element, decompression per byte of its sweep
+    (per touched entry in profiles fitted before the sweep), the agreement per round and the
+    communication's CPU against the link's (where measured)."""
     if "d1" in m:
-        per = "entry" if m["decompress_per"] == "entry" else "elem"
-        return (f"select {m['s1'] * 1e9:.2f} ns/elem, decompress {m['d1'] * 1e9:.2f} ns/{per}, "
-                f"traffic x{m['traffic_factor']:.2f}")
+        per = {"entry": "entry", "byte": "byte swept"}.get(m["decompress_per"], "elem")
+        line = f"select {m['s1'] * 1e9:.2f} ns/elem, decompress {m['d1'] * 1e9:.3f} ns/{per}, "
+        if "agreement_round_s" in m:
+            line += f"agreement {m['agreement_round_s'] * 1e6:.0f} us/round, "
+        if "comm_cpu_factor" in m:
+            line += f"comm CPU x{m['comm_cpu_factor']:.2f} the link's, "
+        return line + f"traffic x{m['traffic_factor']:.2f}"
     return f"{m['w1'] * 1e9:.2f} ns/elem, traffic x{m['traffic_factor']:.2f}"
 
 
 def _summary(profile, path: str) -> None:
     for kind, link in profile.links.items():
         print(f"{kind}: alpha = {link['alpha'] * 1e6:.1f} us, beta = {link['beta'] * 1e9:.3f} ns/byte "
-              f"({8 / link['beta'] / 1e9 if link['beta'] else float('inf'):.2f} Gbit/s)")
+              f"({8 / link['beta'] / 1e9 if link['beta'] else float('inf'):.2f} Gbit/s)"
+              + (f"; CPU {link['cpu_round_s'] * 1e6:.0f} us/message, {link['cpu_byte_s'] * 1e9:.3f} ns/byte moved"
+                 if "cpu_round_s" in link else ""))
     d = profile.dense_allreduce
     print(f"native all-reduce: {d['rate_gbit']:.2f} Gbit/s of gradient at n={d['at_n']}")
     print(json.dumps({name: _work_line(m) for name, m in profile.methods.items()}, indent=1))

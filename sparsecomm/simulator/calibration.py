@@ -4,17 +4,19 @@ emulated ``net``) or on a cluster (this process one rank under ``torchrun``).
 
 Links: ring and Rabenseifner all-reduce of several sizes, timed per call (the slowest rank), each
 sample ``(rounds, bytes sent, seconds)`` from the collective's cost formula; alpha and beta by least
-squares (:func:`sparsecomm.core.cost.fit_alpha_beta`). With nodes (``LOCAL_WORLD_SIZE`` below the
-world size) the same is done inside each node ("intra") and across nodes, one rank per node ("inter");
-otherwise the one fit is "intra" (every link here is the same kind).
+squares (:func:`sparsecomm.core.cost.fit_alpha_beta`), and by the same fit on each call's process CPU
+time the CPU a message and a byte moved cost. With nodes (``LOCAL_WORLD_SIZE`` below the world size)
+the same is done inside each node ("intra") and across nodes, one rank per node ("inter"); otherwise
+the one fit is "intra" (every link here is the same kind).
 
 Methods: each method's call at density d, its wall time minus its own ``time_comm`` is its work,
 split by the method's own timers (:class:`~sparsecomm.methods.Stats`) into decompression
-(``time_decompress``: the received entries merged into the output) and the rest (selection, residual,
-compression, the agreement: work over the n gradient elements); the metered bytes over the formula's
-are its traffic factor;
-its ``time_comm`` over the formula's time under the fitted alpha and beta is its comm factor (what the
-formula's rounds leave out: size headers and separate index and value messages, per-call setup).
+(``time_decompress``: the received entries merged into the output, per byte of its sweep), the
+agreement (``extra["time_agreement"]``, per round) and the rest (selection, residual, compression:
+work over the n gradient elements); the call's CPU time less its work is its communication's CPU;
+the metered bytes over the formula's are its traffic factor; its ``time_comm`` over the formula's
+time under the fitted alpha and beta is its comm factor (what the formula's rounds leave out: size
+headers and separate index and value messages, per-call setup).
 """
 
 from __future__ import annotations
@@ -31,9 +33,19 @@ import torch
 from ..core.cost import fit_alpha_beta
 from ..methods import MethodSpec, cost, is_sparse
 from ..methods.base import selection_count
-from .model import Profile, comm_contention, fit_work, layout_options, touched_entries
+from .model import (
+    Profile,
+    agreement_rounds,
+    comm_contention,
+    comm_cpu_seconds,
+    decompress_bytes,
+    fit_work,
+    layout_options,
+    touched_entries,
+)
 
-__all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_recv_element",
+__all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_selector_fixed",
+           "measure_recv_element",
            "profile_from_records", "refit", "merge_records", "method_runs", "time_method_in_worker", "slowest_best",
            "split_work",
            "LINK_SIZES"]
@@ -45,8 +57,10 @@ LINK_SIZES = (1_000, 4_000, 16_000, 64_000, 250_000, 1_000_000, 2_000_000)
 _LINK_ALGORITHMS = ("ring", "rabenseifner")
 
 
-def _time_collective(comm, algorithm: str, n: int, repeat: int) -> float:
-    """Best over calls of this rank's wall time of one all-reduce of n elements (after a barrier)."""
+def _time_collective(comm, algorithm: str, n: int, repeat: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of this rank's best call (the least wall time, after a barrier) of one
+    all-reduce of n elements; the CPU time is this process's (``time.process_time``: its own thread
+    and the backend's I/O threads), what P colocated workers share the cores for."""
     import torch.distributed as dist
 
     from ..transport.collectives import allreduce
@@ -55,13 +69,13 @@ def _time_collective(comm, algorithm: str, n: int, repeat: int) -> float:
     times = []
     for i in range(repeat + 1):
         dist.barrier()
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         if algorithm == "native":
             comm.native_all_reduce(x.clone())
         else:
             allreduce(comm, x, algorithm)
         if i:
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start, time.process_time() - cpu))
     return min(times)
 
 
@@ -69,10 +83,10 @@ def _link_samples(comm, kind: str, sizes: Sequence[int], repeat: int) -> list[di
     out = []
     for n in sizes:
         for algorithm in _LINK_ALGORITHMS:
-            seconds = _time_collective(comm, algorithm, n, repeat)
+            seconds, cpu = _time_collective(comm, algorithm, n, repeat)
             c = cost(algorithm, P=comm.size, n=n, rank=comm.rank)
             out.append({"kind": kind, "algorithm": algorithm, "P": comm.size, "n": n, "rounds": c.rounds,
-                        "bytes": c.bytes_sent, "seconds": seconds})
+                        "bytes": c.bytes_sent, "bytes_recv": c.bytes_recv, "seconds": seconds, "cpu": cpu})
     return out
 
 
@@ -102,7 +116,7 @@ def calibration_worker(methods: Sequence[str], sizes: Sequence[int], density: fl
             links += _link_samples(comm, link_kind, link_sizes, repeat)
     dense = []
     for n in sorted(set(link_sizes) | set(sizes)):
-        seconds = _time_collective(comm, "native", n, repeat)
+        seconds, _ = _time_collective(comm, "native", n, repeat)
         c = cost("dense", P=P, n=n, rank=comm.rank)
         dense.append({"n": n, "rounds": c.rounds, "bytes": c.bytes_sent, "seconds": seconds})
     runs = method_runs(methods, sizes, density, repeat, device=device)
@@ -115,8 +129,11 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
                           grad_fn=None, device: str = "cpu") -> dict[str, Any]:
     """Worker function: build the method, run warm-up and timed calls on a fixed gradient.
 
-    Returns this rank's per-call wall times (each call starts after a barrier), and the stats of the
-    last call. The gradient and result buffers are allocated once (the result goes ``out=``, as in the
+    Returns this rank's per-call wall times (each call starts after a barrier), its CPU times
+    (``time.process_time``: this process's threads, the backend's included), the calls' stats and
+    whether the method agreed after its selection's scan (``agreement_folded``: no pass of its own),
+    and the name of its selector (``selector``, "" when it has none of its own).
+    The gradient and result buffers are allocated once (the result goes ``out=``, as in the
     DDP hook and the synchronizer); each call gets a fresh copy of the gradient made before the clock
     starts. On a CUDA ``device`` the clock stops after the device has finished the call.
     """
@@ -130,32 +147,38 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
     work, result = torch.empty_like(base), torch.empty_like(base)
     on_gpu = work.is_cuda
     method = make_method(name, **options)
-    times, stats = [], []
+    times, cpu, stats = [], [], []
     for i in range(warmup + repeat):
         work.copy_(base)
         dist.barrier()
-        start = time.perf_counter()
+        cpu_start, start = time.process_time(), time.perf_counter()
         method(work, layout, out=result)
         if on_gpu:
             torch.cuda.synchronize(work.device)
         elapsed = time.perf_counter() - start
         if i >= warmup:
             times.append(elapsed)
+            cpu.append(time.process_time() - cpu_start)
             stats.append(method.stats)
-    return {"times": times, "stats": stats}
+    folded = bool(method.agrees_in_reduce) and work.device.type == "cpu"
+    selector = getattr(getattr(method, "selector", None), "name", "")
+    return {"times": times, "cpu": cpu, "stats": stats, "agreement_folded": folded, "selector": selector}
 
 
 def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, repeat: int,
                 warmup: int = 1, device: str = "cpu") -> list[dict[str, Any]]:
-    """Runs in every rank: each method's call times, ``time_comm`` and bytes at each size (this rank)."""
+    """Runs in every rank: each method's call times (wall and CPU), its timers (``time_comm``,
+    ``time_select``, ``time_decompress``, the agreement's) and bytes at each size (this rank)."""
     runs = []
     for n in sizes:
         for name in methods:
             options = dict(MethodSpec.at_density(name, density).options)
             result = time_method_in_worker(name, options, n, repeat, warmup, device=device)
             stats = result["stats"]
-            runs.append({"method": name, "n": n, "times": result["times"],
+            runs.append({"method": name, "n": n, "times": result["times"], "cpu": result["cpu"],
                          "time_comm": [s.time_comm for s in stats],
+                         "time_agreement": [s.extra.get("time_agreement", 0.0) for s in stats],
+                         "agreement_folded": result["agreement_folded"], "selector": result["selector"],
                          "time_select": [s.time_select for s in stats],
                          "time_decompress": [s.time_decompress for s in stats],
                          "bytes_sent": max(s.bytes_sent for s in stats)})
@@ -163,7 +186,9 @@ def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, re
 
 
 def fit_links(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """kind -> {"alpha", "beta"} from every rank's link samples (the slowest rank's time per sample)."""
+    """kind -> {"alpha", "beta"} from every rank's link samples (the slowest rank's time per sample),
+    and where the samples carry the CPU time, ``cpu_round_s`` and ``cpu_byte_s``: the CPU seconds a
+    message and a byte moved (sent or received) cost a process, by the same least squares."""
     slowest: dict[tuple, dict[str, Any]] = {}
     for record in records:
         for s in record["links"]:
@@ -175,6 +200,10 @@ def fit_links(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
         samples = [(s["rounds"], s["bytes"], s["seconds"]) for key, s in slowest.items() if key[0] == kind]
         alpha, beta = fit_alpha_beta(samples)
         out[kind] = {"alpha": alpha, "beta": beta, "samples": len(samples)}
+        mine = [s for key, s in slowest.items() if key[0] == kind]
+        if all("cpu" in s for s in mine):
+            out[kind]["cpu_round_s"], out[kind]["cpu_byte_s"] = fit_alpha_beta(
+                [(s["rounds"], s["bytes"] + s["bytes_recv"], s["cpu"]) for s in mine])
     return out
 
 
@@ -201,7 +230,8 @@ def slowest_best(records: Sequence[dict[str, Any]], i: int) -> float:
 
 def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[str, dict[str, float]],
                  dense: dict[str, float], contention: float = 1.0, net: str = "loopback",
-                 colocated: bool = True) -> dict[str, dict[str, Any]]:
+                 colocated: bool = True, device: str = "cpu",
+                 selector_fixed: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """Per method and size, estimators of the undisturbed call (this machine is shared; a disturbed
     call is only ever slower, so the least over calls is the estimate):
 
@@ -210,9 +240,23 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
       ``time_comm`` includes waiting for its peers' work, its own selection and decompression do not),
       then the largest over ranks (the critical rank); comm: total less work;
     * decompression: the same estimator on ``time_decompress`` (where the calibration recorded it),
-      fitted per entry the rank touches (``d1``, ``d0``: :func:`~.simulator.touched_entries`, its own
-      k and the P x k or so it receives, from the cost formula), or per gradient element for a dense
-      method; selection: work less decompression, fitted per gradient element (``s1``, ``s0``);
+      fitted per byte of the blocked sweep's memory traffic (``d1``, ``d0``:
+      :func:`~.simulator.decompress_bytes` of the entries the rank touches, its own k and the P x k
+      or so it receives), on a GPU ``device`` (no sweep: one ``index_add_`` per chunk) per entry
+      touched (:func:`~.simulator.touched_entries`), or per gradient element for a dense method;
+    * agreement: the least over calls and over ranks of the agreement's time (where recorded: the
+      rank that arrives last waits least, so its time is the messages' own), per agreement round
+      (``agreement_round_s``; :func:`~.simulator.agreement_rounds` at this P). A method that agrees
+      after its selection's scan (``agreement_folded``) spends it all on the rounds; one that agrees
+      first also makes a pass over the gradient (its finiteness count), so its rounds are costed at
+      the folded methods' median per round and the rest stays with the selection, per element;
+    * selection: work less decompression and the agreement's rounds, fitted per gradient element
+      (``s1``, ``s0``); calibrated at one size, ``s0`` is the fixed part of the method's selector
+      (``selector_fixed``: :func:`measure_selector_fixed`, where the run names its selector);
+    * communication's CPU (where the calls' CPU time was recorded): for each rank, of the call whose
+      own work took the least wall time, the CPU time less that work, then the largest over ranks
+      (``comm_cpu_s``); over :func:`~.simulator.comm_cpu_seconds` at this P, the ``comm_cpu_factor``
+      (the method's own messages: headers, index and value messages sent apart);
     * traffic factor: metered bytes over the formula's (data-dependent counts: the measured density);
     * comm factor: comm, with ``contention`` (:func:`~.simulator.comm_contention` at this P) divided
       out, over the formula's time of the slowest rank under the fitted link (the native all-reduce's
@@ -221,23 +265,37 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     P = records[0]["P"]
     link = links.get("inter", links.get("intra", {"alpha": 0.0, "beta": 0.0}))
     per: dict[str, list[tuple[int, float, float, float, float]]] = {}
-    decompress: dict[str, list[tuple[int, float, float]]] = {}  # (n, touched entries, seconds)
+    decompress: dict[str, dict[int, tuple[float, float]]] = {}  # n -> (sweep bytes, seconds)
+    agreement: dict[str, dict[int, float]] = {}
+    folded: dict[str, bool] = {}
+    selectors = {run["method"]: run.get("selector", "") for run in records[0]["runs"]}
+    comm_cpu: dict[str, dict[int, tuple[float, float]]] = {}  # n -> (seconds, comm_cpu_seconds there)
     for i, run in enumerate(records[0]["runs"]):
+        name, n = run["method"], run["n"]
+        k = selection_count(density, n) if is_sparse(name) else 0
+        layout = layout_options(name, P, net, colocated)  # the workers' node layout
         total = slowest_best(records, i)
         own = max(min(t - c for t, c in zip(r["runs"][i]["times"], r["runs"][i]["time_comm"], strict=True))
                   for r in records)
         work = min(max(0.0, own), total)
         if "time_decompress" in run:  # older calibrations did not record it
             seconds = min(work, max(min(r["runs"][i]["time_decompress"]) for r in records))
-            k_run = selection_count(density, run["n"]) if is_sparse(run["method"]) else 0
-            touched = touched_entries(run["method"], P, run["n"], k_run, density,
-                                      layout_options(run["method"], P, net, colocated))
-            decompress.setdefault(run["method"], []).append((run["n"], touched, seconds))
+            units = (decompress_bytes if device == "cpu" else touched_entries)(name, P, n, k, density, layout)
+            decompress.setdefault(name, {})[n] = (units, seconds)
+        if "time_agreement" in run:
+            # the rank that arrives last waits least: its agreement is the messages' own cost (the others'
+            # wait for it is imbalance of the work before, which stays with that work)
+            agreement.setdefault(name, {})[n] = min(work, min(min(r["runs"][i]["time_agreement"]) for r in records))
+            folded[name] = bool(run.get("agreement_folded"))
+        if "cpu" in run and "cpu_round_s" in link:
+            # per rank the call whose own work took the least wall time (the least disturbed: its work's
+            # wall time is its CPU time), its CPU time less that work
+            least = [min((t - c, cpu) for t, c, cpu in zip(r["runs"][i]["times"], r["runs"][i]["time_comm"],
+                                                           r["runs"][i]["cpu"], strict=True)) for r in records]
+            spent = max(max(0.0, cpu - own_work) for own_work, cpu in least)
+            comm_cpu.setdefault(name, {})[n] = (spent, sum(comm_cpu_seconds(name, P, n, density, link, layout)))
         comm = (total - work) / contention
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
-        name, n = run["method"], run["n"]
-        k = selection_count(density, n) if is_sparse(name) else 0
-        layout = layout_options(name, P, net, colocated)  # the workers' node layout
         costs = [cost(name, P=P, n=n, k=k, rank=r, density=density, **layout) for r in range(P)]
         formula = max(c.bytes_sent for c in costs)
         traffic = sent / formula if formula else 1.0
@@ -247,29 +305,58 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
         comm_factor = comm / modelled if modelled > 0 else 1.0
         per.setdefault(name, []).append((n, work, traffic, comm_factor, comm))
     out = {}
+    rounds = agreement_rounds(P)
+    folded_rates = [seconds / rounds for name, by_n in agreement.items() if folded[name] and rounds
+                    for seconds in by_n.values()]
     for name, samples in per.items():
         w1, w0 = fit_work([(n, w) for n, w, *_ in samples])
         out[name] = {"w1": w1, "w0": w0, "traffic_factor": statistics.mean(s[2] for s in samples),
                      "comm_factor": statistics.mean(s[3] for s in samples),
                      "P": P, "density": density, "sizes": sorted({s[0] for s in samples}),
                      "work_s": {str(s[0]): s[1] for s in samples}, "comm_s": {str(s[0]): s[4] for s in samples}}
+        round_s = None
+        if name in agreement and rounds:
+            measured = agreement[name]
+            if folded[name]:
+                round_s = statistics.mean(measured.values()) / rounds
+            elif folded_rates:
+                round_s = min(statistics.median(folded_rates), min(measured.values()) / rounds)
+        if round_s is not None:
+            out[name]["agreement_round_s"] = round_s
         if name in decompress:
-            dec = {n: (touched, seconds) for n, touched, seconds in decompress[name]}
-            out[name].update(split_work([(n, w) for n, w, *_ in samples], dec))
+            out[name].update(split_work([(n, w) for n, w, *_ in samples], decompress[name],
+                                        None if round_s is None else {n: round_s * rounds for n, *_ in samples},
+                                        unit="byte" if device == "cpu" else "entry",
+                                        fixed=(selector_fixed or {}).get(selectors.get(name, ""), 0.0)))
+        if name in comm_cpu:
+            out[name]["comm_cpu_s"] = {str(n): spent for n, (spent, _) in comm_cpu[name].items()}
+            out[name]["comm_cpu_factor"] = statistics.mean(spent / formula if formula > 0 else 1.0
+                                                          for spent, formula in comm_cpu[name].values())
     return out
 
 
-def split_work(work: Sequence[tuple[int, float]], decompress: dict[int, tuple[float, float]]) -> dict[str, Any]:
-    """The per-element coefficients of a method's work: ``d1`` seconds per touched entry (``d0``
-    fixed) of its decompression, ``s1`` per gradient element (``s0`` fixed) of the rest (selection,
-    residual, compression: the work less the decompression). ``work``: (n, seconds) samples;
-    ``decompress``: n -> (entries touched, seconds). Entries touched 0 (a dense method) fit the
-    decompression per gradient element instead (``decompress_per``: "entry" or "element")."""
-    per_entry = all(touched > 0 for touched, _ in decompress.values())
-    d1, d0 = fit_work([(int(touched if per_entry else n), seconds) for n, (touched, seconds) in decompress.items()]) \
+def split_work(work: Sequence[tuple[int, float]], decompress: dict[int, tuple[float, float]],
+               agreement: dict[int, float] | None = None, unit: str = "byte", fixed: float = 0.0) -> dict[str, Any]:
+    """The per-element coefficients of a method's work: ``d1`` seconds per ``unit`` of the
+    decompression ("byte" of its sweep's memory traffic, or "entry" touched; ``d0`` fixed), ``s1``
+    per gradient element (``s0`` fixed) of the rest (selection,
+    residual, compression: the work less the decompression and the agreement's rounds). ``work``:
+    (n, seconds) samples; ``decompress``: n -> (units, seconds); ``agreement``: n -> seconds of the
+    agreement's rounds (none: the agreement stays in the rest); ``fixed``: the rest's seconds per call
+    that do not grow with n (the selector's sample), taken as ``s0`` when ``work`` has one size only
+    (two sizes fit ``s0`` themselves). Units 0 (a dense method) fit the decompression per gradient
+    element instead (``decompress_per``: ``unit`` or "element")."""
+    per_unit = all(units > 0 for units, _ in decompress.values())
+    d1, d0 = fit_work([(int(units if per_unit else n), seconds) for n, (units, seconds) in decompress.items()]) \
         if any(seconds > 0 for _, seconds in decompress.values()) else (0.0, 0.0)
-    s1, s0 = fit_work([(n, max(0.0, w - decompress[n][1])) for n, w in work])
-    return {"s1": s1, "s0": s0, "d1": d1, "d0": d0, "decompress_per": "entry" if per_entry else "element",
+    agreement = agreement or {}
+    rest = [(n, max(0.0, w - decompress[n][1] - agreement.get(n, 0.0))) for n, w in work]
+    if len({n for n, _ in rest}) == 1 and fixed > 0:
+        s0 = min(fixed, min(seconds for _, seconds in rest))
+        s1, _ = fit_work([(n, seconds - s0) for n, seconds in rest])
+    else:
+        s1, s0 = fit_work(rest)
+    return {"s1": s1, "s0": s0, "d1": d1, "d0": d0, "decompress_per": unit if per_unit else "element",
             "decompress_s": {str(n): seconds for n, (_, seconds) in decompress.items()}}
 
 
@@ -280,8 +367,8 @@ def _wall(device: str) -> float:
     return time.perf_counter()
 
 
-def measure_selectors(n: int, density: float, repeat: int = 3, device: str = "cpu") -> dict[str, float]:
-    """Seconds per element of each selector picking ``density * n`` of n normal values (this process)."""
+def _selector_times(n: int, density: float, repeat: int, device: str) -> dict[str, list[float]]:
+    """Each selector's call times picking ``density * n`` of n normal values (this process)."""
     from .. import selection as selectors
 
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
@@ -299,8 +386,24 @@ def measure_selectors(n: int, density: float, repeat: int = 3, device: str = "cp
             start = _wall(device)
             sel(x, k)
             times.append(_wall(device) - start)
-        out[name] = statistics.median(times) / n
+        out[name] = times
     return out
+
+
+def measure_selectors(n: int, density: float, repeat: int = 3, device: str = "cpu") -> dict[str, float]:
+    """Seconds per element of each selector picking ``density * n`` of n normal values (this process)."""
+    return {name: statistics.median(times) / n for name, times in _selector_times(n, density, repeat, device).items()}
+
+
+def measure_selector_fixed(n: int, density: float, repeat: int = 5, device: str = "cpu") -> dict[str, float]:
+    """Seconds per call of each selector that do not grow with n at this density (this process): from
+    its least time at n and at n / 4, ``t = fixed + per_element * n``. Selectors that take a sample
+    of a size set by the density alone (``exact_topk``'s floor: about 256 / density elements) and a
+    top-k of it have such a part; a calibration at one size cannot tell it from the per-element
+    work (:func:`split_work`)."""
+    large = _selector_times(n, density, repeat, device)
+    small = _selector_times(n // 4, density, repeat, device)
+    return {name: min(max(0.0, (4 * min(small[name]) - min(times)) / 3), min(times)) for name, times in large.items()}
 
 
 def measure_recv_element(n: int, received: int, repeat: int = 3, device: str = "cpu") -> float:
@@ -319,14 +422,20 @@ def measure_recv_element(n: int, received: int, repeat: int = 3, device: str = "
 
 def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, net: str, device: str,
                          cores: int, colocated: bool, selectors: dict[str, float], recv_element_s: float,
-                         meta: dict[str, Any]) -> Profile:
+                         meta: dict[str, Any], selector_fixed_s: dict[str, float] | None = None) -> Profile:
     """The profile from every rank's :func:`calibration_worker` result and the one-process figures."""
     links, dense = fit_links(records), _fit_dense(records)
     contention = comm_contention(records[0]["P"], cores, colocated, net)
     return Profile(net=net, device=device, cores=cores, colocated=colocated, links=links,
                    dense_allreduce=dense, selectors=selectors, recv_element_s=recv_element_s,
-                   methods=_fit_methods(records, density, links, dense, contention, net, colocated), meta=meta,
+                   methods=_fit_methods(records, density, links, dense, contention, net, colocated, device,
+                                        selector_fixed_s),
+                   selector_fixed_s=dict(selector_fixed_s or {}), meta=meta,
                    records=[dict(r) for r in records])
+
+
+#: a method run's per-call lists besides ``times`` and ``time_comm`` (older calibrations lack some)
+_PER_CALL = ("time_select", "time_decompress", "time_agreement", "cpu")
 
 
 def merge_records(first: Sequence[dict[str, Any]], second: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -345,9 +454,8 @@ def merge_records(first: Sequence[dict[str, Any]], second: Sequence[dict[str, An
         runs = []
         for run in a["runs"]:
             other = runs_b[(run["method"], run["n"])]
-            timers = {key: run[key] + other[key] for key in ("time_select", "time_decompress")
-                      if key in run and key in other}
-            runs.append({**{key: value for key, value in run.items() if key not in ("time_select", "time_decompress")},
+            timers = {key: run[key] + other[key] for key in _PER_CALL if key in run and key in other}
+            runs.append({**{key: value for key, value in run.items() if key not in _PER_CALL},
                          "times": run["times"] + other["times"], "time_comm": run["time_comm"] + other["time_comm"],
                          **timers, "bytes_sent": max(run["bytes_sent"], other["bytes_sent"])})
         links = {(s["kind"], s["algorithm"], s["n"]): s for s in a["links"]}
@@ -371,6 +479,7 @@ def refit(profile: Profile) -> Profile:
     return profile_from_records(profile.records, density=profile.meta["density"], net=profile.net,
                                 device=profile.device, cores=profile.cores, colocated=profile.colocated,
                                 selectors=profile.selectors, recv_element_s=profile.recv_element_s,
+                                selector_fixed_s=profile.selector_fixed_s,
                                 meta=profile.meta)
 
 
@@ -407,6 +516,7 @@ def calibrate(P: int, methods: Sequence[str], sizes: Sequence[int], density: flo
         records, density=density, net=net or "loopback", device=device_name(device),
         cores=1 if gpu else available_cores(), colocated=not gpu,
         selectors=measure_selectors(n_sel if gpu else min(n_sel, 4_000_000), density, device=device),
+        selector_fixed_s=measure_selector_fixed(n_sel if gpu else min(n_sel, 4_000_000), density, device=device),
         recv_element_s=measure_recv_element(n_sel if gpu else min(n_sel, 4_000_000),
                                             max(1, selection_count(density, n_sel)) * P, device=device),
         meta={"P": P, "sizes": list(sizes), "density": density, "repeat": repeat,

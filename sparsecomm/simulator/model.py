@@ -3,9 +3,10 @@
 A method's predicted time for one call on a flat gradient of ``n`` elements at ``P`` workers is
 
     T = comm + work
-    comm = f * (rounds * alpha * c_r + link_contention(P) * traffic_factor * bytes_sent * beta) + rounds * o * c_r
-           (rounds, bytes_sent: the slowest of a few sampled ranks)
-    work = (s1 * n + s0 + d1 * touched(P, n) + d0) * contention(P) / contention(P_cal)
+    comm = f * (rounds * alpha * c_s + link_contention(P) * traffic_factor * bytes_sent * beta) + rounds * o * c_s
+           - burst + shared_cpu(cpu_comm(P, n), wire, c_r)
+           (rounds, bytes_sent: the slowest of a few sampled ranks; wire: the bytes' term less the burst)
+    work = (s1 * n + s0 + d1 * swept(P, n) + d0 + a_r * ceil(log2 P)) * contention(P) / contention(P_cal)
 
 * ``rounds`` and ``bytes_sent`` come from the formula registered with the method
   (:func:`sparsecomm.methods.cost`). The dense method (the backend's own all-reduce) uses the
@@ -13,18 +14,24 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
 * ``traffic_factor`` is the measured bytes over the formula's bytes in the calibration run: 1 for
   exact formulas, below 1 where the formula is an upper bound (threshold counts, unions, ExDyna's
   density, B-SAG's h). Without a profile it is 1 (the documented bound).
-* Work is modelled by what it touches. ``s1``, ``s0``: selection, residual, compression and the
-  agreement (the call's wall time less its ``time_comm`` and ``time_decompress``), per element of
-  the gradient (n). ``d1``, ``d0``: decompression (the method's ``time_decompress``) per entry a
-  rank touches, ``touched(P, n)`` (:func:`touched_entries`: its own k and the (index, value) pairs
-  it receives, from the cost formula: about P x k for the all-gather family, so decompression grows
-  with P where selection does not). Both are fitted over the calibrated sizes at P_cal. (A dense
-  method touches no sparse entries; its decompression, if any, is per gradient element.)
+* Work is modelled by what it touches. ``s1``, ``s0``: selection, residual, compression (the
+  call's wall time less its ``time_comm``, ``time_decompress`` and the agreement's rounds), per
+  element of the gradient (n) and per call (calibrated at one size, ``s0`` is the fixed part of the
+  method's selector measured in one process, ``Profile.selector_fixed_s``: exact top-k's sampled
+  floor costs the same at any n). ``d1``, ``d0``: decompression (the method's ``time_decompress``) per
+  byte of its blocked sweep's memory traffic, ``swept(P, n)`` (:func:`decompress_bytes`: the pairs
+  the rank touches, its own k and what it receives by the cost formula, read once, and the output's
+  cache lines, touched in place or streamed whole, at most one write of the output: it grows with
+  the P x k pairs of the all-gather family until the output is written once, then with n).
+  ``a_r``: the agreement's cost per round (``agreement_round_s``), its ceil(log2 P) small messages
+  (:func:`agreement_rounds`); a method that agrees before its selection also makes a pass over the
+  gradient, which stays in ``s1``. All are fitted over the calibrated sizes at P_cal. (A dense
+  method touches no sparse entries; its decompression, if any, is per gradient element.) Profiles
+  fitted before the sweep (``decompress_per`` "entry") keep ``d1`` per touched entry
+  (:func:`touched_entries`), and those calibrated before the agreement was timed keep it in ``s1``.
   Profiles calibrated before the split was recorded have one ``w1``, ``w0`` per gradient element and
   ``g`` (``recv_element_s``, a one-process scatter-add) per extra received entry:
   ``work = (w1 * n + w0) * contention(P) / contention(P_cal) + g * (received(P) - received(P_cal))``.
-  Without the split the simulator under-predicted held-out points (P = 6, n = 5M, calibrated at
-  P = 2, n = 1M) by a third to a half.
 * ``contention(P)`` is ``max(1, P / cores)`` when the P workers share one machine of ``cores``
   cores (as in this repository's validation), 1 for a cluster with a device per worker.
 * ``compute_scale`` (an assumption the user gives, e.g. a GPU's memory bandwidth over this
@@ -33,16 +40,29 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   formula's there. Where the measurement is longer, the difference is what the formula's rounds
   leave out, a cost per message (a round's size header, index and value messages sent apart, a
   peer process's wake-up): ``o`` = difference / rounds at P_cal, f = 1. Where it is shorter (the
-  formula over-estimates), o = 0 and f = measured / formula (the profile's ``comm_factor``). Only
+  formula over-estimates), o = 0 and f = measured / formula (the profile's ``comm_factor``), except
+  on an emulated rate (:func:`tc_rate`), where the over-estimate is the token bucket's burst (bytes
+  that pass at once at the start of a call): f = 1 and ``burst`` = formula - measured, that much
+  less time per call at any P (a fixed credit, not a fraction of the bytes). Only
   on the profile's own network: with a given alpha and beta, o = 0 and f = 1 (the traffic factor
   still applies).
 * ``link_contention(P)`` (:func:`comm_contention`) is ``P / cores`` on loopback with colocated
   workers (moving a byte over loopback is a kernel copy: CPU work the P processes share), 1 under a
   rate limit.
-* ``c_r = contention(P) / contention(P_cal)``: a round's fixed cost is mostly CPU time (gloo spends
-  about a millisecond of CPU per message here, and a waiting peer must be scheduled), which P
-  colocated processes share on any network, emulated rates included. Without it the validation
-  under-predicted every sparse method at P >= 4 by a median 31-47% (docs/simulator.md).
+* ``c_r = contention(P) / contention(P_cal)``: communication costs CPU time (gloo's work per
+  message, the copies of the bytes, waking the peer), which P colocated processes share on any
+  network, emulated rates included. On a rate-limited network, where the calibration recorded the
+  calls' CPU time, ``cpu_comm(P, n)`` is that CPU time at (P, n): the link's fitted CPU per message
+  and per byte moved (:func:`comm_cpu_seconds`) times the method's ``comm_cpu_factor`` (its measured
+  communication CPU at P_cal over that figure there). :func:`shared_cpu` adds what the contention
+  makes of it: ``(c_r - 1)`` times the per-message part (on the call's path), and of the per-byte
+  part (spread over the transfer) only what ``c_r`` times it takes beyond the wire time; the rounds
+  keep their time (``c_s = 1``). Otherwise (loopback, where ``link_contention`` already
+  counts the bytes' copies, and older profiles) each round's fixed cost is taken as CPU time:
+  ``c_s = c_r``, no ``cpu_comm`` term. Without a CPU term the validation under-predicted every sparse
+  method at P >= 4 by a median 31-47%, and with ``c_s = c_r`` alone the held-out point (P = 6,
+  n = 5M at 1 Gbit/s) still lacked the messages' CPU wherever alpha and ``o`` fitted to 0
+  (docs/simulator.md).
 * ``overlap`` in [0, 1] with a backward time ``backward_s``: the fraction of communication that can
   run behind backward, hidden up to the backward time (the overlapped DDP hook).
   ``T = work + comm - min(overlap * comm, backward_s)``.
@@ -66,7 +86,8 @@ from ..methods.base import selection_count
 
 __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", "UnknownMethodError",
            "fit_work", "comm_contention", "layout_options", "PROFILE_VERSION", "speedup_table", "crossover",
-           "faster_range", "plot_projection", "touched_entries", "work_seconds"]
+           "faster_range", "plot_projection", "touched_entries", "work_seconds", "agreement_rounds",
+           "decompress_bytes", "comm_cpu_seconds", "shared_cpu", "tc_rate"]
 
 PROFILE_VERSION = 1
 
@@ -102,6 +123,8 @@ class Profile:
     selectors: dict[str, float] = field(default_factory=dict)
     #: seconds per received sparse element (scatter-add into the output)
     recv_element_s: float = 0.0
+    #: selector name -> seconds per call that do not grow with n at the calibration's density
+    selector_fixed_s: dict[str, float] = field(default_factory=dict)
     #: method -> {"w1": s per element, "w0": s, "traffic_factor": f, "P": P_cal, "density": d, ...}
     methods: dict[str, dict[str, Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
@@ -169,6 +192,12 @@ def comm_contention(P: int, cores: int, colocated: bool, net: str) -> float:
     return max(1.0, P / cores) if colocated and net == "loopback" else 1.0
 
 
+def tc_rate(net: str) -> bool:
+    """Whether a profile's network is an emulated rate (``sparsecomm.launch.netemu``: a tc token
+    bucket per link, e.g. "1gbit", "2x4:1gbit"), not loopback or a torchrun job's own network."""
+    return net != "loopback" and not net.startswith("torchrun")
+
+
 def layout_options(name: str, P: int, net: str, colocated: bool) -> dict[str, Any]:
     """The node layout the workers run in, for the formulas that depend on it (``local_size``).
 
@@ -194,6 +223,55 @@ def _received_elements(name: str, P: int, n: int, k: int, density: float, option
     return c.bytes_recv / pair
 
 
+def agreement_rounds(P: int) -> int:
+    """Messages each rank sends in a call's agreement (:meth:`~sparsecomm.transport.comm.Communicator.agree_max`,
+    a dissemination: ceil(log2 P) steps of one small header); 0 for one worker."""
+    return math.ceil(math.log2(P)) if P > 1 else 0
+
+
+def decompress_bytes(name: str, P: int, n: int, k: int, density: float, options: dict[str, Any]) -> float:
+    """Memory traffic (bytes) of one call's decompression, the blocked sweep of
+    :func:`~sparsecomm.transport.merge.average_into` over the output, for the ``m``
+    :func:`touched_entries`: the pairs read once (``m`` x 8 bytes, 12 past 2^31 elements), and the
+    output's cache lines (16 float32 elements, 64 bytes): with ``m`` entries spread over ``n``, a share
+    ``1 - exp(-16 m / n)`` of the lines is touched; a block with more than a third of its lines touched
+    is streamed out whole (each line written once), a sparser one has its touched lines read and
+    written in place (the cut-over's own break-even: a touched line costs about three streamed ones).
+    Output: ``4 n x min(1, 3 x share)`` bytes, at most one write of the output however many entries
+    arrive. 0 for a dense method."""
+    m = touched_entries(name, P, n, k, density, options)
+    if m <= 0 or n <= 0:
+        return 0.0
+    pair = 8 if n < 2 ** 31 else 12
+    touched_share = 1.0 - math.exp(-16.0 * m / n)
+    return pair * m + 4.0 * n * min(1.0, 3.0 * touched_share)
+
+
+def comm_cpu_seconds(name: str, P: int, n: int, density: float, link: dict[str, float],
+                     options: dict[str, Any]) -> tuple[float, float]:
+    """CPU seconds the messages cost the slowest sampled rank at (P, n), by the link's CPU fit
+    (:func:`~.calibration.fit_links`, on the calibration's all-reduces) and the method's cost
+    formula: (``cpu_round_s`` per message, ``cpu_byte_s`` per byte sent or received)."""
+    k = selection_count(density, n) if is_sparse(name) else 0
+    worst = (0.0, 0.0)
+    for rank in _sample_ranks(P):
+        c = cost(name, P=P, n=n, k=k, rank=rank, density=density, **options)
+        parts = (link["cpu_round_s"] * c.rounds, link["cpu_byte_s"] * (c.bytes_sent + c.bytes_recv))
+        if sum(parts) >= sum(worst):
+            worst = parts
+    return worst
+
+
+def shared_cpu(comm_cpu: tuple[float, float], wire_s: float, c_r: float) -> float:
+    """The time the communication's CPU adds when ``c_r`` times as many processes share each core as
+    in the calibration: the messages' fixed CPU (``comm_cpu[0]``: set-up, wake-ups) lies on the
+    call's path, ``(c_r - 1)`` times it; the bytes' CPU (``comm_cpu[1]``: copies, spread over the
+    transfer) overlaps the rate-limited wire's ``wire_s`` and adds only what the shared CPU takes
+    beyond the longer of the two (which the calibrated time already holds)."""
+    per_message, per_byte = comm_cpu
+    return (c_r - 1) * per_message + max(0.0, c_r * per_byte - max(wire_s, per_byte))
+
+
 def touched_entries(name: str, P: int, n: int, k: int, density: float, options: dict[str, Any]) -> float:
     """Sparse entries one rank's decompression touches per call: its own ``k`` and the (index,
     value) pairs it receives (:func:`_received_elements`, from the cost formula); 0 for a dense
@@ -207,16 +285,20 @@ def work_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: floa
                  calib_options: dict[str, Any], recv_element_s: float) -> tuple[float, float]:
     """A method's work at (P, n) from its calibration entry ``calib``, as (the part that P colocated
     workers share the cores for, the rest) before the contention factor (the module docstring's
-    ``work``): selection per gradient element plus decompression per touched entry where the
-    calibration split them (``d1``); else the legacy per-element work, and ``recv_element_s`` per
+    ``work``): where the calibration split them (``d1``), selection per gradient element,
+    decompression per byte of its sweep's memory traffic (:func:`decompress_bytes`; per gradient
+    element for a dense method; per touched entry in profiles fitted before the sweep,
+    ``decompress_per`` "entry") and the agreement per round (:func:`agreement_rounds`, where
+    recorded: ``agreement_round_s``); else the legacy per-element work, and ``recv_element_s`` per
     extra received entry (a one-process figure: the rest)."""
     k = selection_count(density, n) if is_sparse(name) else 0
     if "d1" in calib:
-        if calib.get("decompress_per") == "element":
-            decompress = calib["d1"] * n + calib["d0"]
-        else:
-            decompress = calib["d1"] * touched_entries(name, P, n, k, density, options) + calib["d0"]
-        return max(0.0, calib["s1"] * n + calib["s0"]) + max(0.0, decompress), 0.0
+        per = calib.get("decompress_per")
+        units = (n if per == "element" else touched_entries(name, P, n, k, density, options) if per == "entry"
+                 else decompress_bytes(name, P, n, k, density, options))
+        decompress = calib["d1"] * units + calib["d0"]
+        agreement = calib.get("agreement_round_s", 0.0) * agreement_rounds(P)
+        return max(0.0, calib["s1"] * n + calib["s0"]) + max(0.0, decompress) + agreement, 0.0
     extra = recv_element_s * (_received_elements(name, P, n, k, density, options)
                               - _received_elements(name, calib["P"], n, k, density, calib_options))
     return max(0.0, calib["w1"] * n + calib["w0"]), max(0.0, extra)
@@ -255,6 +337,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         raise ValueError(f"compute_scale={compute_scale} must be positive")
     rests: list[str] = []
     contention_comm = contention_rounds = 1.0
+    comm_cpu: tuple[float, float] | None = None  # the messages' CPU (per message, per byte): rate-limited
     if profile is None:
         if alpha is None or beta is None:
             raise ValueError("predict needs a profile or both alpha and beta")
@@ -289,12 +372,21 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
             calib_contention = max(1.0, calib["P"] / profile.cores) if profile.colocated else 1.0
             if not given:
                 contention_rounds = contention / calib_contention
+                link = profile._link()
+                if share and tc_rate(profile.net) and "comm_cpu_factor" in calib and "cpu_round_s" in link:
+                    per_message, per_byte = comm_cpu_seconds(name, P, n, density, link, options)
+                    comm_cpu = (calib["comm_cpu_factor"] * per_message, calib["comm_cpu_factor"] * per_byte)
                 if contention_rounds > 1:
-                    rests.append(f"rounds' CPU cost {contention_rounds:g}x (P workers on {profile.cores} cores)")
+                    rests.append(f"rounds' CPU cost {contention_rounds:g}x (P workers on {profile.cores} cores"
+                                 + ("; the messages' CPU measured per message and byte)" if comm_cpu is not None
+                                    else ")"))
             shared, alone = work_seconds(calib, name, P, n, density, options, calib_options, profile.recv_element_s)
             work = (shared * contention / calib_contention + alone) / compute_scale
             rests.append(f"work measured at P={calib['P']}, density={calib['density']:g}"
-                         + (" (selection per element, decompression per entry touched)" if "d1" in calib else ""))
+                         + (f" (selection per element, decompression per "
+                            f"{'entry touched' if calib.get('decompress_per') == 'entry' else 'byte swept'}"
+                            + (", agreement per round" if "agreement_round_s" in calib else "") + ")"
+                            if "d1" in calib else ""))
             if factor != 1.0:
                 rests.append(f"traffic {factor:.2f} x formula (measured)")
             if comm_factor != 1.0:
@@ -304,20 +396,29 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         if compute_scale != 1.0:
             rests.append(f"ASSUMED compute {compute_scale:g}x this device")
     comm, rounds, sent, exact = predict_comm(name, P, n, density, a, b, options, factor)
-    per_round = 0.0
+    per_round = burst_credit = 0.0
     if profile is not None and calib and comm_factor != 1.0 and calib.get("comm_s"):
         # the measured comm at the calibration P against the formula's there: what the formula leaves
         # out is a cost per message (a round's size header, separate index and value messages, the
-        # peer's wake-up), added per round; a formula that over-estimates is scaled down
+        # peer's wake-up), added per round; a formula that over-estimates is scaled down, except on an
+        # emulated rate, where the over-estimate is the token bucket's burst: bytes per call that pass
+        # at once, a fixed credit per call however many bytes follow
         n_cal = max(int(size) for size in calib["comm_s"])
         measured = float(calib["comm_s"][str(n_cal)])
         formula, rounds_cal, _, _ = predict_comm(name, calib["P"], n_cal, density, a, b, calib_options, factor)
         if measured >= formula and rounds_cal:
             per_round, comm_factor = (measured - formula) / rounds_cal, 1.0
+        elif formula > 0 and tc_rate(profile.net):
+            burst_credit, comm_factor = formula - measured, 1.0
         elif formula > 0:
             comm_factor = measured / formula
-    comm = (comm_factor * (rounds * a * contention_rounds + contention_comm * (comm - rounds * a))
-            + rounds * per_round * contention_rounds)
+    # the rounds' fixed cost is CPU time the colocated workers share; where the messages' CPU was
+    # measured (a rate-limited network) that share is its own term and the rounds keep their time
+    round_scale = contention_rounds if comm_cpu is None else 1.0
+    wire = comm_factor * contention_comm * (comm - rounds * a)
+    comm = max(0.0, comm_factor * rounds * a * round_scale + wire + rounds * per_round * round_scale - burst_credit)
+    if comm_cpu is not None:
+        comm += shared_cpu(comm_cpu, max(0.0, wire - burst_credit), contention_rounds)
     hidden = min(overlap * comm, backward_s)
     if overlap:
         rests.append(f"overlap {overlap:g} of comm behind {backward_s * 1e3:.0f} ms backward")

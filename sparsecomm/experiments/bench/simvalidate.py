@@ -13,13 +13,22 @@ them is kept. The profile is calibrated again before each run and the calibratio
 (:func:`~sparsecomm.simulator.calibration.merge_records`: the least over all their calls), so calibration
 and validation sample the machine's load over the same period. The spread between runs (run-to-run
 noise) is printed with the error: it is the floor under which no model's error can be shown.
+
+The report (printed, and written to ``--report`` as markdown for docs/simulator.md) opens with when
+the points were measured, the command and the machine's load average at each group's start, and
+gives each point's predicted communication and work, and (held-out points) whether it is within
+25%.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
 import statistics
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +61,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--profile-dir", default=".", help="where the per-network profiles are written/read "
                         "(default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker group")
+    parser.add_argument("--report", default=None,
+                        help="also write the report (markdown: when, command, load, table, summary) here")
 
 
 def _validate_worker(methods, sizes, density, repeat):
@@ -77,6 +88,10 @@ def calibration_sizes(text: str | None, sizes: list[int]) -> list[int]:
     return sorted(set(sizes))
 
 
+#: what a method run of the calibration must have recorded for the current model
+_TIMED = ("time_decompress", "time_agreement", "cpu")
+
+
 def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
     """The network's profile, calibrated ``rounds`` times (at different times) and merged: the file
     keeps the merged raw timings and how many calibrations they hold; a missing one is added."""
@@ -88,8 +103,9 @@ def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
     path = Path(args.profile_dir) / (f"profile-{label}-{'-'.join(str(n) for n in sizes)}"
                                      f"-P{args.calibrate_workers}-r{repeat}.json")
     profile = Profile.load(path) if path.exists() else None
-    if profile is not None and not all("time_decompress" in run for run in profile.records[0]["runs"]):
-        log.warning("%s was calibrated before decompression was timed apart: calibrating afresh", path)
+    if profile is not None and not all(key in run for run in profile.records[0]["runs"] for key in _TIMED):
+        log.warning("%s was calibrated before decompression, the agreement and the calls' CPU time were "
+                    "recorded: calibrating afresh", path)
         profile = None
     done = 0 if profile is None else int(profile.meta.get("calibrations", 1))
     while profile is None or done < rounds:
@@ -101,7 +117,7 @@ def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
             new = profile_from_records(
                 merge_records(profile.records, new.records), density=args.density, net=new.net,
                 device=new.device, cores=new.cores, colocated=new.colocated, selectors=new.selectors,
-                recv_element_s=new.recv_element_s,
+                recv_element_s=new.recv_element_s, selector_fixed_s=new.selector_fixed_s,
                 meta={**new.meta, "when": f"{profile.meta['when'].split(' .. ')[0]} .. {new.meta['when']}"})
         done += 1
         new.meta["calibrations"] = done
@@ -115,6 +131,8 @@ def _measure_group(net, P, n, methods, args, profile, profile_path, run_index: i
     from ...simulator.calibration import slowest_best
     from ...simulator.model import predict
 
+    load = os.getloadavg()[0]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     records = run_workers(P, _validate_worker, methods, [n], args.density, args.repeat, net=net,
                           timeout=args.timeout)
     rows = []
@@ -124,7 +142,7 @@ def _measure_group(net, P, n, methods, args, profile, profile_path, run_index: i
         rows.append({"net": net or "loopback", "n": n, "P": P, "method": run["method"], "density": args.density,
                      "measured_s": measured, "predicted_s": p.total_s, "comm_s": p.comm_s, "work_s": p.work_s,
                      "profile": str(profile_path), "run": run_index, "calibrated_P": profile.meta["P"],
-                     "calibrated_sizes": profile.meta["sizes"]})
+                     "calibrated_sizes": profile.meta["sizes"], "when": when, "load": load})
     return rows
 
 
@@ -151,6 +169,8 @@ def run(args) -> int:
 
     methods, workers, sizes, nets = check(args)
     results = Path(args.results)
+    for folder in (results.parent, Path(args.profile_dir)):
+        folder.mkdir(parents=True, exist_ok=True)
     measured: dict[tuple, int] = {}
     for r in _load(results):
         key = (r["net"], r["n"], r["P"], r["method"])
@@ -179,10 +199,30 @@ def run(args) -> int:
     rows = [r for r in _load(results) if r["net"] in wanted and r["n"] in sizes and r["P"] in workers
             and r["method"] in methods]
     rows = best_of_runs(repredict(rows))
-    print(validation_table(rows))
-    print()
-    print(advice_check(rows))
+    command = "sparsecomm bench simvalidate " + " ".join(shlex.quote(arg) for arg in sys.argv[3:]) \
+        if sys.argv[1:3] == ["bench", "simvalidate"] else shlex.join(sys.argv)
+    report = "\n\n".join([report_header(rows, command), validation_table(rows), advice_check(rows)])
+    print(report)
+    if args.report:
+        Path(args.report).write_text(report + "\n")
     return 0
+
+
+def report_header(rows: list[dict[str, Any]], command: str) -> str:
+    """When the rows were measured (the first and last group's start), the 1-minute load average at
+    the groups' starts, and the command, as markdown (rows measured before these were stored say so)."""
+    stamped = [r for r in rows if "when" in r]
+    if stamped:
+        first, last = min(r["when"] for r in stamped), max(r["when"] for r in stamped)
+        loads = [r["load"] for r in stamped]
+        measured = (f"Measured {first}" + (f" .. {last}" if last != first else "")
+                    + f"; 1-minute load average at the groups' starts {min(loads):.1f} .. {max(loads):.1f} "
+                    f"(this machine: {os.cpu_count()} cores)")
+    else:
+        measured = "Measured before the date and load were stored with the points"
+    if len(stamped) < len(rows):
+        measured += f" ({len(rows) - len(stamped)} points without them)"
+    return f"{measured}. Predictions from the model as of this report. Command:\n\n    {command}"
 
 
 def best_of_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -228,8 +268,9 @@ def advice_check(rows: list[dict[str, Any]]) -> str:
 
 
 def repredict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows with ``predicted_s`` recomputed from each row's profile file as it is now (the model
-    or the profile may have changed since the measurement; rows whose profile is gone keep theirs)."""
+    """The rows with ``predicted_s`` (and its ``comm_s``, ``work_s``) recomputed from each row's
+    profile file as it is now (the model or the profile may have changed since the measurement; rows
+    whose profile is gone keep theirs)."""
     from ...simulator.model import Profile, predict
 
     profiles: dict[str, Profile | None] = {}
@@ -240,7 +281,8 @@ def repredict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             profiles[path] = Profile.load(path) if Path(path).exists() else None
         profile = profiles[path]
         if profile is not None:
-            r = {**r, "predicted_s": predict(r["method"], r["P"], r["n"], r["density"], profile=profile).total_s}
+            p = predict(r["method"], r["P"], r["n"], r["density"], profile=profile)
+            r = {**r, "predicted_s": p.total_s, "comm_s": p.comm_s, "work_s": p.work_s}
         out.append(r)
     return out
 
@@ -254,16 +296,19 @@ def held_out(row: dict[str, Any]) -> bool | None:
 
 
 def validation_table(rows: list[dict[str, Any]], tolerance: float = 0.25) -> str:
-    """Markdown table of predicted, measured and relative error, and the error summary lines (and,
-    for held-out points, how many are within ``tolerance``)."""
+    """Markdown table of predicted (and its communication and work), measured and relative error,
+    whether each point is held out and within ``tolerance``, and the error summary lines (and, for
+    held-out points, how many are within ``tolerance`` and which are not)."""
     table = []
     for r in sorted(rows, key=lambda r: (r["net"], r["n"], r["method"], r["P"])):
         error = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
         out = held_out(r)
         table.append({"network": r["net"], "n": r["n"], "method": r["method"], "P": r["P"],
-                      "predicted (ms)": 1e3 * r["predicted_s"], "measured (ms)": 1e3 * r["measured_s"],
+                      "predicted (ms)": 1e3 * r["predicted_s"], "pred. comm (ms)": 1e3 * r["comm_s"],
+                      "pred. work (ms)": 1e3 * r["work_s"], "measured (ms)": 1e3 * r["measured_s"],
                       "rel. error": f"{100 * error:+.0f}%",
-                      "held out": "?" if out is None else "yes" if out else "no"})
+                      "held out": "?" if out is None else "yes" if out else "no",
+                      f"within {100 * tolerance:.0f}%": "yes" if abs(error) <= tolerance else "no"})
     if not table:
         return "(no results)"
     errors = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows]
@@ -278,9 +323,12 @@ def validation_table(rows: list[dict[str, Any]], tolerance: float = 0.25) -> str
     outside = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows if held_out(r)]
     if outside:
         within = sum(e <= tolerance for e in outside)
+        missed = sorted(f"{r['method']} (P={r['P']}, n={r['n']}, {r['net']})" for r in rows if held_out(r)
+                        and abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] > tolerance)
         lines.append(f"- held out (P and n both other than the calibration's): median "
                      f"{100 * statistics.median(outside):.1f}%, worst {100 * max(outside):.0f}%; within "
-                     f"{100 * tolerance:.0f}%: {within}/{len(outside)}")
+                     f"{100 * tolerance:.0f}%: {within}/{len(outside)}"
+                     + (f"; outside: {', '.join(missed)}" if missed else ""))
     repeated = [r for r in rows if r.get("runs", 1) > 1]
     if repeated:
         lines.append(f"run-to-run noise (slowest run over the least, {len(repeated)} points measured "
