@@ -424,6 +424,10 @@ class MagnitudeView:
         """Increasing indices of ``|x| >= t``."""
         return self._at_or_above(t).indices
 
+    def values_ge(self, t: float) -> Tensor:
+        """The magnitudes ``|x_i| >= t``, in increasing ``i``."""
+        return self._at_or_above(t).values
+
     def indices_between(self, lo: float, hi: float) -> Tensor:
         """Increasing indices of ``lo <= |x| < hi``."""
         above = self._at_or_above(lo)

@@ -129,10 +129,11 @@ class BinarySearch(Selector):
         self.eps = float(eps)
         self._scratch = Scratch()
 
-    def _search(self, x: Tensor, k: int) -> tuple:
-        """(indices, threshold or None when completed to exact top-k)."""
-        view = MagnitudeView(x, self._scratch, sample_floor(x, 2 * k), name=self.name,
-                             check_finite=self.check_finite, count=2 * k)
+    def _search(self, x: Tensor, k: int, addend: Tensor | None = None, dest: Tensor | None = None) -> tuple:
+        """(indices, threshold or None when completed to exact top-k); with ``addend`` the search is of
+        ``x + addend``, written to ``dest`` (default ``x``) by its first scan."""
+        view = MagnitudeView(x, self._scratch, sample_floor(x, 2 * k, addend=addend), name=self.name,
+                             check_finite=self.check_finite, count=2 * k, addend=addend, dest=dest)
         threshold = _band_search(view, k, self.eps)
         if threshold is None:
             log.debug("%s: no threshold in [k, 2k] for k=%d; exact top-k instead", self.name, k)
@@ -141,6 +142,10 @@ class BinarySearch(Selector):
 
     def select(self, x: Tensor, k: int) -> Tensor:
         return self._search(x, k)[0]
+
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
+        """The addition in the search's first scan (the one that gathers the candidates)."""
+        return self._search(x, k, addend, dest)[0]
 
 
 @register_selector("sampled_binary_search")
@@ -164,16 +169,27 @@ class SampledBinarySearch(BinarySearch):
         self.calls_since_search = 0
 
     def select(self, x: Tensor, k: int) -> Tensor:
+        return self._select(x, k)
+
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
+        """The addition in the first scan: the reused threshold's, or the search's."""
+        return self._select(x, k, addend, dest)
+
+    def _select(self, x: Tensor, k: int, addend: Tensor | None = None, dest: Tensor | None = None) -> Tensor:
+        """:meth:`select` of ``x``, or with ``addend`` of ``x + addend``, written to ``dest`` (default
+        ``x``) by the first scan; a search after a reused threshold failed scans the sum."""
         threshold = self.threshold
         if threshold is not None and self.searched_for == (k, x.numel()) and self.calls_since_search < self.interval:
             indices = self._scratch.scan(x, threshold, name=self.name, check_finite=self.check_finite,
-                                         need_total=False, expected=2 * k).indices
+                                         need_total=False, expected=2 * k, addend=addend, dest=dest).indices
             if k <= indices.numel() <= 2 * k:
                 self.calls_since_search += 1
                 return indices
             log.debug("%s: reused threshold gave %d outside [%d, %d]; searching", self.name,
                       indices.numel(), k, 2 * k)
-        indices, self.threshold = self._search(x, k)
+            if addend is not None:  # the sum is written: search it
+                x, addend, dest = (x if dest is None else dest), None, None
+        indices, self.threshold = self._search(x, k, addend, dest)
         self.searched_for = (k, x.numel())
         self.calls_since_search = 1
         return indices
@@ -215,8 +231,18 @@ class MSTopK(Selector):
         self._scratch = Scratch()
 
     def select(self, x: Tensor, k: int) -> Tensor:
-        view = MagnitudeView(x, self._scratch, sample_floor(x, k), name=self.name,
-                             check_finite=self.check_finite, count=k)
+        return self._select(x, k)
+
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
+        """The addition in the scan that gathers the candidates."""
+        return self._select(x, k, addend, dest)
+
+    def _select(self, x: Tensor, k: int, addend: Tensor | None = None, dest: Tensor | None = None) -> Tensor:
+        """:meth:`select` of ``x``, or with ``addend`` of ``x + addend``, written to ``dest`` (default
+        ``x``) by the scan."""
+        view = MagnitudeView(x, self._scratch, sample_floor(x, k, addend=addend), name=self.name,
+                             check_finite=self.check_finite, count=k, addend=addend, dest=dest)
+        x = view.x
         mean, top = view.mean, view.max()
         lookahead = _Lookahead(view, mean, top)
         lo, hi = 0.0, 1.0

@@ -39,9 +39,10 @@ class _ThresholdSelector(Selector):
         super().__init__(check_finite=check_finite)
         self._scratch = Scratch()
 
-    def _pick(self, x: Tensor, threshold: float) -> Tensor:
+    def _pick(self, x: Tensor, threshold: float, addend: Tensor | None = None,
+              dest: Tensor | None = None) -> Tensor:
         return self._scratch.scan(x, threshold, name=self.name, check_finite=self.check_finite,
-                                  need_total=False).indices
+                                  need_total=False, addend=addend, dest=dest).indices
 
 
 def _check_threshold(name: str, value: Any) -> float:
@@ -65,6 +66,10 @@ class HardThreshold(_ThresholdSelector):
 
     def select(self, x: Tensor, k: int) -> Tensor:
         return self._pick(x, self.threshold)
+
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
+        """The addition in the selection's one scan."""
+        return self._pick(x, self.threshold, addend, dest)
 
 
 @register_selector("scaled_threshold")
@@ -138,8 +143,10 @@ _SEED_STRIDE = 1_000_003
 _ESTIMATE_PIECE = 256
 
 
-def estimate_kth_magnitude(x: Tensor, k: int, shift: int = 0) -> float:
-    """An estimate of the ``k``-th largest ``|x_i|``, from a sample holding about 1024 elements above it.
+def estimate_kth_magnitude(x: Tensor, k: int, shift: int = 0, addend: Tensor | None = None) -> float:
+    """An estimate of the ``k``-th largest ``|x_i|``, from a sample holding about 1024 elements above it
+    (of ``|x_i + addend_i|`` with ``addend``, shaped like ``x``: the sampled elements are added, the
+    same values ``x + addend`` holds once written, and nothing is written).
 
     The sample is ``x`` itself when that would take more than half of it (then the answer is exact),
     else aligned pieces of 256 contiguous elements at random places, about ``1024 n / k`` elements in all: the
@@ -160,12 +167,17 @@ def estimate_kth_magnitude(x: Tensor, k: int, shift: int = 0) -> float:
         return 0.0
     size = _ESTIMATE_HITS * n // max(k, 1)
     if 2 * size >= n:
-        sample = x.abs()
+        sample = x.abs() if addend is None else torch.add(x, addend).abs_()
     else:
-        rows = x[: n // _ESTIMATE_PIECE * _ESTIMATE_PIECE].view(-1, _ESTIMATE_PIECE)
         gen = torch.Generator().manual_seed(_SEED_STRIDE * shift + n)
-        picked = torch.randint(0, rows.shape[0], (max(1, size // _ESTIMATE_PIECE),), generator=gen)
-        sample = rows.index_select(0, picked.to(x.device)).reshape(-1).abs_()
+        picked = torch.randint(0, n // _ESTIMATE_PIECE, (max(1, size // _ESTIMATE_PIECE),), generator=gen)
+        picked = picked.to(x.device)
+
+        def pieces(v: Tensor) -> Tensor:
+            return v[: n // _ESTIMATE_PIECE * _ESTIMATE_PIECE].view(-1, _ESTIMATE_PIECE).index_select(0, picked)
+
+        sample = pieces(x) if addend is None else pieces(x).add_(pieces(addend))
+        sample = sample.reshape(-1).abs_()
     sample = sample[torch.isfinite(sample)]
     if sample.numel() == 0:
         return 0.0
