@@ -363,7 +363,7 @@ class ExDyna(SparsificationMetrics, Method):
             union = torch.cat([gathered[owner[p]] for p in range(P)]).long()
             counts = [int(g.numel()) for g in gathered]
             total = len(union)
-            summed = allreduce(self.comm, acc[union], self.allreduce) if total else acc[:0].clone()
+            summed = allreduce(self.comm, acc.index_select(0, union), self.allreduce) if total else acc[:0].clone()
         with self.timer("decompress"):
             out = self.output_average(grad, [union], [summed], P, keep_sign=True)  # summed / P, 0 elsewhere
         with self.timer("residual"):

@@ -273,8 +273,8 @@ class RedSync(Method):
         k = self.k(spec.numel)
         if not spec.quantized:
             idx = ascending(self._selectors[i](x, k) if picked is None else picked)  # sorted: the receivers merge
-            part = LayerPart(idx + spec.offset, x[idx])
-            x[idx] = 0
+            part = LayerPart(idx + spec.offset, x.index_select(0, idx))
+            x.index_fill_(0, idx, 0)
             return part, idx
         signed = x * sign
         idx = ascending(self._selectors[i](signed.clamp_(min=0), k))

@@ -215,7 +215,7 @@ class SIDCo(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllG
         n = acc.numel()
         k = self.k(n)
         if self.controller == "adaptive" and k < n:
-            elasticity = local_elasticity(acc[indices].abs(), self.hard.threshold)
+            elasticity = local_elasticity(acc.index_select(0, indices).abs_(), self.hard.threshold)
             self._feedback.update(indices.numel(), k, elasticity)
 
 

@@ -34,8 +34,6 @@ import math
 
 from torch import Tensor
 
-from torch import Tensor
-
 from ..core.cost import register_cost
 from ..selection.metrics import SparsificationMetrics
 from ..selection.threshold import HardThreshold, ThresholdController, estimate_kth_magnitude

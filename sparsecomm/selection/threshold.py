@@ -39,10 +39,12 @@ class _ThresholdSelector(Selector):
         super().__init__(check_finite=check_finite)
         self._scratch = Scratch()
 
-    def _pick(self, x: Tensor, threshold: float, addend: Tensor | None = None,
+    def _pick(self, x: Tensor, threshold: float, k: int, addend: Tensor | None = None,
               dest: Tensor | None = None) -> Tensor:
+        """Increasing indices of ``|x| >= threshold``; the scan's output is sized for ``2 k`` (more cost a
+        second pass)."""
         return self._scratch.scan(x, threshold, name=self.name, check_finite=self.check_finite,
-                                  need_total=False, addend=addend, dest=dest).indices
+                                  need_total=False, expected=2 * k, addend=addend, dest=dest).indices
 
 
 def _check_threshold(name: str, value: Any) -> float:
@@ -65,11 +67,11 @@ class HardThreshold(_ThresholdSelector):
         self.threshold = _check_threshold("threshold", threshold)
 
     def select(self, x: Tensor, k: int) -> Tensor:
-        return self._pick(x, self.threshold)
+        return self._pick(x, self.threshold, k)
 
     def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
         """The addition in the selection's one scan."""
-        return self._pick(x, self.threshold, addend, dest)
+        return self._pick(x, self.threshold, k, addend, dest)
 
 
 @register_selector("scaled_threshold")
@@ -121,7 +123,7 @@ class ScaledThreshold(_ThresholdSelector):
     def select(self, x: Tensor, k: int) -> Tensor:
         if self.threshold is None:
             self.threshold = 1.0 / (2.0 * math.sqrt(k))
-        indices = self._pick(x, self.threshold)
+        indices = self._pick(x, self.threshold, k)
         self.threshold *= self.scale_factor(indices.numel(), k)
         self.calls += 1
         return indices
@@ -189,8 +191,8 @@ def cap_selection(x: Tensor, indices: Tensor, limit: int) -> Tensor:
     """The (at most) ``limit`` entries of ``indices`` with the largest ``|x|``, in their given order."""
     if indices.numel() <= limit:
         return indices
-    keep = torch.topk(x[indices].abs(), limit, sorted=False).indices
-    return indices[torch.sort(keep).values]
+    keep = torch.topk(x.index_select(0, indices).abs_(), limit, sorted=False).indices
+    return indices.index_select(0, torch.sort(keep).values)
 
 
 class ThresholdController:
