@@ -50,14 +50,13 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_int, check_number
 from ..selection import make as make_selector
-from ..selection.scan import MagnitudeView
+from ..selection.scan import MagnitudeView, above_float32
 from ..transport.alltoallv import alltoallv, alltoallv_traffic
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype, pair_bytes
 from ..transport.collectives import allreduce, allreduce_cost
@@ -148,7 +147,7 @@ class OkTopk(Method):
             if local_estimate:  # the exact top-k (its scan fused with the addition): the k-th magnitude
                 return self.selector.accumulate(residual, g, k, dest=acc)
             assert self.local_threshold is not None  # the reused threshold: candidates above it
-            view.append(MagnitudeView(residual, self._scratch, _above(self.local_threshold), name=self.name,
+            view.append(MagnitudeView(residual, self._scratch, above_float32(self.local_threshold), name=self.name,
                                       check_finite=True, count=2 * k, need_mean=False, addend=g, dest=acc))
             return acc[:0]
 
@@ -166,7 +165,7 @@ class OkTopk(Method):
             else:
                 assert self.local_threshold is not None
                 self.local_threshold = self._pre_adjust(view[0], self.local_threshold, k)
-                idx = view[0].indices_ge(_above(self.local_threshold))
+                idx = view[0].indices_ge(above_float32(self.local_threshold), 2 * k)
             threshold = self.local_threshold
             count = idx.numel()
             if not exact:
@@ -214,7 +213,7 @@ class OkTopk(Method):
         while it would select more than 3k/2 (the public code's ``add2residual``); ``view``: the
         candidates of ``|acc| > threshold``, which hold those above every raised threshold."""
         for _ in range(self.reuse_loops):
-            if view.count(_above(threshold)) <= 3 * k // 2:
+            if view.count(above_float32(threshold)) <= 3 * k // 2:
                 break
             threshold *= self.reuse_scale
         return threshold
@@ -261,12 +260,6 @@ class OkTopk(Method):
     def __repr__(self) -> str:
         return (f"OkTopk(P={self.comm.size}, density={self.density:g}, warmup_steps={self.warmup_steps}, "
                 f"threshold_interval={self.threshold_interval}, partition_interval={self.partition_interval})")
-
-
-def _above(threshold: float) -> float:
-    """The least float32 strictly above ``threshold`` rounded to float32: ``|a| > threshold`` for a
-    float32 ``a`` (torch compares with the threshold cast to the tensor's dtype) is ``|a| >= _above(threshold)``."""
-    return float(np.nextafter(np.float32(threshold), np.float32(np.inf)))
 
 
 def _members(sorted_indices: Tensor, sorted_set: Tensor) -> Tensor:

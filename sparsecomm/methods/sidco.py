@@ -48,7 +48,7 @@ from torch import Tensor
 from ..core.cost import register_cost
 from ..core.validate import check_int
 from ..selection.metrics import SparsificationMetrics
-from ..selection.scan import MagnitudeView, Scratch
+from ..selection.scan import MagnitudeView, Scratch, above_float32
 from ..selection.threshold import HardThreshold, ThresholdController, local_elasticity
 from .base import register_method
 from .fold import ThresholdFold
@@ -159,8 +159,7 @@ def sidco_view(x: Tensor, density: float, distribution: str = "exponential", sta
     else:
         threshold = _stage_threshold(view.values.double(), p, distribution)  # no floor: values are all of |x|
     for _ in range(1, stages):
-        above = view.values_ge(threshold)
-        samples = above[above > threshold].double() - threshold
+        samples = view.values_ge(above_float32(threshold), view.n_candidates).double() - threshold  # |x| > threshold
         if samples.numel() < 2:
             break
         threshold += _stage_threshold(samples, p, "gpd" if distribution == "gpd" else "exponential")
@@ -209,7 +208,7 @@ class SIDCo(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllG
                                   check_finite=True, lowest=1 / correction, addend=grad, dest=acc)
         self.hard.threshold = self._feedback.correct(fitted) if adaptive else fitted
         self.stats.update(threshold=self.hard.threshold, fitted_threshold=fitted)
-        return view.indices_ge(self.hard.threshold)
+        return view.indices_ge(self.hard.threshold, 2 * k)
 
     def agreed(self, acc: Tensor, indices: Tensor) -> None:
         n = acc.numel()

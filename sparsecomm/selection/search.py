@@ -134,6 +134,10 @@ class BinarySearch(Selector):
         ``x + addend``, written to ``dest`` (default ``x``) by its first scan."""
         view = MagnitudeView(x, self._scratch, sample_floor(x, 2 * k, addend=addend), name=self.name,
                              check_finite=self.check_finite, count=2 * k, addend=addend, dest=dest)
+        return self._search_view(view, k)
+
+    def _search_view(self, view: MagnitudeView, k: int) -> tuple:
+        """:meth:`_search` on a view whose candidates number more than 2k (or whose floor is None)."""
         threshold = _band_search(view, k, self.eps)
         if threshold is None:
             log.debug("%s: no threshold in [k, 2k] for k=%d; exact top-k instead", self.name, k)
@@ -155,6 +159,8 @@ class SampledBinarySearch(BinarySearch):
     Runs :class:`BinarySearch` and reuses its threshold for the next ``interval - 1`` calls (the
     paper's empirical interval is 5), each then one pass. A reused threshold whose count leaves
     [k, 2k] (or a change of ``k`` or ``n``) triggers a new search at once, so the band always holds.
+    When it selected more than 2k, the search runs on what that pass gathered (its sum, max and the
+    elements above the reused threshold), with no pass of its own; when fewer than k, it scans again.
 
     State (``state_dict``): the threshold, the ``k`` and ``n`` it was searched for, and the number of
     calls since the search.
@@ -178,19 +184,23 @@ class SampledBinarySearch(BinarySearch):
     def _select(self, x: Tensor, k: int, addend: Tensor | None = None, dest: Tensor | None = None) -> Tensor:
         """:meth:`select` of ``x``, or with ``addend`` of ``x + addend``, written to ``dest`` (default
         ``x``) by the first scan; a search after a reused threshold failed scans the sum."""
-        threshold = self.threshold
-        if threshold is not None and self.searched_for == (k, x.numel()) and self.calls_since_search < self.interval:
-            indices = self._scratch.scan(x, threshold, name=self.name, check_finite=self.check_finite,
-                                         need_total=False, expected=2 * k, addend=addend, dest=dest).indices
-            if k <= indices.numel() <= 2 * k:
+        threshold, n = self.threshold, x.numel()
+        if threshold is not None and self.searched_for == (k, n) and self.calls_since_search < self.interval:
+            view = MagnitudeView(x, self._scratch, threshold, name=self.name, check_finite=self.check_finite,
+                                 count=2 * k, addend=addend, dest=dest)
+            count = view.n_candidates
+            if k <= count <= 2 * k:
                 self.calls_since_search += 1
-                return indices
-            log.debug("%s: reused threshold gave %d outside [%d, %d]; searching", self.name,
-                      indices.numel(), k, 2 * k)
-            if addend is not None:  # the sum is written: search it
-                x, addend, dest = (x if dest is None else dest), None, None
-        indices, self.threshold = self._search(x, k, addend, dest)
-        self.searched_for = (k, x.numel())
+                assert view.indices is not None  # a view with a floor holds its candidates
+                return view.indices
+            log.debug("%s: reused threshold gave %d outside [%d, %d]; searching", self.name, count, k, 2 * k)
+            if count > 2 * k:  # the search's counts below the reused threshold are "too many": no new scan
+                indices, self.threshold = self._search_view(view, k)
+            else:  # the sum is written: search it
+                indices, self.threshold = self._search(view.x, k)
+        else:
+            indices, self.threshold = self._search(x, k, addend, dest)
+        self.searched_for = (k, n)
         self.calls_since_search = 1
         return indices
 
