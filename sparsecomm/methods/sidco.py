@@ -208,7 +208,7 @@ class SIDCo(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllG
                                   check_finite=True, lowest=1 / correction, addend=grad, dest=acc)
         self.hard.threshold = self._feedback.correct(fitted) if adaptive else fitted
         self.stats.update(threshold=self.hard.threshold, fitted_threshold=fitted)
-        return view.indices_ge(self.hard.threshold, 2 * k)
+        return view.indices_ge(self.hard.threshold, view.n_candidates)  # the stages' buffer size: kept
 
     def agreed(self, acc: Tensor, indices: Tensor) -> None:
         n = acc.numel()

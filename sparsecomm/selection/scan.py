@@ -434,7 +434,11 @@ class MagnitudeView:
         return self._at_or_above(t, expected).indices
 
     def values_ge(self, t: float, expected: int = 0) -> Tensor:
-        """The magnitudes ``|x_i| >= t``, in increasing ``i`` (``expected`` as for :meth:`indices_ge`)."""
+        """The magnitudes ``|x_i| >= t``, in increasing ``i`` (``expected`` as for :meth:`indices_ge`;
+        on the CPU no index is mapped back into ``x``)."""
+        if self._covers(t) and not self.batched:
+            return self.scratch.candidates.scan(self.values, t, name=self.name, check_finite=False, need_total=False,
+                                                expected=expected).values
         return self._at_or_above(t, expected).values
 
     def indices_between(self, lo: float, hi: float) -> Tensor:

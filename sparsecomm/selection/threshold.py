@@ -180,7 +180,8 @@ def estimate_kth_magnitude(x: Tensor, k: int, shift: int = 0, addend: Tensor | N
 
         sample = pieces(x) if addend is None else pieces(x).add_(pieces(addend))
         sample = sample.reshape(-1).abs_()
-    sample = sample[torch.isfinite(sample)]
+    if not math.isfinite(float(sample.sum())):  # NaN/Inf in the sample (a finite sum: none, no mask needed)
+        sample = sample[torch.isfinite(sample)]
     if sample.numel() == 0:
         return 0.0
     rank = min(sample.numel(), max(1, round(k * sample.numel() / n)))
