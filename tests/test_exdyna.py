@@ -171,7 +171,7 @@ def _global_error_run(n, steps):
     for step in range(steps):
         method(make_gradient(n, rank, step))
         out.append((method.stats["global_error"], method.stats["local_error"], method.stats["bytes_sent"],
-                    method.comm.meter.phases()["exdyna.metrics"].bytes_sent))
+                    method.comm.meter.phases()["exdyna.metrics"].bytes_sent, float(method.residual.double().norm())))
     return out
 
 
@@ -182,7 +182,8 @@ def test_global_error_is_the_mean_local_error_and_stays_out_of_the_step_traffic(
     for step in range(3):
         mean_local = sum(results[r][step][1] for r in range(P)) / P
         for r in range(P):
-            glob, _, sent, metric_bytes = results[r][step]
+            glob, local, sent, metric_bytes, norm = results[r][step]
+            assert local == pytest.approx(norm)
             assert glob == pytest.approx(mean_local, rel=1e-12)
             assert sent == plain[r][step]["stats"]["bytes_sent"]  # the metric did not enter the step
             assert metric_bytes > 0

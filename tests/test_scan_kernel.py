@@ -243,3 +243,27 @@ def test_accumulate_refuses_non_finite_sums(kernel):
     grad[777] = math.nan
     with scan.use_kernel(kernel), pytest.raises(NonFiniteInputError):
         selectors.make("topk").accumulate(x, grad, 100)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("name, options", [("fixed_threshold", {"threshold": 2.5}), ("scaled_threshold", {}),
+                                           ("binary_search", {}), ("sampled_binary_search", {"interval": 3}),
+                                           ("mstopk", {"samplings": 20})])
+def test_threshold_selectors_fuse_the_addition_bit_for_bit_over_calls(kernel, name, options):
+    """Their ``accumulate`` into a separate ``dest`` (the addition inside the first scan) picks the same
+    indices in the same order, leaves the same state and writes the same sum as the addition followed by
+    the selection, call after call with error feedback (a reused threshold, MSTopK's random window)."""
+    n, k = 200_003, 1500
+    gen = torch.Generator().manual_seed(5)
+    fused, plain = selectors.make(name, **options), selectors.make(name, **options)
+    residual = torch.zeros(n)
+    with scan.use_kernel(kernel):
+        for call in range(6):
+            grad = torch.randn(n, generator=gen) * (1 + call % 3)
+            dest = torch.empty(n)
+            got = fused.accumulate(residual, grad, k, dest=dest)
+            added = residual + grad
+            expected = plain(added, k)
+            assert torch.equal(dest, added) and torch.equal(got, expected)
+            assert repr(fused.state_dict()) == repr(plain.state_dict())
+            residual = dest.index_fill_(0, got, 0)

@@ -161,8 +161,7 @@ class Method:
         return spare
 
     def accumulate_and_agree(self, grad: torch.Tensor, layout: Layout,
-                             select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-                             | None = None,
+                             select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Error feedback's ``acc = residual + grad`` and the call's agreement, for a method that
         agrees in :meth:`reduce` (:attr:`agrees_in_reduce`), before its first message.
@@ -178,14 +177,14 @@ class Method:
         Returns (``acc``, ``select``'s result or ``None``).
 
         When the base class agreed before :meth:`reduce` (a method called on a CUDA tensor), the
-        addition is made in place instead (``select(residual, grad, None)``) and nothing is agreed
+        addition is made in place instead (``select(residual, grad, residual)``) and nothing is agreed
         here: the residual and the output are then the only gradient-sized buffers."""
         residual = self.residual_for(grad)
         selected: torch.Tensor | None = None
         if self._agreed:
             with self.timer("select" if select is not None else "residual"):
                 if select is not None:
-                    selected = select(residual, grad, None)
+                    selected = select(residual, grad, residual)
                 else:
                     residual.add_(grad)
             return residual, selected

@@ -72,7 +72,8 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
     Args:
         density: k = ceil(density * n).
         allreduce: ``"rabenseifner"`` (default) or ``"ring"`` for the k values.
-        global_error: also report the global error (one extra exchange after the metered call).
+        global_error: also report the error metrics, local and global error (a pass over the
+            residual and one extra exchange after the metered call, per call).
 
     Stats: ``leader``; ``counts`` (k for the leader, 0 elsewhere); ``padding_overhead`` is 1.0
     (a broadcast pads nothing).

@@ -13,7 +13,11 @@ One step on rank r (Algorithm 1):
    Rank r then owns partition ``(t mod P + r) mod P``: the partitions rotate cyclically, so no two
    ranks search the same coordinates (no gradient build-up) and every rank sees every coordinate.
 3. Partition-wise exclusive selection (Algorithm 4): the indices of the rank's partition where
-   ``|acc| >= threshold``.
+   ``|acc| >= threshold``. Here steps 1 and 3 are one scan, which also checks the gradient's
+   finiteness for the call's agreement (:meth:`~.base.Method.accumulate_and_agree`, made before the
+   first message, the threshold and partitions adopted after it): it writes ``acc`` to a spare
+   residual buffer and gathers ``|acc| >= threshold`` over all of ``acc``, of which the rank keeps its
+   partition's.
 4. All-gather of the selected indices. ``allgather="uneven"`` (default) uses the all-gather of
    unknown sizes of :mod:`~sparsecomm.methods.topka` (recursive doubling for powers of two, Bruck
    otherwise), sending exactly the selected indices; ``allgather="padded"`` is the paper's
@@ -220,11 +224,13 @@ class ExDyna(SparsificationMetrics, Method):
         allgather: ``"uneven"`` (variable-size all-gather, exact sizes) or ``"padded"`` (the paper's,
             every rank's indices padded to the largest count).
         allreduce: ``"rabenseifner"`` or ``"ring"`` for the values at the union of indices.
-        global_error: also compute the global error (one extra exchange after the metered call).
+        global_error: also report the error metrics, local and global error (a pass over the
+            residual and one extra exchange after the metered call, per call).
     """
 
     sparse = True
     has_residual = True
+    agrees_in_reduce = True  # after the scan of acc = residual + grad (Method.accumulate_and_agree)
 
     def __init__(self, comm=None, *, density: float, num_blocks: int = 1024, block_align: int = 32,
                  min_blocks: int | None = None, move_blocks: int = 1, balance_ratio: float = 1.05,
@@ -318,21 +324,32 @@ class ExDyna(SparsificationMetrics, Method):
         assert self.partitions is not None and self.scaler is not None  # built by _ensure_state
         assert self.scaler.threshold is not None
         k = self.k(n)
-        with self.timer("residual"):
-            acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
+        # This call's threshold and partitions, adopted once the ranks agreed (nothing changes before).
         with self.timer("select"):
+            estimated = self.scaler.threshold
             if self.feedback is not None and (self.initial_threshold is None or self.step > 0):
-                self.scaler.threshold = estimate_kth_magnitude(acc, self.feedback.target(k), self.step)
+                # from a sample of acc = residual + grad (nothing written yet)
+                estimated = estimate_kth_magnitude(self.residual_for(grad), self.feedback.target(k), self.step,
+                                                   addend=grad)
+            partitions = self.partitions
             if self.partition_counts is not None:
-                self.partitions = rebalance(self.partitions, self.partition_counts, self.balance_ratio,
-                                            self.move_blocks, self._min_blocks())
+                partitions = rebalance(partitions, self.partition_counts, self.balance_ratio, self.move_blocks,
+                                       self._min_blocks())
             mine = allocated_partition(self.step, r, P)
-            start, end = self.partitions.bounds(mine)
-            threshold = 0.0 if k >= n else self.scaler.threshold
+            start, end = partitions.bounds(mine)
+            threshold = 0.0 if k >= n else estimated
+        # One fused pass (the selectors' scan kernel where built) writes acc = residual + grad, checks
+        # the gradient for the agreement and gathers |acc| >= threshold over all of acc (about P times
+        # this rank's share, the threshold estimating the global k-th magnitude).
+        acc, candidates = self.accumulate_and_agree(grad, layout, lambda residual, g, dest: self._scratch.scan(
+            residual, threshold, name="exdyna", check_finite=True, need_total=False,
+            expected=math.ceil(2 * k), addend=g, dest=dest).indices)
+        assert candidates is not None
+        self.scaler.threshold, self.partitions = estimated, partitions
+        with self.timer("select"):
+            lo, hi = torch.searchsorted(candidates, torch.tensor([start, end], dtype=candidates.dtype)).tolist()
+            local = candidates[lo:hi] - start  # increasing indices of |part| >= threshold
             part = acc[start:end]
-            # one fused pass (the selectors' scan kernel where built): increasing indices of |part| >= t
-            local = self._scratch.scan(part, threshold, name="exdyna", check_finite=False,
-                                       need_total=False, expected=math.ceil(2 * k / P)).indices
             picked = local.numel()
             limit = cap_limit(self.cap, k / P)
             if limit is not None and k < n and picked > limit:
@@ -347,7 +364,7 @@ class ExDyna(SparsificationMetrics, Method):
             union = torch.cat([gathered[owner[p]] for p in range(P)]).long()
             counts = [int(g.numel()) for g in gathered]
             total = len(union)
-            summed = allreduce(self.comm, acc[union], self.allreduce) if total else acc[:0].clone()
+            summed = allreduce(self.comm, acc.index_select(0, union), self.allreduce) if total else acc[:0].clone()
         with self.timer("decompress"):
             out = self.output_average(grad, [union], [summed], P, keep_sign=True)  # summed / P, 0 elsewhere
         with self.timer("residual"):

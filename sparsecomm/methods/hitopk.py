@@ -9,7 +9,12 @@ The P ranks form m = P / L nodes of L consecutive ranks (``local_size`` = L, see
    holds shard j = ``chunk_offsets(n, L)[j]`` summed over its node.
 2. Error feedback (not in Algorithm 2, which the paper runs inside MSTopK-SGD with residuals):
    ``acc = shard + residual[shard]``. The residual lives on the shard's owner, the only rank that
-   ever sees that node-summed shard.
+   ever sees that node-summed shard. With one rank per node (L = 1) the shard is the gradient
+   itself: nothing is copied, the selection's scan adds it (``acc`` written to a spare residual
+   buffer) and also checks its finiteness for the call's agreement, which is then made before the
+   first message (:meth:`~.base.Method.accumulate_and_agree`, MSTopK's generator put back if the
+   call is refused or skipped, :func:`~.fold.kept_on_failure`). With L > 1 the reduce-scatter comes
+   first and the agreement before it.
 3. ``k_j = ceil(density * c_j)`` entries of ``acc`` by MSTopK (lines 5-8, equation (5); ``selector``
    option); the rest stays in ``residual[shard]``.
 4. Inter-node all-gather of the (indices, values) among the m ranks with local rank j (lines 11-14),
@@ -60,6 +65,7 @@ from ..transport.merge import ascending
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_traffic
 from ..transport.topology import resolve_local_size, split_nodes
 from .base import Layout, Method, register_method, selection_count
+from .fold import kept_on_failure
 from .select_allgather import SelectorStateMixin
 
 __all__ = ["HiTopKComm", "paper_bytes"]
@@ -100,15 +106,30 @@ class HiTopKComm(SelectorStateMixin, Method):
                         "nodes for the hierarchy.", self.comm.size, self.local_size,
                         "the argument" if local_size is not None else "LOCAL_WORLD_SIZE")
 
+    @property
+    def agrees_in_reduce(self) -> bool:  # type: ignore[override]
+        """With one rank per node: the shard is the gradient, and the selection's scan tells whether
+        it is finite (see the module docstring)."""
+        return self.node.size == 1
+
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n = grad.numel()
         start, size = chunk_offsets(n, self.node.size)[self.node.rank]
-        with self.timer("comm"):
-            shard = ring_reduce_scatter(self.node, grad) if self.node.size > 1 else grad.clone()
-        acc = self.residual_for(grad)[start:start + size]   # a view: the residual is updated in place
+        k = self.k(size)
+        if self.node.size == 1:  # the whole gradient is this rank's shard
+            with kept_on_failure([self.selector]):
+                acc, selected = self.accumulate_and_agree(
+                    grad, layout, lambda residual, g, dest: self.selector.accumulate(residual, g, k, dest=dest))
+            assert selected is not None
+            with self.timer("select"):
+                idx = ascending(selected)
+        else:
+            with self.timer("comm"):
+                shard = ring_reduce_scatter(self.node, grad)
+            acc = self.residual_for(grad)[start:start + size]   # a view: the residual is updated in place
+            with self.timer("select"):
+                idx = ascending(self.selector.accumulate(acc, shard, k))  # acc += shard in the scan
         with self.timer("select"):
-            k = self.k(size)
-            idx = ascending(self.selector.accumulate(acc, shard, k))  # acc += shard in the scan
             mine = SparseChunk.gather(acc, idx, offset=start, n=n)
         with self.timer("residual"):
             acc.index_fill_(0, idx, 0)

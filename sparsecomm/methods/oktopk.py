@@ -8,7 +8,11 @@ Per call t (t counts every call, warm-up included, as the public code's ``_allre
 1. ``acc = grad + residual``. Local threshold: when t is a multiple of ``threshold_interval`` (32),
    the exact k-th largest |acc|; in between the previous one, reused, first raised by ``reuse_scale``
    (1.03) up to ``reuse_loops`` (5) times while it would select more than 3k/2 (``add2residual`` in
-   the public code). Select ``|acc| > threshold``; afterwards the threshold is divided by
+   the public code). Select ``|acc| > threshold``. One scan writes ``acc`` (to a spare residual
+   buffer), checks the gradient's finiteness for the call's agreement
+   (:meth:`~.base.Method.accumulate_and_agree`, before the first message) and gathers either the
+   exact top-k (whose members above the k-th magnitude are the selection) or the elements above the
+   reused threshold (on which the raised thresholds are counted and picked); afterwards the threshold is divided by
    ``local_scale`` (1.012) when fewer than 3k/4 were selected and multiplied by it when more than
    5k/4 were (the public code's ``_scale`` rule).
 2. Balanced partition: when t is a multiple of ``partition_interval`` (64), and on the first sparse
@@ -52,11 +56,13 @@ from torch import Tensor
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_int, check_number
 from ..selection import make as make_selector
+from ..selection.scan import MagnitudeView, above_float32
 from ..transport.alltoallv import alltoallv, alltoallv_traffic
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype, pair_bytes
 from ..transport.collectives import allreduce, allreduce_cost
 from ..transport.comm import Communicator
 from ..transport.sparse_collectives import allgatherv, allgatherv_traffic
+from .agreement import count_nonfinite
 from .base import Layout, Method, register_method
 
 __all__ = ["OkTopk", "PAPER_DEFAULTS"]
@@ -89,6 +95,9 @@ class OkTopk(Method):
     sparse = True
     has_residual = True
     tracks_sent = True
+    #: the agreement after the scan of acc = residual + grad (Method.accumulate_and_agree); in the
+    #: warm-up, on its own count before the all-reduce
+    agrees_in_reduce = True
 
     def __init__(self, comm: Communicator | None = None, *, density: float,
                  warmup_steps: int = WARMUP_STEPS,
@@ -121,23 +130,43 @@ class OkTopk(Method):
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n, P, t = grad.numel(), self.comm.size, self.step
         if t < self.warmup_steps:
+            self.agree(grad, layout, count_nonfinite(grad))
             with self.timer("comm"):
                 out = allreduce(self.comm, grad, "rabenseifner")
             self.stats.update(warmup=True, dense_calls=1, selected=n)
-            return out.div_(P)
+            return out.div_(P) if P > 1 else out  # x / 1 is x
         k = self.k(n)
         exact = k >= n
         estimate, repartition = self.estimates_threshold(t), self.repartitions(t)
+        local_estimate = estimate or self.local_threshold is None
+        # The local selection |acc| > threshold (strict, as the public code; sorted indices), made in
+        # the scan that writes acc = residual + grad and checks the gradient for the agreement.
+        view: list[MagnitudeView] = []
+
+        def select(residual: Tensor, g: Tensor, acc: Tensor) -> Tensor:
+            if local_estimate:  # the exact top-k (its scan fused with the addition): the k-th magnitude
+                return self.selector.accumulate(residual, g, k, dest=acc)
+            assert self.local_threshold is not None  # the reused threshold: candidates above it
+            view.append(MagnitudeView(residual, self._scratch, above_float32(self.local_threshold), name=self.name,
+                                      check_finite=True, count=2 * k, need_mean=False, addend=g, dest=acc))
+            return acc[:0]
+
+        acc, top = self.accumulate_and_agree(grad, layout, None if exact else select)
         with self.timer("select"):
-            acc = self.residual_for(grad).add_(grad)
             if exact:
                 self.local_threshold = 0.0
-            elif estimate or self.local_threshold is None:
-                self.local_threshold = float(acc[self.selector(acc, k)].abs().min())
+                idx = torch.nonzero(acc.abs() > 0.0).reshape(-1)
+            elif local_estimate:
+                assert top is not None
+                magnitudes = acc.index_select(0, top).abs_()
+                self.local_threshold = float(magnitudes.min())
+                # every |acc_i| above the k-th largest is among the top k
+                idx = torch.sort(top[magnitudes > self.local_threshold]).values
             else:
-                self.local_threshold = self._pre_adjust(acc, self.local_threshold, k)
+                assert self.local_threshold is not None
+                self.local_threshold = self._pre_adjust(view[0], self.local_threshold, k)
+                idx = view[0].indices_ge(above_float32(self.local_threshold), 2 * k)
             threshold = self.local_threshold
-            idx = torch.nonzero(acc.abs() > threshold).reshape(-1)      # sorted; strict, as the public code
             count = idx.numel()
             if not exact:
                 if count < 3 * k / 4:
@@ -170,7 +199,7 @@ class OkTopk(Method):
                 self.global_threshold = self.global_threshold * self.global_scale  # type: ignore[operator]
             out = self.output_average(grad, [chosen.indices], [chosen.values], P)  # sorted: one sweep
             sent = idx[_members(idx, chosen.indices)]
-            acc[sent] = 0                      # the residual keeps what did not reach the result
+            acc.index_fill_(0, sent, 0)        # the residual keeps what did not reach the result
         self.last_sent = sent
         self.stats.update(nnz_out=chosen.nnz)
         self.stats.extra.update(
@@ -179,12 +208,12 @@ class OkTopk(Method):
             gather_counts=[g[0].numel() for g in gathered], global_count=chosen.nnz)
         return out
 
-    def _pre_adjust(self, acc: Tensor, threshold: float, k: int) -> float:
+    def _pre_adjust(self, view: MagnitudeView, threshold: float, k: int) -> float:
         """A reused local threshold, raised by ``reuse_scale`` (1.03) up to ``reuse_loops`` (5) times
-        while it would select more than 3k/2 (the public code's ``add2residual``)."""
-        magnitude = acc.abs()
+        while it would select more than 3k/2 (the public code's ``add2residual``); ``view``: the
+        candidates of ``|acc| > threshold``, which hold those above every raised threshold."""
         for _ in range(self.reuse_loops):
-            if int(torch.count_nonzero(magnitude > threshold)) <= 3 * k // 2:
+            if view.count(above_float32(threshold)) <= 3 * k // 2:
                 break
             threshold *= self.reuse_scale
         return threshold

@@ -3,7 +3,11 @@ Quantization, and an all-gather of ONE packed message per rank.
 
 Per call (Algorithm 1, one bucket), on every rank:
 
-1. ``acc = grad + residual``. Each layer of the layout (the whole bucket when ``layout`` is None) is
+1. ``acc = grad + residual``, written to a spare residual buffer layer by layer, each layer in one
+   scan that also checks the gradient's finiteness for the call's agreement, made before the first
+   message (:meth:`~.base.Method.accumulate_and_agree`): the selector's first scan for a layer sent
+   unquantized (its addition fused, :meth:`~sparsecomm.selection.base.Selector.accumulate`), the
+   plain fused scan for the others. Each layer of the layout (the whole bucket when ``layout`` is None) is
    compressed by the hybrid policy of section 2.1 (:func:`plan_layers`): small layers (``numel <=
    small_limit``) by exact top-k or sent dense (``small="dense"``); medium layers by trimmed top-k
    (Algorithm 2); large layers (``numel > large_limit``) by threshold binary search (Algorithm 3) or
@@ -43,6 +47,7 @@ from ..transport.comm import Communicator
 from ..transport.merge import ascending
 from ..transport.sparse_collectives import allgatherv, allgatherv_cost
 from .base import Layout, Method, register_method
+from .fold import kept_on_failure
 
 __all__ = ["RedSync", "LayerSpec", "LayerPart", "plan_layers", "pack_message", "unpack_message",
            "message_nbytes", "equation1_seconds", "equation2_seconds"]
@@ -182,6 +187,7 @@ class RedSync(Method):
     sparse = True
     tracks_sent = True
     has_residual = True
+    agrees_in_reduce = True  # after the scans of acc = residual + grad (Method.accumulate_and_agree)
 
     def __init__(self, comm: Communicator | None = None, *, density: float, quantize: str | None = None,
                  small_limit: int = 32768, large_limit: int = 4194304, small: str = "exact_topk",
@@ -237,17 +243,38 @@ class RedSync(Method):
         return self._specs
 
     # ------------------------------------------------------------------ compression of one layer
-    def _compress(self, i: int, spec: LayerSpec, x: Tensor, sign: int) -> tuple[LayerPart, Tensor]:
-        """(this layer's part of the message, local indices sent); updates ``x`` (the residual) in place."""
+    def _fuses(self, i: int, spec: LayerSpec) -> bool:
+        """Whether layer i's selection runs in the scan that writes its ``acc`` (a sparse layer sent
+        unquantized whose selector checks finiteness, which the agreement needs)."""
+        return not spec.dense and not spec.quantized and self._selectors[i].check_finite
+
+    def _accumulate(self, specs: Sequence[LayerSpec], residual: Tensor, grad: Tensor, acc: Tensor,
+                    picked: dict[int, Tensor]) -> None:
+        """``acc = residual + grad`` layer by layer, each in one scan that raises
+        :class:`~sparsecomm.selection.NonFiniteInputError` on a non-finite gradient: the selector's
+        (its indices into ``picked``) where :meth:`_fuses`, else the plain fused scan."""
+        for i, spec in enumerate(specs):
+            span = slice(spec.offset, spec.offset + spec.numel)
+            if self._fuses(i, spec):
+                picked[i] = self._selectors[i].accumulate(residual[span], grad[span], self.k(spec.numel),
+                                                          dest=acc[span])
+            else:
+                self._scratch.scan(residual[span], math.inf, name=self.name, check_finite=True, addend=grad[span],
+                                   dest=acc[span])
+
+    def _compress(self, i: int, spec: LayerSpec, x: Tensor, sign: int,
+                  picked: Tensor | None = None) -> tuple[LayerPart, Tensor]:
+        """(this layer's part of the message, local indices sent); updates ``x`` (the residual) in place.
+        ``picked``: the indices the layer's selector already chose (:meth:`_accumulate`)."""
         if spec.dense:
             part = LayerPart(None, x.clone())
             x.zero_()
             return part, torch.arange(spec.numel, device=x.device)
         k = self.k(spec.numel)
         if not spec.quantized:
-            idx = ascending(self._selectors[i](x, k))  # sorted: the receivers merge, not sort
-            part = LayerPart(idx + spec.offset, x[idx])
-            x[idx] = 0
+            idx = ascending(self._selectors[i](x, k) if picked is None else picked)  # sorted: the receivers merge
+            part = LayerPart(idx + spec.offset, x.index_select(0, idx))
+            x.index_fill_(0, idx, 0)
             return part, idx
         signed = x * sign
         idx = ascending(self._selectors[i](signed.clamp_(min=0), k))
@@ -262,12 +289,18 @@ class RedSync(Method):
         n = grad.numel()
         specs = self._layers(n, layout)
         sign = 1 if self.step % 2 == 0 else -1
-        with self.timer("residual"):
-            acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
+        picked: dict[int, Tensor] = {}
+
+        def accumulate(residual: Tensor, g: Tensor, acc: Tensor) -> Tensor:
+            self._accumulate(specs, residual, g, acc, picked)
+            return acc[:0]
+
+        with kept_on_failure(self._selectors.values()):  # a refused or skipped call: as it was
+            acc, _ = self.accumulate_and_agree(grad, layout, accumulate)
         with self.timer("select"):
             parts, sent = [], []
             for i, spec in enumerate(specs):
-                part, idx = self._compress(i, spec, acc[spec.offset:spec.offset + spec.numel], sign)
+                part, idx = self._compress(i, spec, acc[spec.offset:spec.offset + spec.numel], sign, picked.get(i))
                 parts.append(part)
                 sent.append(idx + spec.offset)
             message = pack_message(specs, parts, index_dtype(n))

@@ -25,6 +25,15 @@ picks entries of its own ``acc = grad + residual`` over the WHOLE gradient, so t
 overlap only by chance and the union grows with P (*gradient build-up*: up to P k non-zeros in the
 result).
 
+Passes. With the exponential (the default) every stage runs on the magnitudes gathered by ONE scan
+(:func:`sidco_view`): it writes ``acc = residual + grad`` to the spare residual buffer, sums ``|acc|``
+for the first stage's mean, checks the gradient's finiteness for the call's agreement
+(:meth:`~.base.Method.accumulate_and_agree`, :class:`~.fold.ThresholdFold`) and gathers the
+candidates ``|acc| >= floor``, the floor placed from a strided sample just under the first stage's
+threshold; the later stages' exceedances and the final selection are then read from the candidates
+(a threshold found below the floor, which the sample makes rare, costs a scan of ``acc``). The
+gamma and GPD first stages fit all of ``|acc|`` (a copy, in float64).
+
 Cost: TopkA's with the per-rank message sizes: ``cost("sidco", P, n, k, rank, counts=[k_0, ...,
 k_(P-1)])`` is exact; without ``counts`` it is TopkA's figure for k per rank, marked inexact.
 """
@@ -39,12 +48,13 @@ from torch import Tensor
 from ..core.cost import register_cost
 from ..core.validate import check_int
 from ..selection.metrics import SparsificationMetrics
-from ..selection.scan import Scratch
+from ..selection.scan import MagnitudeView, Scratch, above_float32
 from ..selection.threshold import HardThreshold, ThresholdController, local_elasticity
 from .base import register_method
+from .fold import ThresholdFold
 from .select_allgather import FeedbackStateMixin, SelectAllGather, data_dependent_cost
 
-__all__ = ["SIDCo", "sidco_threshold"]
+__all__ = ["SIDCo", "sidco_threshold", "sidco_view"]
 
 _DISTRIBUTIONS = ("exponential", "gamma", "gpd")
 _CONTROLLERS = ("adaptive", "paper")
@@ -102,36 +112,62 @@ def _stage_threshold(a: Tensor, p: float, distribution: str) -> float:
     return sigma / xi * (p ** (-xi) - 1)
 
 
+#: the floor of :func:`sidco_view` lies this far under the first stage's threshold estimated from its
+#: sample (the sample's mean misses the mean of |x| by about its coefficient of variation over 256)
+_FLOOR_MARGIN = 0.95
+#: the strided sample of :func:`sidco_view` holds about this many elements
+_FLOOR_SAMPLE = 1 << 16
+
+
 def sidco_threshold(x: Tensor, density: float, distribution: str = "exponential", stages: int = 2,
                     scratch: Scratch | None = None) -> float:
     """SIDCo's threshold for the magnitudes ``|x|``: ``stages`` fits, each keeping density^(1/stages)
-    of the previous stage's exceedances (see the module docstring).
+    of the previous stage's exceedances (see the module docstring); :func:`sidco_view`'s threshold."""
+    return sidco_view(x, density, distribution, stages, scratch, check_finite=False)[0]
 
-    The exponential first stage needs only the mean of ``|x|`` and each later stage the exceedances
-    ``|x| > threshold``: both come from the selectors' one-pass scan
-    (:meth:`~sparsecomm.selection.scan.Scratch.scan`; pass a ``scratch`` to reuse its buffers), so no
-    copy of ``|x|`` is made. The gamma and GPD first stages fit all of ``|x|`` (in float64).
+
+def sidco_view(x: Tensor, density: float, distribution: str = "exponential", stages: int = 2,
+               scratch: Scratch | None = None, *, check_finite: bool, lowest: float = 1.0,
+               addend: Tensor | None = None, dest: Tensor | None = None) -> tuple[float, MagnitudeView]:
+    """SIDCo's threshold for ``|x|`` and the :class:`~sparsecomm.selection.scan.MagnitudeView` it was
+    fitted on, from one scan of ``x`` (pass a ``scratch`` to reuse its buffers).
+
+    With ``addend``, of ``x + addend``, which the scan writes to ``dest`` (default ``x``). The
+    exponential first stage needs only the mean of ``|x|`` (the scan's sum) and each later stage the
+    exceedances over the previous threshold, which the view reads from its candidates: the scan
+    gathers ``|x| >= floor`` with the floor placed, from a strided sample, under ``lowest`` times the
+    first stage's threshold (``lowest`` < 1 when the caller selects below the fit, e.g. a corrected
+    threshold), so the fit costs one pass. The gamma and GPD first stages fit all of ``|x|`` (in
+    float64). ``check_finite``: raise :class:`~sparsecomm.selection.NonFiniteInputError` on NaN/Inf.
     """
     if distribution not in _DISTRIBUTIONS:
         raise ValueError(f"sidco: distribution={distribution!r} must be one of {_DISTRIBUTIONS}")
     scratch = Scratch() if scratch is None else scratch
+    n = x.numel()
     p = density ** (1 / stages)
+    floor = None
+    if distribution == "exponential" and n >= 2 * _FLOOR_SAMPLE:
+        stride = n // _FLOOR_SAMPLE
+        sample = (x[::stride] + addend[::stride] if addend is not None else x[::stride]).abs()
+        floor = _FLOOR_MARGIN * min(1.0, lowest) * float(sample.mean()) * math.log(1 / p)
+        if not math.isfinite(floor):  # NaN/Inf in the sample: the scan's check tells
+            floor = None
+    view = MagnitudeView(x, scratch, floor, name="sidco", check_finite=check_finite,
+                         count=math.ceil(p * n) if floor is not None else 0, addend=addend, dest=dest)
     if distribution == "exponential":
-        total = scratch.scan(x, math.inf, name="sidco", check_finite=False).total
-        threshold = total / max(1, x.numel()) * math.log(1 / p)
+        threshold = view.mean * math.log(1 / p)
     else:
-        threshold = _stage_threshold(x.abs().double(), p, distribution)
+        threshold = _stage_threshold(view.values.double(), p, distribution)  # no floor: values are all of |x|
     for _ in range(1, stages):
-        above = scratch.scan(x, threshold, name="sidco", check_finite=False).values
-        samples = above[above > threshold].double() - threshold
+        samples = view.values_ge(above_float32(threshold), view.n_candidates).double() - threshold  # |x| > threshold
         if samples.numel() < 2:
             break
         threshold += _stage_threshold(samples, p, "gpd" if distribution == "gpd" else "exponential")
-    return threshold
+    return threshold, view
 
 
 @register_method("sidco")
-class SIDCo(SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
+class SIDCo(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
     """SIDCo statistical threshold estimation, all-gather, sum (see the module docstring).
 
     Args:
@@ -141,7 +177,8 @@ class SIDCo(SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
         controller: ``"adaptive"`` (default): the fit times a correction held by feedback on the count;
             ``"paper"``: the fit alone.
         cap: at most ``ceil(cap * k)`` entries per rank (default 2.0; ``None``: no cap).
-        global_error: also report the global error.
+        global_error: also report the error metrics, local and global error (a pass over the
+            residual and one extra exchange after the metered call, per call).
     """
 
     def __init__(self, comm=None, *, density: float, distribution: str = "exponential", stages: int = 2,
@@ -161,20 +198,25 @@ class SIDCo(SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
         self.hard: HardThreshold = self.selector
         self._feedback = ThresholdController()
 
-    def select(self, acc: Tensor) -> Tensor:
-        n = acc.numel()
+    def fused_select(self, residual: Tensor, grad: Tensor, acc: Tensor) -> Tensor:
+        n = grad.numel()
         k = self.k(n)
         if k >= n:
-            return self.selector(acc, k)
-        fitted = sidco_threshold(acc, k / n, self.distribution, self.stages, self._scratch)
+            return self.selector.accumulate(residual, grad, k, dest=acc)
         adaptive = self.controller == "adaptive"
+        correction = self._feedback.correction if adaptive else 1.0
+        fitted, view = sidco_view(residual, k / n, self.distribution, self.stages, self._scratch,
+                                  check_finite=True, lowest=1 / correction, addend=grad, dest=acc)
         self.hard.threshold = self._feedback.correct(fitted) if adaptive else fitted
         self.stats.update(threshold=self.hard.threshold, fitted_threshold=fitted)
-        indices = self.selector(acc, k)
-        if adaptive:
-            elasticity = local_elasticity(acc[indices].abs(), self.hard.threshold)
+        return view.indices_ge(self.hard.threshold, view.n_candidates)  # the stages' buffer size: kept
+
+    def agreed(self, acc: Tensor, indices: Tensor) -> None:
+        n = acc.numel()
+        k = self.k(n)
+        if self.controller == "adaptive" and k < n:
+            elasticity = local_elasticity(acc.index_select(0, indices).abs_(), self.hard.threshold)
             self._feedback.update(indices.numel(), k, elasticity)
-        return indices
 
 
 register_cost("sidco")(data_dependent_cost)

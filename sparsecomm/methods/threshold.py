@@ -18,6 +18,12 @@ default, ExDyna's fixed initial threshold 1 / (2 sqrt(k)), which does not depend
 scale. The hard cap
 (``cap``, default 2: at most 2k entries per rank) bounds any single call.
 
+Passes (:class:`~.fold.ThresholdFold`): the threshold comes from a sample of ``acc`` (the sampled elements
+of ``residual + grad`` added on the fly), and then one scan writes ``acc = residual + grad`` to the
+spare residual buffer, gathers ``|acc| >= threshold`` and checks the gradient's finiteness for the
+call's agreement (:meth:`~.base.Method.accumulate_and_agree`): one read of the gradient and of the
+residual in all, before the decompression.
+
 Cost: TopkA's with the per-rank message sizes: ``cost("threshold", P, n, k, rank, counts=[k_0, ...,
 k_(P-1)])`` is exact; without ``counts`` it is TopkA's figure for k per rank, marked inexact.
 """
@@ -32,6 +38,7 @@ from ..core.cost import register_cost
 from ..selection.metrics import SparsificationMetrics
 from ..selection.threshold import HardThreshold, ThresholdController, estimate_kth_magnitude
 from .base import register_method
+from .fold import ThresholdFold
 from .select_allgather import FeedbackStateMixin, SelectAllGather, data_dependent_cost
 
 __all__ = ["HardThresholdAllGather"]
@@ -40,7 +47,7 @@ _CONTROLLERS = ("adaptive", "paper")
 
 
 @register_method("threshold")
-class HardThresholdAllGather(SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
+class HardThresholdAllGather(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
     """Hard-threshold sparsifier: every ``|acc| >= threshold``, all-gather, sum.
 
     Args:
@@ -50,7 +57,8 @@ class HardThresholdAllGather(SparsificationMetrics, FeedbackStateMixin, SelectAl
             count to hold k per rank; ``"paper"``: the fixed threshold 1 / (2 sqrt(k)) (ExDyna's
             initial threshold; scale-free, so its density depends on the gradient's scale).
         cap: at most ``ceil(cap * k)`` entries per rank (default 2.0; ``None``: no cap).
-        global_error: also report the global error.
+        global_error: also report the error metrics, local and global error (a pass over the
+            residual and one extra exchange after the metered call, per call).
     """
 
     def __init__(self, comm=None, *, density: float, threshold: float | None = None,
@@ -66,18 +74,24 @@ class HardThresholdAllGather(SparsificationMetrics, FeedbackStateMixin, SelectAl
         self.track_global_error = bool(global_error)
         self._feedback = ThresholdController()
 
-    def select(self, acc: Tensor) -> Tensor:
-        k = self.k(acc.numel())
-        adaptive = self.fixed_threshold is None and self.controller == "adaptive" and k < acc.numel()
-        if adaptive:
-            self.hard.threshold = estimate_kth_magnitude(acc, self._feedback.target(k), self.step)
+    def _adaptive(self, n: int, k: int) -> bool:
+        return self.fixed_threshold is None and self.controller == "adaptive" and k < n
+
+    def fused_select(self, residual: Tensor, grad: Tensor, acc: Tensor) -> Tensor:
+        n = grad.numel()
+        k = self.k(n)
+        if self._adaptive(n, k):  # from a sample of acc = residual + grad (nothing written yet)
+            self.hard.threshold = estimate_kth_magnitude(residual, self._feedback.target(k), self.step, addend=grad)
         elif self.fixed_threshold is None:
             self.hard.threshold = 1 / (2 * math.sqrt(k))
-        indices = self.selector(acc, k)
+        return self.hard.accumulate(residual, grad, k, dest=acc)
+
+    def agreed(self, acc: Tensor, indices: Tensor) -> None:
         self.stats["threshold"] = self.hard.threshold
-        if adaptive:
+        n = acc.numel()
+        k = self.k(n)
+        if self._adaptive(n, k):
             self._feedback.update(indices.numel(), k)
-        return indices
 
 
 register_cost("threshold")(data_dependent_cost)

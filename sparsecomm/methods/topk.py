@@ -27,7 +27,8 @@ class TopkComparator(SparsificationMetrics, SelectAllGather):
 
     Args:
         density: k = ceil(density * n) per rank.
-        global_error: also report the global error (one extra exchange after the metered call).
+        global_error: also report the error metrics, local and global error (a pass over the
+            residual and one extra exchange after the metered call, per call).
     """
 
     def __init__(self, comm=None, *, density: float, global_error: bool = False) -> None:

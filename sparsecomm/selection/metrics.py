@@ -10,13 +10,14 @@ Every method that uses :class:`SparsificationMetrics` adds to its ``stats``:
   counts ``counts`` (1.0 when the counts are equal, i.e. an all-gather padded to the largest count
   would send no padding; also 1.0 when nothing was selected; a method that sends no all-gather,
   like CLT-k's broadcast, sets 1.0 itself);
-* ``local_error``: ||e_i||, the L2 norm of this rank's residual after the step (Section II);
-* ``global_error`` (only with ``global_error=True``): (1/P) sum_i ||e_i||, equation 1.
+* with ``global_error=True`` only, the error metrics: ``local_error``, ||e_i||, the L2 norm of this
+  rank's residual after the step (Section II), and ``global_error``, (1/P) sum_i ||e_i||, equation 1.
 
-The global error needs every rank's local error, i.e. one extra tiny exchange per step (a
-recursive-doubling all-gather of one float64 per rank). It runs *after* the metered call, in its own
-meter phase ``"<method>.metrics"``, so it never enters the step's ``bytes_sent`` / ``rounds`` nor the
-comparison with the cost model; it is off by default because it still costs ceil(log2 P) latencies.
+The error metrics cost a pass over the residual (the norm) and one extra tiny exchange per step (a
+recursive-doubling all-gather of one float64 per rank), so they are off by default: the hot path
+reads nothing for bookkeeping. The exchange runs *after* the metered call, in its own meter phase
+``"<method>.metrics"``, so it never enters the step's ``bytes_sent`` / ``rounds`` nor the comparison
+with the cost model.
 Tests compute the global error in the parent from the traced residuals instead.
 
 f(t) needs every rank's count: every method using the mixin learns them in its ``reduce`` (ExDyna
@@ -78,10 +79,10 @@ class SparsificationMetrics:
         stats["density_error"] = abs(stats["density"] - self.density)  # type: ignore[attr-defined]
         if "padding_overhead" not in stats:  # a method without an all-gather sets its own
             stats["padding_overhead"] = padding_overhead(stats["counts"])
-        residual = self.residual  # type: ignore[attr-defined]
-        local = 0.0 if residual is None else l2_norm(residual)
-        stats["local_error"] = local
-        if self.track_global_error:
+        if self.track_global_error:  # a pass over the residual and an exchange: only when asked for
+            residual = self.residual  # type: ignore[attr-defined]
+            local = 0.0 if residual is None else l2_norm(residual)
+            stats["local_error"] = local
             stats["global_error"] = self._global_error(local, grad.device)
         return out
 

@@ -50,7 +50,7 @@ from torch import Tensor
 from . import triton_scan
 from .base import assert_finite
 
-__all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "kernel", "available_kernels",
+__all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "above_float32", "kernel", "available_kernels",
            "use_kernel"]
 
 log = logging.getLogger(__name__)
@@ -291,6 +291,13 @@ def _sum_of_magnitudes(a: Tensor) -> float:
     return float(a.sum(dtype=torch.float64))
 
 
+def above_float32(t: float) -> float:
+    """The least float32 above ``t`` rounded to float32: for float32 magnitudes ``a``, ``a > t`` as
+    torch compares it (``t`` cast to the tensor's dtype) is ``a >= above_float32(t)``, a floor the scan
+    takes. ``t`` itself when it rounds to infinity."""
+    return float(np.nextafter(np.float32(t), np.float32(np.inf)))
+
+
 def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 4.0,
                  addend: Tensor | None = None) -> float | None:
     """A threshold with more than ``count`` elements of ``|x|`` at or above it, with high probability
@@ -402,11 +409,13 @@ class MagnitudeView:
         c = self.count(t)
         return c > m, c
 
-    def _at_or_above(self, t: float) -> ScanResult:
+    def _at_or_above(self, t: float, expected: int = 0) -> ScanResult:
         """Increasing indices into ``x`` and magnitudes of ``|x| >= t``: a scan of the candidates, or
-        of all of ``x`` when ``t`` is below the floor (the input was checked by the first scan)."""
+        of all of ``x`` when ``t`` is below the floor (the input was checked by the first scan).
+        ``expected``: how many the caller expects (sizes the scan's output; more cost a second pass)."""
         if not self._covers(t):
-            return self.scratch.scan(self.x, t, name=self.name, check_finite=False, need_total=False)
+            return self.scratch.scan(self.x, t, name=self.name, check_finite=False, need_total=False,
+                                     expected=expected)
         if self.batched and t == t:
             # on a GPU: the top of the magnitude order, one search and one sort, no scan of the candidates
             ascending, positions = self._by_magnitude()
@@ -415,14 +424,22 @@ class MagnitudeView:
             within = ScanResult(picked, self.values.index_select(0, picked), math.nan, None)
         else:
             within = self.scratch.candidates.scan(self.values, t, name=self.name, check_finite=False,
-                                                  need_total=False)
+                                                  need_total=False, expected=expected)
         if self.indices is None:
             return within
         return within._replace(indices=self.indices.index_select(0, within.indices))
 
-    def indices_ge(self, t: float) -> Tensor:
-        """Increasing indices of ``|x| >= t``."""
-        return self._at_or_above(t).indices
+    def indices_ge(self, t: float, expected: int = 0) -> Tensor:
+        """Increasing indices of ``|x| >= t`` (``expected``: their count, a guess that sizes the scan)."""
+        return self._at_or_above(t, expected).indices
+
+    def values_ge(self, t: float, expected: int = 0) -> Tensor:
+        """The magnitudes ``|x_i| >= t``, in increasing ``i`` (``expected`` as for :meth:`indices_ge`;
+        on the CPU no index is mapped back into ``x``)."""
+        if self._covers(t) and not self.batched:
+            return self.scratch.candidates.scan(self.values, t, name=self.name, check_finite=False, need_total=False,
+                                                expected=expected).values
+        return self._at_or_above(t, expected).values
 
     def indices_between(self, lo: float, hi: float) -> Tensor:
         """Increasing indices of ``lo <= |x| < hi``."""

@@ -129,10 +129,15 @@ class BinarySearch(Selector):
         self.eps = float(eps)
         self._scratch = Scratch()
 
-    def _search(self, x: Tensor, k: int) -> tuple:
-        """(indices, threshold or None when completed to exact top-k)."""
-        view = MagnitudeView(x, self._scratch, sample_floor(x, 2 * k), name=self.name,
-                             check_finite=self.check_finite, count=2 * k)
+    def _search(self, x: Tensor, k: int, addend: Tensor | None = None, dest: Tensor | None = None) -> tuple:
+        """(indices, threshold or None when completed to exact top-k); with ``addend`` the search is of
+        ``x + addend``, written to ``dest`` (default ``x``) by its first scan."""
+        view = MagnitudeView(x, self._scratch, sample_floor(x, 2 * k, addend=addend), name=self.name,
+                             check_finite=self.check_finite, count=2 * k, addend=addend, dest=dest)
+        return self._search_view(view, k)
+
+    def _search_view(self, view: MagnitudeView, k: int) -> tuple:
+        """:meth:`_search` on a view whose candidates number more than 2k (or whose floor is None)."""
         threshold = _band_search(view, k, self.eps)
         if threshold is None:
             log.debug("%s: no threshold in [k, 2k] for k=%d; exact top-k instead", self.name, k)
@@ -142,6 +147,10 @@ class BinarySearch(Selector):
     def select(self, x: Tensor, k: int) -> Tensor:
         return self._search(x, k)[0]
 
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
+        """The addition in the search's first scan (the one that gathers the candidates)."""
+        return self._search(x, k, addend, dest)[0]
+
 
 @register_selector("sampled_binary_search")
 class SampledBinarySearch(BinarySearch):
@@ -150,6 +159,8 @@ class SampledBinarySearch(BinarySearch):
     Runs :class:`BinarySearch` and reuses its threshold for the next ``interval - 1`` calls (the
     paper's empirical interval is 5), each then one pass. A reused threshold whose count leaves
     [k, 2k] (or a change of ``k`` or ``n``) triggers a new search at once, so the band always holds.
+    When it selected more than 2k, the search runs on what that pass gathered (its sum, max and the
+    elements above the reused threshold), with no pass of its own; when fewer than k, it scans again.
 
     State (``state_dict``): the threshold, the ``k`` and ``n`` it was searched for, and the number of
     calls since the search.
@@ -164,17 +175,32 @@ class SampledBinarySearch(BinarySearch):
         self.calls_since_search = 0
 
     def select(self, x: Tensor, k: int) -> Tensor:
-        threshold = self.threshold
-        if threshold is not None and self.searched_for == (k, x.numel()) and self.calls_since_search < self.interval:
-            indices = self._scratch.scan(x, threshold, name=self.name, check_finite=self.check_finite,
-                                         need_total=False, expected=2 * k).indices
-            if k <= indices.numel() <= 2 * k:
+        return self._select(x, k)
+
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
+        """The addition in the first scan: the reused threshold's, or the search's."""
+        return self._select(x, k, addend, dest)
+
+    def _select(self, x: Tensor, k: int, addend: Tensor | None = None, dest: Tensor | None = None) -> Tensor:
+        """:meth:`select` of ``x``, or with ``addend`` of ``x + addend``, written to ``dest`` (default
+        ``x``) by the first scan; a search after a reused threshold failed scans the sum."""
+        threshold, n = self.threshold, x.numel()
+        if threshold is not None and self.searched_for == (k, n) and self.calls_since_search < self.interval:
+            view = MagnitudeView(x, self._scratch, threshold, name=self.name, check_finite=self.check_finite,
+                                 count=2 * k, addend=addend, dest=dest)
+            count = view.n_candidates
+            if k <= count <= 2 * k:
                 self.calls_since_search += 1
-                return indices
-            log.debug("%s: reused threshold gave %d outside [%d, %d]; searching", self.name,
-                      indices.numel(), k, 2 * k)
-        indices, self.threshold = self._search(x, k)
-        self.searched_for = (k, x.numel())
+                assert view.indices is not None  # a view with a floor holds its candidates
+                return view.indices
+            log.debug("%s: reused threshold gave %d outside [%d, %d]; searching", self.name, count, k, 2 * k)
+            if count > 2 * k:  # the search's counts below the reused threshold are "too many": no new scan
+                indices, self.threshold = self._search_view(view, k)
+            else:  # the sum is written: search it
+                indices, self.threshold = self._search(view.x, k)
+        else:
+            indices, self.threshold = self._search(x, k, addend, dest)
+        self.searched_for = (k, n)
         self.calls_since_search = 1
         return indices
 
@@ -215,8 +241,18 @@ class MSTopK(Selector):
         self._scratch = Scratch()
 
     def select(self, x: Tensor, k: int) -> Tensor:
-        view = MagnitudeView(x, self._scratch, sample_floor(x, k), name=self.name,
-                             check_finite=self.check_finite, count=k)
+        return self._select(x, k)
+
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
+        """The addition in the scan that gathers the candidates."""
+        return self._select(x, k, addend, dest)
+
+    def _select(self, x: Tensor, k: int, addend: Tensor | None = None, dest: Tensor | None = None) -> Tensor:
+        """:meth:`select` of ``x``, or with ``addend`` of ``x + addend``, written to ``dest`` (default
+        ``x``) by the scan."""
+        view = MagnitudeView(x, self._scratch, sample_floor(x, k, addend=addend), name=self.name,
+                             check_finite=self.check_finite, count=k, addend=addend, dest=dest)
+        x = view.x
         mean, top = view.mean, view.max()
         lookahead = _Lookahead(view, mean, top)
         lo, hi = 0.0, 1.0

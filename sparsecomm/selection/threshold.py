@@ -39,9 +39,12 @@ class _ThresholdSelector(Selector):
         super().__init__(check_finite=check_finite)
         self._scratch = Scratch()
 
-    def _pick(self, x: Tensor, threshold: float) -> Tensor:
+    def _pick(self, x: Tensor, threshold: float, k: int, addend: Tensor | None = None,
+              dest: Tensor | None = None) -> Tensor:
+        """Increasing indices of ``|x| >= threshold``; the scan's output is sized for ``2 k`` (more cost a
+        second pass)."""
         return self._scratch.scan(x, threshold, name=self.name, check_finite=self.check_finite,
-                                  need_total=False).indices
+                                  need_total=False, expected=2 * k, addend=addend, dest=dest).indices
 
 
 def _check_threshold(name: str, value: Any) -> float:
@@ -64,7 +67,11 @@ class HardThreshold(_ThresholdSelector):
         self.threshold = _check_threshold("threshold", threshold)
 
     def select(self, x: Tensor, k: int) -> Tensor:
-        return self._pick(x, self.threshold)
+        return self._pick(x, self.threshold, k)
+
+    def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
+        """The addition in the selection's one scan."""
+        return self._pick(x, self.threshold, k, addend, dest)
 
 
 @register_selector("scaled_threshold")
@@ -116,7 +123,7 @@ class ScaledThreshold(_ThresholdSelector):
     def select(self, x: Tensor, k: int) -> Tensor:
         if self.threshold is None:
             self.threshold = 1.0 / (2.0 * math.sqrt(k))
-        indices = self._pick(x, self.threshold)
+        indices = self._pick(x, self.threshold, k)
         self.threshold *= self.scale_factor(indices.numel(), k)
         self.calls += 1
         return indices
@@ -138,8 +145,10 @@ _SEED_STRIDE = 1_000_003
 _ESTIMATE_PIECE = 256
 
 
-def estimate_kth_magnitude(x: Tensor, k: int, shift: int = 0) -> float:
-    """An estimate of the ``k``-th largest ``|x_i|``, from a sample holding about 1024 elements above it.
+def estimate_kth_magnitude(x: Tensor, k: int, shift: int = 0, addend: Tensor | None = None) -> float:
+    """An estimate of the ``k``-th largest ``|x_i|``, from a sample holding about 1024 elements above it
+    (of ``|x_i + addend_i|`` with ``addend``, shaped like ``x``: the sampled elements are added, the
+    same values ``x + addend`` holds once written, and nothing is written).
 
     The sample is ``x`` itself when that would take more than half of it (then the answer is exact),
     else aligned pieces of 256 contiguous elements at random places, about ``1024 n / k`` elements in all: the
@@ -160,13 +169,19 @@ def estimate_kth_magnitude(x: Tensor, k: int, shift: int = 0) -> float:
         return 0.0
     size = _ESTIMATE_HITS * n // max(k, 1)
     if 2 * size >= n:
-        sample = x.abs()
+        sample = x.abs() if addend is None else torch.add(x, addend).abs_()
     else:
-        rows = x[: n // _ESTIMATE_PIECE * _ESTIMATE_PIECE].view(-1, _ESTIMATE_PIECE)
         gen = torch.Generator().manual_seed(_SEED_STRIDE * shift + n)
-        picked = torch.randint(0, rows.shape[0], (max(1, size // _ESTIMATE_PIECE),), generator=gen)
-        sample = rows.index_select(0, picked.to(x.device)).reshape(-1).abs_()
-    sample = sample[torch.isfinite(sample)]
+        picked = torch.randint(0, n // _ESTIMATE_PIECE, (max(1, size // _ESTIMATE_PIECE),), generator=gen)
+        picked = picked.to(x.device)
+
+        def pieces(v: Tensor) -> Tensor:
+            return v[: n // _ESTIMATE_PIECE * _ESTIMATE_PIECE].view(-1, _ESTIMATE_PIECE).index_select(0, picked)
+
+        sample = pieces(x) if addend is None else pieces(x).add_(pieces(addend))
+        sample = sample.reshape(-1).abs_()
+    if not math.isfinite(float(sample.sum())):  # NaN/Inf in the sample (a finite sum: none, no mask needed)
+        sample = sample[torch.isfinite(sample)]
     if sample.numel() == 0:
         return 0.0
     rank = min(sample.numel(), max(1, round(k * sample.numel() / n)))
@@ -177,8 +192,8 @@ def cap_selection(x: Tensor, indices: Tensor, limit: int) -> Tensor:
     """The (at most) ``limit`` entries of ``indices`` with the largest ``|x|``, in their given order."""
     if indices.numel() <= limit:
         return indices
-    keep = torch.topk(x[indices].abs(), limit, sorted=False).indices
-    return indices[torch.sort(keep).values]
+    keep = torch.topk(x.index_select(0, indices).abs_(), limit, sorted=False).indices
+    return indices.index_select(0, torch.sort(keep).values)
 
 
 class ThresholdController:

@@ -60,7 +60,7 @@ class SparseChunk:
         """The entries of ``dense`` at local ``indices``, stored with global index ``offset + i``."""
         n = dense.numel() + offset if n is None else n
         idx = indices.to(index_dtype(n))
-        values = dense[indices]
+        values = dense.index_select(0, indices)  # several times faster than dense[indices] on CPU
         return cls(idx + offset if offset else idx, values)
 
     def scatter_add_(self, dense: torch.Tensor, offset: int = 0) -> torch.Tensor:
