@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch threads (default: the CPUs this process may use)")
     parser.add_argument("--selectors", nargs="+", default=None, help="names (default: all)")
-    parser.add_argument("--scans", nargs="*", default=None, choices=["avx2", "scalar", "torch"],
+    parser.add_argument("--scans", nargs="*", default=None, choices=["avx512", "avx2", "scalar", "torch"],
                         help="scan implementations timed beside the one in use (default: torch, when "
                              "the one in use is the C kernel)")
     parser.add_argument("--seed", type=int, default=0)
