@@ -26,7 +26,8 @@ def test_plan_puts_the_floor_and_baselines_first_then_every_sparse_method_at_its
     assert {r.method: r.density for r in first[4:]} == {
         m: 0.005 if method_class(m).tracks_sent else 0.01 for m in SPARSE}
     assert len(runs) == 2 * len(first)
-    assert {r.density for r in campaign.plan(["fashion"], [None], ["topka", "cltk"])} == {0.01}
+    assert {r.method: r.density for r in campaign.plan(["fashion"], [None], ["topka", "cltk"])} == \
+        {"topka": 0.005, "cltk": 0.01}
     assert {r.density for r in campaign.plan(["lstm"], [None], ["topka"], density=0.02)} == {0.02}
 
 
@@ -58,7 +59,7 @@ def test_the_campaign_workloads_train_three_epochs_and_the_demo_one():
 
 
 def test_plan_subset_and_errors_name_the_bad_value():
-    assert [r.label for r in campaign.plan(["fashion"], [None], ["ddp", "topk"])] == ["ddp", "topk@0.01"]
+    assert [r.label for r in campaign.plan(["fashion"], [None], ["ddp", "topk"])] == ["ddp", "topk@0.005"]
     with pytest.raises(ValueError, match="topkk"):
         campaign.plan(["lstm"], [None], ["topkk"])
     with pytest.raises(ValueError, match="cifar"):

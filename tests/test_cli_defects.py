@@ -70,9 +70,11 @@ def test_train_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for option, default in (("--workers", "4"), ("--density", "0.01"), ("--momentum", "0.9"),
+    for option, default in (("--workers", "4"), ("--momentum", "0.9"),
                             ("--lr-schedule", "cosine"), ("--runs-dir", "runs")):
         assert re.search(re.escape(option) + r" .*?\(default: " + re.escape(default) + r"\)", out), option
+    assert re.search(r"--density .*?default: the recipe's \(training.sparse_recipe: 0.005 for TopkA-like methods "
+                     r"on word-lstm and vgg-fc under momentum correction, else 0.01\)", out)
 
 
 def test_every_command_help_shows_defaults():

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated subset: ddp, powersgd, sparse method names (default: all)")
     parser.add_argument("--density", type=float, default=None,
                         help="density of every sparse run (default: each method's recipe density, "
-                        "training.sparse_recipe: 0.005 for TopkA-like methods on word-lstm, else 0.01)")
+                        "training.sparse_recipe: 0.005 for TopkA-like methods on word-lstm and vgg-fc, else 0.01)")
     parser.add_argument("--low-density", default="0.001",
                         help="densities for the best sparse methods after the first stage ('' for none; default 0.001)")
     parser.add_argument("--best", type=int, default=4, help="how many sparse methods run at --low-density (default 4)")

@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated (default nosync,ddp,powersgd,{','.join(DEMO_SPARSE)})")
     parser.add_argument("--density", type=float, default=None,
                         help="density of the sparse methods (default: each method's recipe density, "
-                        "training.sparse_recipe: 0.005 for TopkA on word-lstm, else 0.01)")
+                        "training.sparse_recipe: 0.005 for TopkA on word-lstm and vgg-fc, else 0.01)")
     parser.add_argument("--train-size", type=int, default=1920,
                         help="training samples (sequences or images) per run (default 1920: 60 steps at P=4)")
     parser.add_argument("--epochs", type=int, default=1, help="epochs per run (default 1)")

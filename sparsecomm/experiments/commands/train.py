@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(BASELINES)}")
     parser.add_argument("--density", type=float, default=None,
                         help="default: the recipe's (training.sparse_recipe: 0.005 for TopkA-like methods on "
-                        "word-lstm under momentum correction, else 0.01)")
+                        "word-lstm and vgg-fc under momentum correction, else 0.01)")
     parser.add_argument("--net", default=None, help="emulated network: a tc rate in bits per second such as 1gbit "
                         "or 100mbit, or NODESxLOCAL:RATE, or loopback (the default)")
     parser.add_argument("--epochs", type=int, default=None, help="default: the model's tuned value (MODEL_DEFAULTS)")
