@@ -148,6 +148,16 @@ class Method:
             self.residual = torch.zeros_like(grad)
         return self.residual
 
+    def residual_like(self, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's residual when it fits ``grad`` (shape, dtype, device), else zeros like ``grad``
+        that are not kept: what a method reads before the agreement, changing no state (unlike
+        :meth:`residual_for`, which replaces a residual that does not fit)."""
+        residual = self.residual
+        if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype \
+                or residual.device != grad.device:
+            return torch.zeros_like(grad)
+        return residual
+
     def spare_residual(self, grad: torch.Tensor) -> torch.Tensor:
         """A second buffer like ``grad`` (reused across calls) for a method that agrees in
         :meth:`reduce`: it writes ``acc = residual + grad`` there, in the selection's scan, so the
@@ -179,15 +189,16 @@ class Method:
         When the base class agreed before :meth:`reduce` (a method called on a CUDA tensor), the
         addition is made in place instead (``select(residual, grad, residual)``) and nothing is agreed
         here: the residual and the output are then the only gradient-sized buffers."""
-        residual = self.residual_for(grad)
         selected: torch.Tensor | None = None
         if self._agreed:
+            residual = self.residual_for(grad)
             with self.timer("select" if select is not None else "residual"):
                 if select is not None:
                     selected = select(residual, grad, residual)
                 else:
                     residual.add_(grad)
             return residual, selected
+        residual = self.residual_like(grad)  # not replaced before the agreement: a refused call keeps it
         acc = self.spare_residual(grad)
         nonfinite = 0
         with self.timer("select" if select is not None else "residual"):

@@ -320,6 +320,9 @@ class ExDyna(SparsificationMetrics, Method):
     # ------------------------------------------------------------------ one step
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         n, P, r = grad.numel(), self.comm.size, self.comm.rank
+        # a first call, or a new n, builds the state afresh: put back the old one if the ranks refuse
+        kept = None if self.partitions is not None and self.partitions.n == n else \
+            (self.partitions, self.partition_counts, self.scaler, self.feedback)
         self._ensure_state(n)
         assert self.partitions is not None and self.scaler is not None  # built by _ensure_state
         assert self.scaler.threshold is not None
@@ -329,7 +332,7 @@ class ExDyna(SparsificationMetrics, Method):
             estimated = self.scaler.threshold
             if self.feedback is not None and (self.initial_threshold is None or self.step > 0):
                 # from a sample of acc = residual + grad (nothing written yet)
-                estimated = estimate_kth_magnitude(self.residual_for(grad), self.feedback.target(k), self.step,
+                estimated = estimate_kth_magnitude(self.residual_like(grad), self.feedback.target(k), self.step,
                                                    addend=grad)
             partitions = self.partitions
             if self.partition_counts is not None:
@@ -341,9 +344,14 @@ class ExDyna(SparsificationMetrics, Method):
         # One fused pass (the selectors' scan kernel where built) writes acc = residual + grad, checks
         # the gradient for the agreement and gathers |acc| >= threshold over all of acc (about P times
         # this rank's share, the threshold estimating the global k-th magnitude).
-        acc, candidates = self.accumulate_and_agree(grad, layout, lambda residual, g, dest: self._scratch.scan(
-            residual, threshold, name="exdyna", check_finite=True, need_total=False,
-            expected=math.ceil(2 * k), addend=g, dest=dest).indices)
+        try:
+            acc, candidates = self.accumulate_and_agree(grad, layout, lambda residual, g, dest: self._scratch.scan(
+                residual, threshold, name="exdyna", check_finite=True, need_total=False,
+                expected=math.ceil(2 * k), addend=g, dest=dest).indices)
+        except BaseException:
+            if kept is not None:
+                self.partitions, self.partition_counts, self.scaler, self.feedback = kept
+            raise
         assert candidates is not None
         self.scaler.threshold, self.partitions = estimated, partitions
         with self.timer("select"):

@@ -287,7 +287,8 @@ class RedSync(Method):
     # ------------------------------------------------------------------ the work
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n = grad.numel()
-        specs = self._layers(n, layout)
+        plan = (self._spans, self._specs, self._selectors, dict(self._pending_selector_state))
+        specs = self._layers(n, layout)  # a new layout plans afresh: the old plan is put back if refused
         sign = 1 if self.step % 2 == 0 else -1
         picked: dict[int, Tensor] = {}
 
@@ -295,8 +296,12 @@ class RedSync(Method):
             self._accumulate(specs, residual, g, acc, picked)
             return acc[:0]
 
-        with kept_on_failure(self._selectors.values()):  # a refused or skipped call: as it was
-            acc, _ = self.accumulate_and_agree(grad, layout, accumulate)
+        try:
+            with kept_on_failure(self._selectors.values()):  # a refused or skipped call: as it was
+                acc, _ = self.accumulate_and_agree(grad, layout, accumulate)
+        except BaseException:
+            self._spans, self._specs, self._selectors, self._pending_selector_state = plan
+            raise
         with self.timer("select"):
             parts, sent = [], []
             for i, spec in enumerate(specs):
