@@ -316,12 +316,12 @@ def test_faster_range_names_where_a_method_beats_dense():
 
 
 def _split_records(P, sizes, density, select_per_element, decompress_per_byte, methods=("topka", "spardl", "dense"),
-                   agreement_round=0.0, comm_cpu=None):
+                   agreement_round=0.0):
     """Worker records whose work is ``select_per_element`` per gradient element plus
     ``decompress_per_byte`` per byte of the decompression's sweep (of the entries the rank touches:
     its k and what it receives), the latter in the method's ``time_decompress``, plus
-    ``agreement_round`` per agreement round (folded into the selection's scan), and, with ``comm_cpu``
-    (method -> seconds), that much CPU in the call's communication: the calibration must recover them."""
+    ``agreement_round`` per agreement round (folded into the selection's scan): the calibration must
+    recover them."""
     from sparsecomm.simulator.model import agreement_rounds, decompress_bytes, layout_options
 
     runs = []
@@ -337,8 +337,6 @@ def _split_records(P, sizes, density, select_per_element, decompress_per_byte, m
                          "time_select": [select_per_element * n] * 3, "time_decompress": [decompress] * 3,
                          "time_agreement": [agree] * 3, "agreement_folded": name != "dense",
                          "bytes_sent": sent})
-            if comm_cpu is not None:
-                runs[-1]["cpu"] = [work + comm_cpu[name]] * 3
     dense = [{"n": m, "rounds": cost("dense", P=P, n=m, rank=0).rounds,
               "bytes": cost("dense", P=P, n=m, rank=0).bytes_sent,
               "seconds": 2 * ALPHA + 4 * m * BETA} for m in (1_000, 1_000_000)]
@@ -383,15 +381,15 @@ def test_work_is_modelled_by_what_it_touches_selection_by_n_decompression_by_its
 
 def test_agreement_is_costed_per_round_and_the_messages_cpu_shares_the_cores():
     """The agreement (ceil(log2 P) small messages) is its own term: 1 round at P = 2, 3 at P = 6, not
-    a cost per gradient element. On a rate-limited network the communication's CPU time (per
-    message and byte, measured) is shared by the colocated workers: the messages' part (P / cores - 1)
-    x more, the bytes' part where the shared CPU outlasts the wire."""
+    a cost per gradient element. On a rate-limited network the communication's CPU time (the link's
+    CPU per message and per byte, fitted on the calibration's all-reduces, by the method's cost
+    formula at P) is shared by the colocated workers: the messages' part (P / cores - 1) x more, the
+    bytes' part where the shared CPU outlasts the wire."""
     from sparsecomm.simulator.model import agreement_rounds, comm_cpu_seconds, layout_options, shared_cpu
 
     assert [agreement_rounds(P) for P in (1, 2, 3, 4, 6, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
     density, select, per_byte, round_s = 0.01, 2e-9, 0.1e-9, 0.4e-3
-    spent = {"topka": 0.002, "spardl": 0.003, "dense": 0.004}
-    records = _split_records(2, [1_000_000], density, select, per_byte, agreement_round=round_s, comm_cpu=spent)
+    records = _split_records(2, [1_000_000], density, select, per_byte, agreement_round=round_s)
     for r, record in enumerate(records):  # CPU of the links: 300 us per message, 0.5 ns per byte moved
         for sample in record["links"]:
             sample["bytes_recv"] = cost(sample["algorithm"], P=2, n=sample["n"], rank=r).bytes_recv
@@ -405,22 +403,22 @@ def test_agreement_is_costed_per_round_and_the_messages_cpu_shares_the_cores():
     assert fit["s1"] == pytest.approx(select)  # the agreement is not in the per-element work
     at_cal = comm_cpu_seconds("topka", 2, 1_000_000, density, link, {})
     assert at_cal == pytest.approx((300e-6, 0.5e-9 * 2 * 80_000))  # 1 message, 80 KB each way
-    assert fit["comm_cpu_factor"] == pytest.approx(spent["topka"] / sum(at_cal))
     P, n = 6, 5_000_000
     layout = layout_options("topka", P, "1gbit", True)
     p6 = predict("topka", P, n, density, profile=profile)
-    without = dict(fit)
-    del without["agreement_round_s"], without["comm_cpu_factor"]
+    no_agreement = dict(fit)
+    del no_agreement["agreement_round_s"]
     legacy = predict("topka", P, n, density, profile=Profile(**{**profile.__dict__,
-                                                                 "methods": {"topka": without}}))
+                                                                 "methods": {"topka": no_agreement}}))
     assert p6.work_s - legacy.work_s == pytest.approx(3 * round_s * 3)  # 3 rounds, 6 workers on 2 cores
-    cpu6 = tuple(fit["comm_cpu_factor"] * part for part in comm_cpu_seconds("topka", P, n, density, link, layout))
-    assert cpu6[0] == pytest.approx(3 * fit["comm_cpu_factor"] * 300e-6)  # 3 messages (Bruck)
-    assert cpu6[1] == pytest.approx(25 * fit["comm_cpu_factor"] * 0.5e-9 * 2 * 80_000)  # 25x the bytes
+    cpu6 = comm_cpu_seconds("topka", P, n, density, link, layout)
+    assert cpu6[0] == pytest.approx(3 * 300e-6)  # 3 messages (Bruck)
+    assert cpu6[1] == pytest.approx(25 * 0.5e-9 * 2 * 80_000)  # 25x the bytes
     # the rounds' fixed cost no longer scales by itself: the measured CPU carries the contention
     formula = predict("topka", P, n, density, alpha=ALPHA, beta=BETA, options=layout).comm_s
-    legacy_formula = predict("topka", P, n, density, profile=Profile(**{**profile.__dict__,
-                                                                         "methods": {"topka": without}}),
+    without_cpu = {kind: {key: v for key, v in fit_.items() if not key.startswith("cpu_")}
+                   for kind, fit_ in profile.links.items()}
+    legacy_formula = predict("topka", P, n, density, profile=Profile(**{**profile.__dict__, "links": without_cpu}),
                              use_comm_factor=False)
     assert legacy_formula.comm_s == pytest.approx(formula + 2 * p6.rounds * ALPHA)
     wire = formula - p6.rounds * ALPHA
@@ -440,9 +438,9 @@ def test_split_work_fits_two_sizes_and_merged_calibrations_keep_the_timers():
     assert fit["d1"] == pytest.approx(2 / 60_000 * 1e-3) and fit["s1"] == pytest.approx(1.333e-9, rel=1e-3)
     dense = split_work([(1_000_000, 0.002)], {1_000_000: (0.0, 0.001)})
     assert dense["decompress_per"] == "element" and dense["d1"] == pytest.approx(1e-9)
-    records = _split_records(2, [100_000], 0.01, 1e-9, 1e-10, methods=("topka",), comm_cpu={"topka": 0.001})
+    records = _split_records(2, [100_000], 0.01, 1e-9, 1e-10, methods=("topka",))
     merged = merge_records(records, records)
-    for key in ("time_decompress", "time_agreement", "cpu"):
+    for key in ("time_decompress", "time_agreement"):
         assert len(merged[0]["runs"][0][key]) == 6
 
 

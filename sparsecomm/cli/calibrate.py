@@ -87,15 +87,12 @@ def _torchrun(args, methods, sizes) -> int:
 
 def _work_line(m: dict) -> str:
     """A method's fitted work: selection per gradient element, decompression per byte of its sweep
-    (per touched entry in profiles fitted before the sweep), the agreement per round and the
-    communication's CPU against the link's (where measured)."""
+    (per touched entry in profiles fitted before the sweep) and the agreement per round."""
     if "d1" in m:
         per = {"entry": "entry", "byte": "byte swept"}.get(m["decompress_per"], "elem")
         line = f"select {m['s1'] * 1e9:.2f} ns/elem, decompress {m['d1'] * 1e9:.3f} ns/{per}, "
         if "agreement_round_s" in m:
             line += f"agreement {m['agreement_round_s'] * 1e6:.0f} us/round, "
-        if "comm_cpu_factor" in m:
-            line += f"comm CPU x{m['comm_cpu_factor']:.2f} the link's, "
         return line + f"traffic x{m['traffic_factor']:.2f}"
     return f"{m['w1'] * 1e9:.2f} ns/elem, traffic x{m['traffic_factor']:.2f}"
 

@@ -267,19 +267,8 @@ class Method:
         entry's sum starts from its first value, as an assignment ``out[i] = v / divisor`` does, instead
         of from ``+0.0``). Records where it wrote for the next call and, where the merge counted them,
         ``stats.nnz_out``."""
-        out = self._call_out
-        stale: Stale = "all"
-        if out is None:
-            out = torch.empty_like(like)
-        else:
-            stale = self._stale(out)
-        self._out_support = None  # until the write succeeds
-        written, nonzero = average_into(out, indices, values, divisor, stale=stale, keep_sign=keep_sign)
-        if self._call_out is not None:
-            self._out_support = written
-        if nonzero is not None:  # else the base class counts the non-zeros of the result
-            self.stats.nnz_out = nonzero
-        return out
+        return self._write_output(like, lambda out, stale: average_into(out, indices, values, divisor, stale=stale,
+                                                                         keep_sign=keep_sign))
 
     def output_average_blocks(self, like: torch.Tensor, blocks: torch.Tensor, block_size: int, values: torch.Tensor,
                               divisor: int, *, keep_sign: bool = False) -> torch.Tensor:
@@ -289,6 +278,15 @@ class Method:
         :func:`~sparsecomm.transport.merge.average_blocks_into`, which touches only those blocks and the
         last call's groups, never building the index of every element; the same bits, records and
         ``stats.nnz_out`` as :meth:`output_average` given those indices."""
+        return self._write_output(like, lambda out, stale: average_blocks_into(
+            out, blocks, block_size, values, divisor, stale=stale, keep_sign=keep_sign))
+
+    def _write_output(self, like: torch.Tensor,
+                      write: Callable[[torch.Tensor, Stale], tuple[torch.Tensor | GroupMask, int | None]]
+                      ) -> torch.Tensor:
+        """This call's output tensor (the caller's ``out=``, else a fresh one) written by
+        ``write(out, stale)``, which zeroes ``stale`` (where ``out`` may be non-zero) and returns (where
+        it wrote, the non-zero results or ``None``); records both for the next call and the stats."""
         out = self._call_out
         stale: Stale = "all"
         if out is None:
@@ -296,11 +294,10 @@ class Method:
         else:
             stale = self._stale(out)
         self._out_support = None  # until the write succeeds
-        written, nonzero = average_blocks_into(out, blocks, block_size, values, divisor, stale=stale,
-                                               keep_sign=keep_sign)
+        written, nonzero = write(out, stale)
         if self._call_out is not None:
             self._out_support = written
-        if nonzero is not None:
+        if nonzero is not None:  # else the base class counts the non-zeros of the result
             self.stats.nnz_out = nonzero
         return out
 

@@ -13,10 +13,9 @@ Methods: each method's call at density d, its wall time minus its own ``time_com
 split by the method's own timers (:class:`~sparsecomm.methods.Stats`) into decompression
 (``time_decompress``: the received entries merged into the output, per byte of its sweep), the
 agreement (``extra["time_agreement"]``, per round) and the rest (selection, residual, compression:
-work over the n gradient elements); the call's CPU time less its work is its communication's CPU;
-the metered bytes over the formula's are its traffic factor; its ``time_comm`` over the formula's
-time under the fitted alpha and beta is its comm factor (what the formula's rounds leave out: size
-headers and separate index and value messages, per-call setup).
+work over the n gradient elements); the metered bytes over the formula's are its traffic factor;
+its ``time_comm`` over the formula's time under the fitted alpha and beta is its comm factor (what
+the formula's rounds leave out: size headers and separate index and value messages, per-call setup).
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from .model import (
     Profile,
     agreement_rounds,
     comm_contention,
-    comm_cpu_seconds,
     decompress_bytes,
     fit_work,
     layout_options,
@@ -147,27 +145,26 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
     work, result = torch.empty_like(base), torch.empty_like(base)
     on_gpu = work.is_cuda
     method = make_method(name, **options)
-    times, cpu, stats = [], [], []
+    times, stats = [], []
     for i in range(warmup + repeat):
         work.copy_(base)
         dist.barrier()
-        cpu_start, start = time.process_time(), time.perf_counter()
+        start = time.perf_counter()
         method(work, layout, out=result)
         if on_gpu:
             torch.cuda.synchronize(work.device)
         elapsed = time.perf_counter() - start
         if i >= warmup:
             times.append(elapsed)
-            cpu.append(time.process_time() - cpu_start)
             stats.append(method.stats)
     folded = bool(method.agrees_in_reduce) and work.device.type == "cpu"
     selector = getattr(getattr(method, "selector", None), "name", "")
-    return {"times": times, "cpu": cpu, "stats": stats, "agreement_folded": folded, "selector": selector}
+    return {"times": times, "stats": stats, "agreement_folded": folded, "selector": selector}
 
 
 def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, repeat: int,
                 warmup: int = 1, device: str = "cpu") -> list[dict[str, Any]]:
-    """Runs in every rank: each method's call times (wall and CPU), its timers (``time_comm``,
+    """Runs in every rank: each method's call times, its timers (``time_comm``,
     ``time_select``, ``time_decompress``, the agreement's) and bytes at each size (this rank)."""
     runs = []
     for n in sizes:
@@ -175,7 +172,7 @@ def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, re
             options = dict(MethodSpec.at_density(name, density).options)
             result = time_method_in_worker(name, options, n, repeat, warmup, device=device)
             stats = result["stats"]
-            runs.append({"method": name, "n": n, "times": result["times"], "cpu": result["cpu"],
+            runs.append({"method": name, "n": n, "times": result["times"],
                          "time_comm": [s.time_comm for s in stats],
                          "time_agreement": [s.extra.get("time_agreement", 0.0) for s in stats],
                          "agreement_folded": result["agreement_folded"], "selector": result["selector"],
@@ -253,10 +250,6 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     * selection: work less decompression and the agreement's rounds, fitted per gradient element
       (``s1``, ``s0``); calibrated at one size, ``s0`` is the fixed part of the method's selector
       (``selector_fixed``: :func:`measure_selector_fixed`, where the run names its selector);
-    * communication's CPU (where the calls' CPU time was recorded): for each rank, of the call whose
-      own work took the least wall time, the CPU time less that work, then the largest over ranks
-      (``comm_cpu_s``); over :func:`~.simulator.comm_cpu_seconds` at this P, the ``comm_cpu_factor``
-      (the method's own messages: headers, index and value messages sent apart);
     * traffic factor: metered bytes over the formula's (data-dependent counts: the measured density);
     * comm factor: comm, with ``contention`` (:func:`~.simulator.comm_contention` at this P) divided
       out, over the formula's time of the slowest rank under the fitted link (the native all-reduce's
@@ -269,7 +262,6 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     agreement: dict[str, dict[int, float]] = {}
     folded: dict[str, bool] = {}
     selectors = {run["method"]: run.get("selector", "") for run in records[0]["runs"]}
-    comm_cpu: dict[str, dict[int, tuple[float, float]]] = {}  # n -> (seconds, comm_cpu_seconds there)
     for i, run in enumerate(records[0]["runs"]):
         name, n = run["method"], run["n"]
         k = selection_count(density, n) if is_sparse(name) else 0
@@ -287,13 +279,6 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
             # wait for it is imbalance of the work before, which stays with that work)
             agreement.setdefault(name, {})[n] = min(work, min(min(r["runs"][i]["time_agreement"]) for r in records))
             folded[name] = bool(run.get("agreement_folded"))
-        if "cpu" in run and "cpu_round_s" in link:
-            # per rank the call whose own work took the least wall time (the least disturbed: its work's
-            # wall time is its CPU time), its CPU time less that work
-            least = [min((t - c, cpu) for t, c, cpu in zip(r["runs"][i]["times"], r["runs"][i]["time_comm"],
-                                                           r["runs"][i]["cpu"], strict=True)) for r in records]
-            spent = max(max(0.0, cpu - own_work) for own_work, cpu in least)
-            comm_cpu.setdefault(name, {})[n] = (spent, sum(comm_cpu_seconds(name, P, n, density, link, layout)))
         comm = (total - work) / contention
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
         costs = [cost(name, P=P, n=n, k=k, rank=r, density=density, **layout) for r in range(P)]
@@ -328,10 +313,6 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
                                         None if round_s is None else {n: round_s * rounds for n, *_ in samples},
                                         unit="byte" if device == "cpu" else "entry",
                                         fixed=(selector_fixed or {}).get(selectors.get(name, ""), 0.0)))
-        if name in comm_cpu:
-            out[name]["comm_cpu_s"] = {str(n): spent for n, (spent, _) in comm_cpu[name].items()}
-            out[name]["comm_cpu_factor"] = statistics.mean(spent / formula if formula > 0 else 1.0
-                                                          for spent, formula in comm_cpu[name].values())
     return out
 
 
@@ -435,7 +416,7 @@ def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, n
 
 
 #: a method run's per-call lists besides ``times`` and ``time_comm`` (older calibrations lack some)
-_PER_CALL = ("time_select", "time_decompress", "time_agreement", "cpu")
+_PER_CALL = ("time_select", "time_decompress", "time_agreement")
 
 
 def merge_records(first: Sequence[dict[str, Any]], second: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -53,8 +53,11 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   message, the copies of the bytes, waking the peer), which P colocated processes share on any
   network, emulated rates included. On a rate-limited network, where the calibration recorded the
   calls' CPU time, ``cpu_comm(P, n)`` is that CPU time at (P, n): the link's fitted CPU per message
-  and per byte moved (:func:`comm_cpu_seconds`) times the method's ``comm_cpu_factor`` (its measured
-  communication CPU at P_cal over that figure there). :func:`shared_cpu` adds what the contention
+  and per byte moved (:func:`comm_cpu_seconds`, by the method's cost formula). A per-method factor
+  (the call's CPU less its own work at P_cal, over that figure) was tried and dropped: a ratio of a
+  few milliseconds of process CPU time (gloo's threads included) to a fraction of one, it swung 6x
+  between calibrations of one quiet hour and over-predicted the held-out point by up to 261%
+  (docs/simulator.md). :func:`shared_cpu` adds what the contention
   makes of it: ``(c_r - 1)`` times the per-message part (on the call's path), and of the per-byte
   part (spread over the transfer) only what ``c_r`` times it takes beyond the wire time; the rounds
   keep their time (``c_s = 1``). Otherwise (loopback, where ``link_contention`` already
@@ -373,9 +376,8 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
             if not given:
                 contention_rounds = contention / calib_contention
                 link = profile._link()
-                if share and tc_rate(profile.net) and "comm_cpu_factor" in calib and "cpu_round_s" in link:
-                    per_message, per_byte = comm_cpu_seconds(name, P, n, density, link, options)
-                    comm_cpu = (calib["comm_cpu_factor"] * per_message, calib["comm_cpu_factor"] * per_byte)
+                if share and tc_rate(profile.net) and "cpu_round_s" in link:
+                    comm_cpu = comm_cpu_seconds(name, P, n, density, link, options)
                 if contention_rounds > 1:
                     rests.append(f"rounds' CPU cost {contention_rounds:g}x (P workers on {profile.cores} cores"
                                  + ("; the messages' CPU measured per message and byte)" if comm_cpu is not None

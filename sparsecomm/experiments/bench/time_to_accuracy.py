@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 
 from ...cli.table import markdown_table
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     if not records:
         print(f"no finished runs under {args.out}")
         return 1
-    command = "sparsecomm bench time_to_accuracy " + " ".join(sys.argv[3:])
+    command = "sparsecomm bench time_to_accuracy " + shlex.join(sys.argv[3:])  # quoted: --low-density "" shows
     paths = campaign.write_campaign_report(records, args.report or f"{args.out}/report", command=command.strip())
     print(markdown_table(paths["rows"]))
     print(f"\nreport: {paths['markdown']}")
