@@ -15,13 +15,14 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
 from ..core.registry import Registry
 from ..core.validate import check_fraction
 from ..selection import NonFiniteInputError
+from ..selection.base import Selector
 from ..selection.scan import Scratch
 from ..transport.comm import Communicator
 from ..transport.deadline import ProtocolBroken, explain_timeout, is_peer_failure, report_failure
@@ -143,20 +144,16 @@ class Method:
 
     def residual_for(self, grad: torch.Tensor) -> torch.Tensor:
         """This rank's residual, created as zeros like ``grad`` on first use (or when n changes)."""
-        if self.residual is None or self.residual.shape != grad.shape or self.residual.dtype != grad.dtype \
-                or self.residual.device != grad.device:
+        if not _fits(self.residual, grad):
             self.residual = torch.zeros_like(grad)
+        assert self.residual is not None
         return self.residual
 
     def residual_like(self, grad: torch.Tensor) -> torch.Tensor:
         """This rank's residual when it fits ``grad`` (shape, dtype, device), else zeros like ``grad``
         that are not kept: what a method reads before the agreement, changing no state (unlike
         :meth:`residual_for`, which replaces a residual that does not fit)."""
-        residual = self.residual
-        if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype \
-                or residual.device != grad.device:
-            return torch.zeros_like(grad)
-        return residual
+        return self.residual if _fits(self.residual, grad) else torch.zeros_like(grad)
 
     def spare_residual(self, grad: torch.Tensor) -> torch.Tensor:
         """A second buffer like ``grad`` (reused across calls) for a method that agrees in
@@ -165,7 +162,7 @@ class Method:
         :meth:`commit_residual` makes it the residual. Error feedback then keeps two length-n buffers
         instead of one (docs/memory.md)."""
         spare = self._spare
-        if spare is None or spare.shape != grad.shape or spare.dtype != grad.dtype or spare.device != grad.device \
+        if not _fits(spare, grad) \
                 or (self.residual is not None and spare.data_ptr() == self.residual.data_ptr()):
             self._spare = spare = torch.empty_like(grad)
         return spare
@@ -214,6 +211,15 @@ class Method:
                 nonfinite = max(1, count_nonfinite(grad))
         self.agree(grad, layout, nonfinite)
         self.commit_residual(acc)
+        return acc, selected
+
+    def accumulate_select_and_agree(self, grad: torch.Tensor, layout: Layout, selector: Selector,
+                                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`accumulate_and_agree` with ``selector``'s fused scan picking ``k`` entries
+        (:meth:`~sparsecomm.selection.base.Selector.accumulate`): returns (``acc``, the selected indices)."""
+        acc, selected = self.accumulate_and_agree(
+            grad, layout, lambda residual, g, dest: selector.accumulate(residual, g, k, dest=dest))
+        assert selected is not None
         return acc, selected
 
     def commit_residual(self, acc: torch.Tensor) -> None:
@@ -499,6 +505,12 @@ class Method:
     def __repr__(self) -> str:
         dens = "" if self.density is None else f", density={self.density:g}"
         return f"{type(self).__name__}(P={self.comm.size}{dens})"
+
+
+def _fits(buffer: torch.Tensor | None, like: torch.Tensor) -> TypeGuard[torch.Tensor]:
+    """Whether ``buffer`` can stand for a tensor like ``like``: same shape, dtype and device."""
+    return buffer is not None and buffer.shape == like.shape and buffer.dtype == like.dtype \
+        and buffer.device == like.device
 
 
 class _SkippedCall(Exception):

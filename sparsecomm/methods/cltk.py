@@ -94,13 +94,12 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
         n, P, r = grad.numel(), self.comm.size, self.comm.rank
         k = self.k(n)
         leader = self.step % P
-        # acc = grad + residual, in the leader's selection scan; the agreement follows it
-        acc, selected = self.accumulate_and_agree(
-            grad, layout, (lambda residual, g, dest: self.selector.accumulate(residual, g, k, dest=dest))
-            if r == leader else None)
-        if selected is not None:
+        # acc = grad + residual, in the leader's selection scan (the plain scan elsewhere); the agreement follows it
+        if r == leader:
+            acc, selected = self.accumulate_select_and_agree(grad, layout, self.selector, k)
             indices = ascending(selected).to(index_dtype(n))
         else:
+            acc, _ = self.accumulate_and_agree(grad, layout)
             indices = torch.empty(k, dtype=index_dtype(n), device=grad.device)
         with self.timer("comm"):
             binomial_broadcast(self.comm, indices, leader)

@@ -69,9 +69,7 @@ class GlobalTopk(Method):
         k = self.k(n)
         # acc = residual + grad, written inside the selector's scan, which also tells the agreement
         # whether grad is finite; acc is the residual from here on
-        acc, local_idx = self.accumulate_and_agree(
-            grad, layout, lambda residual, g, dest: self.selector.accumulate(residual, g, k, dest=dest))
-        assert local_idx is not None
+        acc, local_idx = self.accumulate_select_and_agree(grad, layout, self.selector, k)
         with self.timer("select"):
             held = SparseChunk.gather(acc, local_idx)
         with self.timer("residual"):

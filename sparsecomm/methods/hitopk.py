@@ -118,9 +118,7 @@ class HiTopKComm(SelectorStateMixin, Method):
         k = self.k(size)
         if self.node.size == 1:  # the whole gradient is this rank's shard
             with kept_on_failure([self.selector]):
-                acc, selected = self.accumulate_and_agree(
-                    grad, layout, lambda residual, g, dest: self.selector.accumulate(residual, g, k, dest=dest))
-            assert selected is not None
+                acc, selected = self.accumulate_select_and_agree(grad, layout, self.selector, k)
             with self.timer("select"):
                 idx = ascending(selected)
         else:

@@ -153,11 +153,7 @@ class SelectAllGather(SelectorStateMixin, Method):
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n = grad.numel()
         if self.agrees_in_reduce:
-            k = self.k(n)
-            acc, selected = self.accumulate_and_agree(
-                grad, layout, lambda residual, g, dest: self.selector.accumulate(residual, g, k, dest=dest))
-            assert selected is not None
-            idx = selected
+            acc, idx = self.accumulate_select_and_agree(grad, layout, self.selector, self.k(n))
         else:
             with self.timer("select"):
                 acc = self.residual_for(grad)       # acc is self.residual, updated in place

@@ -82,9 +82,7 @@ class TopkDSA(Method):
         k = self.k(n)
         # acc = residual + grad, written inside the selector's scan, which also tells the agreement
         # whether grad is finite; acc is the residual from here on
-        acc, idx = self.accumulate_and_agree(
-            grad, layout, lambda residual, g, dest: self.selector.accumulate(residual, g, k, dest=dest))
-        assert idx is not None
+        acc, idx = self.accumulate_select_and_agree(grad, layout, self.selector, k)
         with self.timer("select"):
             stream = Stream.sparse(n, idx, acc[idx])
         with self.timer("residual"):

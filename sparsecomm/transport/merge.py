@@ -140,6 +140,18 @@ def clear(out: Tensor, stale: Stale) -> None:
         out.zero_()
 
 
+def _mask_for_sweep(out: Tensor, stale: Stale) -> tuple[GroupMask, int]:
+    """The :class:`GroupMask` the C sweep rewrites for ``out`` and the sweep's mode for ``stale``: 1 to
+    zero the groups marked in that mask (``stale`` itself, for this ``out``), 2 to zero everything not
+    written (``stale`` anywhere: ``"all"`` or another output's mask), 0 when nothing is stale. An index
+    tensor is zeroed here first (mode 0)."""
+    mask = stale if isinstance(stale, GroupMask) and stale.n == out.numel() else GroupMask(out.numel())
+    if isinstance(stale, Tensor):
+        clear(out, stale)
+        return mask, 0
+    return mask, 1 if mask is stale else 2 if stale is not None else 0
+
+
 def average_into(out: Tensor, indices: Sequence[Tensor], values: Sequence[Tensor], divisor: int, *,
                  stale: Stale = None, keep_sign: bool = False) -> tuple[Tensor | GroupMask, int | None]:
     """Make ``out`` the average of the chunks: ``out[i] = (start + the chunks' values at i, in chunk
@@ -158,10 +170,7 @@ def average_into(out: Tensor, indices: Sequence[Tensor], values: Sequence[Tensor
     """
     n = out.numel()
     if out.is_contiguous() and out.device.type == "cpu" and _mergeable(indices, values, out.dtype):
-        mask = stale if isinstance(stale, GroupMask) and stale.n == n else GroupMask(n)
-        if isinstance(stale, Tensor):
-            clear(out, stale)
-        mode = 1 if mask is stale else 2 if stale is not None and not isinstance(stale, Tensor) else 0
+        mask, mode = _mask_for_sweep(out, stale)
         status, nonzero = _compiled.merge_average(*_pointers(indices, values), indices[0].dtype == torch.int64,
                                                   out.dtype == torch.float64, out.data_ptr(), n, float(divisor),
                                                   keep_sign, mask.words.data_ptr(), mode)
@@ -194,10 +203,7 @@ def average_blocks_into(out: Tensor, blocks: Tensor, block_size: int, values: Te
     if (_compiled is not None and out.is_contiguous() and out.device.type == "cpu" and out.dtype in _VALUE_TYPES
             and values.dtype == out.dtype and values.device.type == "cpu" and values.is_contiguous()
             and blocks.device.type == "cpu" and blocks.dtype in _INDEX_TYPES and blocks.is_contiguous()):
-        mask = stale if isinstance(stale, GroupMask) and stale.n == n else GroupMask(n)
-        if isinstance(stale, Tensor):
-            clear(out, stale)
-        mode = 1 if mask is stale else 2 if stale is not None and not isinstance(stale, Tensor) else 0
+        mask, mode = _mask_for_sweep(out, stale)
         status, nonzero = _compiled.average_blocks(blocks.data_ptr(), blocks.numel(), blocks.dtype == torch.int64,
                                                    block_size, values.data_ptr(), out.dtype == torch.float64,
                                                    out.data_ptr(), n, float(divisor), keep_sign,
