@@ -541,3 +541,31 @@ def test_on_an_emulated_rate_a_formula_over_estimate_is_the_buckets_burst_a_fixe
     assert predict("topka", 2, 1_000_000, density, profile=profile).comm_s == pytest.approx(measured)
     assert predict("topka", 6, 5_000_000, density, profile=profile).comm_s == pytest.approx(
         factor * 3 * (p6.rounds * ALPHA + formula[6].bytes_sent * BETA))
+
+
+def test_simvalidate_merges_a_new_calibration_into_the_last_one(tmp_path, monkeypatch):
+    """Each validation run adds one calibration to the profile the earlier runs made (the least over all
+    their calls), so calibration and measurement sample the same period: a profile of the current
+    calibration is kept, not calibrated afresh."""
+    import argparse
+
+    from sparsecomm.experiments.bench import simvalidate
+    from sparsecomm.simulator import calibration
+
+    made = []
+
+    def fake_calibrate(P, methods, sizes, density, **_):
+        made.append(P)
+        return profile_from_records(_split_records(P, sizes, density, 1e-9, 1e-10, methods=tuple(methods)),
+                                    density=density, net="1gbit", device="cpu", cores=2, colocated=True,
+                                    selectors={}, recv_element_s=0.0,
+                                    meta={"P": P, "sizes": list(sizes), "when": f"call {len(made)}"})
+
+    monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
+    args = argparse.Namespace(calibrate_repeat=None, repeat=5, calibrate_workers=2, density=0.01, timeout=60.0,
+                              profile_dir=str(tmp_path))
+    first, _ = simvalidate._profile_for("1gbit", args, ["topka"], [1_000_000], rounds=1)
+    second, _ = simvalidate._profile_for("1gbit", args, ["topka"], [1_000_000], rounds=2)
+    assert len(made) == 2 and first.meta["calibrations"] == 1 and second.meta["calibrations"] == 2
+    assert second.meta["when"] == "call 1 .. call 2"
+    assert len(second.records[0]["runs"][0]["times"]) == 2 * len(first.records[0]["runs"][0]["times"])

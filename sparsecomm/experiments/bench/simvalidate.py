@@ -89,7 +89,7 @@ def calibration_sizes(text: str | None, sizes: list[int]) -> list[int]:
 
 
 #: what a method run of the calibration must have recorded for the current model
-_TIMED = ("time_decompress", "time_agreement", "cpu")
+_TIMED = ("time_decompress", "time_agreement")
 
 
 def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
@@ -104,8 +104,8 @@ def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
                                      f"-P{args.calibrate_workers}-r{repeat}.json")
     profile = Profile.load(path) if path.exists() else None
     if profile is not None and not all(key in run for run in profile.records[0]["runs"] for key in _TIMED):
-        log.warning("%s was calibrated before decompression, the agreement and the calls' CPU time were "
-                    "recorded: calibrating afresh", path)
+        log.warning("%s was calibrated before decompression and the agreement were timed apart: calibrating "
+                    "afresh", path)
         profile = None
     done = 0 if profile is None else int(profile.meta.get("calibrations", 1))
     while profile is None or done < rounds:
