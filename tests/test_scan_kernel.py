@@ -267,3 +267,30 @@ def test_threshold_selectors_fuse_the_addition_bit_for_bit_over_calls(kernel, na
             assert torch.equal(dest, added) and torch.equal(got, expected)
             assert repr(fused.state_dict()) == repr(plain.state_dict())
             residual = dest.index_fill_(0, got, 0)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 5000), share=st.floats(0.0, 1.0), seed=st.integers(0, 2 ** 16), offset=st.integers(0, 3))
+def test_take_and_clear_takes_the_values_and_leaves_zeros(kernel, n, share, seed, offset):
+    """take_and_clear (the message's values out of acc, the residual left) equals index_select then
+    index_fill_, on the kernel and on torch, for indices in any order and for a view of a larger vector."""
+    gen = torch.Generator().manual_seed(seed)
+    whole = torch.randn(n + offset, generator=gen)
+    whole[torch.randperm(n + offset, generator=gen)[: (n + offset) // 7]] = 0.0  # zeros among the values
+    x = whole[offset:]
+    indices = torch.randperm(n, generator=gen)[: int(share * n)]
+    expected_values, expected_x = x[indices].clone(), x.clone()
+    expected_x[indices] = 0.0
+    with scan.use_kernel(kernel):
+        values = scan.take_and_clear(x, indices)
+    assert torch.equal(values, expected_values)
+    assert torch.equal(x, expected_x)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_take_and_clear_refuses_an_index_outside_and_writes_nothing(kernel):
+    x = torch.arange(1.0, 11.0)
+    with scan.use_kernel(kernel), pytest.raises(IndexError):
+        scan.take_and_clear(x, torch.tensor([2, 10]))
+    assert torch.equal(x, torch.arange(1.0, 11.0))

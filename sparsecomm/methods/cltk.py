@@ -23,6 +23,7 @@ import torch
 from ..core.cost import Cost, register_cost
 from ..selection import make as make_selector
 from ..selection.metrics import SparsificationMetrics
+from ..selection.scan import take_and_clear
 from ..transport.chunk import index_dtype
 from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator
@@ -103,12 +104,13 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
             indices = torch.empty(k, dtype=index_dtype(n), device=grad.device)
         with self.timer("comm"):
             binomial_broadcast(self.comm, indices, leader)
-            chosen = indices.long()
-            summed = allreduce(self.comm, acc[chosen], self.allreduce)
+        chosen = indices.long()
+        with self.timer("residual"):
+            taken = take_and_clear(acc, chosen)  # acc keeps the rest
+        with self.timer("comm"):
+            summed = allreduce(self.comm, taken, self.allreduce)
         with self.timer("decompress"):
             out = self.output_average(grad, [chosen], [summed], P, keep_sign=True)  # summed / P, 0 elsewhere
-        with self.timer("residual"):
-            acc.index_fill_(0, chosen, 0)
         self.stats.update(selected=k if r == leader else 0, nnz_out=k, leader=leader,
                           counts=[k if q == leader else 0 for q in range(P)], padding_overhead=1.0)
         return out

@@ -81,7 +81,7 @@ import torch
 from ..core.cost import Cost, chunk_sizes, register_cost
 from ..core.validate import check_int
 from ..selection.metrics import SparsificationMetrics
-from ..selection.scan import Scratch
+from ..selection.scan import Scratch, take_and_clear
 from ..selection.threshold import (
     ScaledThreshold,
     ThresholdController,
@@ -372,11 +372,12 @@ class ExDyna(SparsificationMetrics, Method):
             union = torch.cat([gathered[owner[p]] for p in range(P)]).long()
             counts = [int(g.numel()) for g in gathered]
             total = len(union)
-            summed = allreduce(self.comm, acc.index_select(0, union), self.allreduce) if total else acc[:0].clone()
+        with self.timer("residual"):
+            taken = take_and_clear(acc, union)  # the partitions are disjoint: distinct indices; acc keeps the rest
+        with self.timer("comm"):
+            summed = allreduce(self.comm, taken, self.allreduce) if total else taken
         with self.timer("decompress"):
             out = self.output_average(grad, [union], [summed], P, keep_sign=True)  # summed / P, 0 elsewhere
-        with self.timer("residual"):
-            acc.index_fill_(0, union, 0)
         self.partition_counts = [counts[owner[p]] for p in range(P)]
         if self.feedback is not None:
             self.feedback.update(total, k)

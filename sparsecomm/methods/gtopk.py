@@ -27,6 +27,7 @@ import torch
 
 from ..core.cost import Cost, register_cost
 from ..selection import make as make_selector
+from ..selection.scan import take_and_clear
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype
 from .base import Layout, Method, register_method
 
@@ -70,10 +71,8 @@ class GlobalTopk(Method):
         # acc = residual + grad, written inside the selector's scan, which also tells the agreement
         # whether grad is finite; acc is the residual from here on
         acc, local_idx = self.accumulate_select_and_agree(grad, layout, self.selector, k)
-        with self.timer("select"):
-            held = SparseChunk.gather(acc, local_idx)
         with self.timer("residual"):
-            acc.index_fill_(0, local_idx, 0)           # residual = acc minus what is sent
+            held = SparseChunk(local_idx.to(index_dtype(n)), take_and_clear(acc, local_idx))  # acc keeps the rest
         self.stats["selected"] = k
         current: SparseChunk | None = held          # None once this rank handed its chunk to its parent
         for role, peer in tree_schedule(comm.size, comm.rank):

@@ -58,7 +58,8 @@ from torch import Tensor
 
 from ..core.cost import Cost, chunk_offsets, chunk_sizes, register_collective_cost, register_cost
 from ..selection import make as make_selector
-from ..transport.chunk import SparseChunk, add_chunks, pair_bytes
+from ..selection.scan import take_and_clear
+from ..transport.chunk import SparseChunk, add_chunks, index_dtype, pair_bytes
 from ..transport.collectives import ring_reduce_scatter
 from ..transport.comm import Communicator
 from ..transport.merge import ascending
@@ -127,10 +128,8 @@ class HiTopKComm(SelectorStateMixin, Method):
             acc = self.residual_for(grad)[start:start + size]   # a view: the residual is updated in place
             with self.timer("select"):
                 idx = ascending(self.selector.accumulate(acc, shard, k))  # acc += shard in the scan
-        with self.timer("select"):
-            mine = SparseChunk.gather(acc, idx, offset=start, n=n)
         with self.timer("residual"):
-            acc.index_fill_(0, idx, 0)
+            mine = SparseChunk(idx.to(index_dtype(n)) + start, take_and_clear(acc, idx))  # acc keeps the rest
         self.stats["selected"] = idx.numel()
         with self.timer("comm"):
             across = allgather_chunks(self.cross, mine)

@@ -42,6 +42,7 @@ from torch import Tensor
 from ..core.cost import Cost, ceil_log2, register_cost
 from ..selection import current_name as current_selector_name
 from ..selection import make as make_selector
+from ..selection.scan import take_and_clear
 from ..transport.chunk import index_dtype
 from ..transport.comm import Communicator
 from ..transport.merge import ascending
@@ -273,8 +274,7 @@ class RedSync(Method):
         k = self.k(spec.numel)
         if not spec.quantized:
             idx = ascending(self._selectors[i](x, k) if picked is None else picked)  # sorted: the receivers merge
-            part = LayerPart(idx + spec.offset, x.index_select(0, idx))
-            x.index_fill_(0, idx, 0)
+            part = LayerPart(idx + spec.offset, take_and_clear(x, idx))  # x keeps the rest
             return part, idx
         signed = x * sign
         idx = ascending(self._selectors[i](signed.clamp_(min=0), k))

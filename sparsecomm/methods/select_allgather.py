@@ -39,8 +39,9 @@ from torch import Tensor
 
 from ..core.cost import Cost
 from ..selection import make as make_selector
+from ..selection.scan import take_and_clear
 from ..selection.threshold import cap_selection
-from ..transport.chunk import SparseChunk, pair_bytes
+from ..transport.chunk import SparseChunk, index_dtype, pair_bytes
 from ..transport.comm import Communicator
 from ..transport.merge import ascending
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_cost
@@ -165,9 +166,8 @@ class SelectAllGather(SelectorStateMixin, Method):
             if limit is not None and picked > limit:
                 idx = cap_selection(acc, idx, limit)  # the rest stays in the residual
             idx = ascending(idx)  # sorted: the receivers merge the messages
-            chunk = SparseChunk.gather(acc, idx, n=n)
         with self.timer("residual"):
-            acc.index_fill_(0, idx, 0)  # what was not sent stays
+            chunk = SparseChunk(idx.to(index_dtype(n)), take_and_clear(acc, idx))  # what was not sent stays
         self.last_sent = idx
         self.stats.update(selected=idx.numel(), capped=int(picked > idx.numel()), cut=picked - idx.numel())
         counts = self._known_counts(n)

@@ -36,6 +36,7 @@ from torch import Tensor
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_choice
 from ..selection import make as make_selector
+from ..selection.scan import take_and_clear
 from ..transport.comm import Communicator
 from ..transport.sparse_stream import Stream, dense_switch_count, dsa_allreduce, dsa_cost, split_allreduce, split_cost
 from .base import Layout, Method, register_method
@@ -83,10 +84,8 @@ class TopkDSA(Method):
         # acc = residual + grad, written inside the selector's scan, which also tells the agreement
         # whether grad is finite; acc is the residual from here on
         acc, idx = self.accumulate_select_and_agree(grad, layout, self.selector, k)
-        with self.timer("select"):
-            stream = Stream.sparse(n, idx, acc[idx])
         with self.timer("residual"):
-            acc.index_fill_(0, idx, 0)                    # what stays: acc minus what is sent
+            stream = Stream.sparse(n, idx, take_and_clear(acc, idx))  # what stays: acc minus what is sent
         self.last_sent = idx
         self.stats.selected = k
         variant = resolve_algorithm(self.algorithm, P, n, k, grad.element_size())

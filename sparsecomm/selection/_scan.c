@@ -47,7 +47,12 @@
  * and the tie rule of scan.py's largest_in_order, without sorting. NaN or a negative value makes it
  * decline (the caller then uses torch).
  *
- * Both run on the calling thread with the GIL released: a second thread was measured to gain nothing
+ * take_and_clear: values[j] = x[idx[j]] and then x[idx[j]] = 0 for the selected indices: the sent
+ * message's values taken out of acc = residual + grad, which leaves the residual (error feedback).
+ * One visit of each touched cache line (torch's index_select and index_fill_ visit each twice), the
+ * lines fetched some entries ahead; at 1% of a 100 MB vector it halves the time of the two.
+ *
+ * They run on the calling thread with the GIL released: a second thread was measured to gain nothing
  * when the scan follows a torch operation (as it does in training), because torch's idle OpenMP
  * workers spin on the other cores. The Python side (scan.py) validates every pointer and size.
  */
@@ -558,6 +563,36 @@ static PyObject *select_largest(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong((long long)p.written);
 }
 
+/* take_and_clear(x_ptr, n, idx_ptr, count, out_ptr) -> int: out[j] = x[idx[j]], then x[idx[j]] = 0, for
+ * float32 x of n elements and count int64 indices (any order; a repeated index takes 0 the second
+ * time). Returns 0, or -1 without writing anything when an index lies outside [0, n). */
+#define TAKE_AHEAD 16
+static PyObject *take_and_clear(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x_ptr, idx_ptr, out_ptr;
+    long long n, count;
+    if (!PyArg_ParseTuple(args, "KLKLK", &x_ptr, &n, &idx_ptr, &count, &out_ptr)) return NULL;
+    if (n < 0 || count < 0) {
+        PyErr_Format(PyExc_ValueError, "take_and_clear: needs n >= 0 and count >= 0, got n=%lld count=%lld", n,
+                     count);
+        return NULL;
+    }
+    float *x = (float *)(uintptr_t)x_ptr, *out = (float *)(uintptr_t)out_ptr;
+    const int64_t *idx = (const int64_t *)(uintptr_t)idx_ptr;
+    int inside = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t j = 0; j < count; j++) inside &= (uint64_t)idx[j] < (uint64_t)n;
+    if (inside)
+        for (int64_t j = 0; j < count; j++) {
+            if (j + TAKE_AHEAD < count) __builtin_prefetch(x + idx[j + TAKE_AHEAD], 1, 3);
+            float *at = x + idx[j];
+            out[j] = *at;
+            *at = 0.0f;
+        }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(inside ? 0 : -1);
+}
+
 static PyMethodDef methods[] = {
     {"scan_ge", scan_ge, METH_VARARGS,
      "scan_ge(x_ptr, n, floor, idx_ptr, val_ptr, cap, variant, add_ptr=0, dest_ptr=0) -> (count, sum, max): one "
@@ -570,6 +605,9 @@ static PyMethodDef methods[] = {
      "select_largest(idx_ptr, val_ptr, count, k, out_ptr, variant) -> int: out[0:k] = the int64 idx entries of "
      "the k largest float32 values, in idx order, the first ones among ties with the k-th; returns k, or -1 "
      "when a value is NaN or negative (see scan.largest_in_order)."},
+    {"take_and_clear", take_and_clear, METH_VARARGS,
+     "take_and_clear(x_ptr, n, idx_ptr, count, out_ptr) -> int: out[j] = x[idx[j]], then x[idx[j]] = 0 (float32 x, "
+     "int64 idx); 0, or -1 (nothing written) when an index lies outside [0, n) (see scan.take_and_clear)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,

@@ -51,7 +51,7 @@ from . import triton_scan
 from .base import assert_finite
 
 __all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "above_float32", "kernel", "available_kernels",
-           "use_kernel"]
+           "use_kernel", "take_and_clear"]
 
 log = logging.getLogger(__name__)
 
@@ -456,6 +456,26 @@ class MagnitudeView:
             return largest_in_order(self.indices, self.values, k)
         above = self._at_or_above(t)
         return largest_in_order(above.indices, above.values, k)
+
+
+def take_and_clear(x: Tensor, indices: Tensor) -> Tensor:
+    """``x[indices]`` (a fresh tensor), then ``x[indices] = 0``: a message's values taken out of
+    ``acc = residual + grad``, which leaves the residual of error feedback. ``indices``: int64, distinct
+    (as a selection returns them), any order.
+
+    Where the compiled kernel is in use (float32 ``x`` on the CPU) one C loop visits each touched cache
+    line once (``_scan.take_and_clear``); else ``index_select`` and ``index_fill_``, with the same
+    result."""
+    if _compiled_applies(x, torch.float32) and indices.dtype == torch.int64 and indices.device.type == "cpu" \
+            and indices.is_contiguous():
+        values = torch.empty(indices.numel(), dtype=x.dtype)
+        if _compiled.take_and_clear(x.data_ptr(), x.numel(), indices.data_ptr(), indices.numel(),
+                                    values.data_ptr()) != 0:
+            raise IndexError(f"take_and_clear: an index lies outside the {x.numel()} elements of x")
+        return values
+    values = x.index_select(0, indices)
+    x.index_fill_(0, indices, 0)
+    return values
 
 
 def largest_in_order(indices: Tensor, values: Tensor, k: int) -> Tensor:

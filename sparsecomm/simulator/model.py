@@ -86,6 +86,7 @@ from typing import Any
 from ..core.cost import METHOD_COSTS, fit_alpha_beta
 from ..methods import available_methods, cost, is_sparse
 from ..methods.base import selection_count
+from ..transport.merge import IN_PLACE_SHARE
 
 __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", "UnknownMethodError",
            "fit_work", "comm_contention", "layout_options", "PROFILE_VERSION", "speedup_table", "crossover",
@@ -237,17 +238,18 @@ def decompress_bytes(name: str, P: int, n: int, k: int, density: float, options:
     :func:`~sparsecomm.transport.merge.average_into` over the output, for the ``m``
     :func:`touched_entries`: the pairs read once (``m`` x 8 bytes, 12 past 2^31 elements), and the
     output's cache lines (16 float32 elements, 64 bytes): with ``m`` entries spread over ``n``, a share
-    ``1 - exp(-16 m / n)`` of the lines is touched; a block with more than a third of its lines touched
-    is streamed out whole (each line written once), a sparser one has its touched lines read and
-    written in place (the cut-over's own break-even: a touched line costs about three streamed ones).
-    Output: ``4 n x min(1, 3 x share)`` bytes, at most one write of the output however many entries
-    arrive. 0 for a dense method."""
+    ``1 - exp(-16 m / n)`` of the lines is touched; a block with more than
+    :data:`~sparsecomm.transport.merge.IN_PLACE_SHARE` (1/6) of its lines touched is streamed out whole
+    (each line written once), a sparser one has its touched lines read and written in place (the
+    cut-over's own break-even: a touched line costs about six streamed ones). Output:
+    ``4 n x min(1, share / IN_PLACE_SHARE)`` bytes, at most one write of the output however many
+    entries arrive. 0 for a dense method."""
     m = touched_entries(name, P, n, k, density, options)
     if m <= 0 or n <= 0:
         return 0.0
     pair = 8 if n < 2 ** 31 else 12
     touched_share = 1.0 - math.exp(-16.0 * m / n)
-    return pair * m + 4.0 * n * min(1.0, 3.0 * touched_share)
+    return pair * m + 4.0 * n * min(1.0, touched_share / IN_PLACE_SHARE)
 
 
 def comm_cpu_seconds(name: str, P: int, n: int, density: float, link: dict[str, float],

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["merge_sum", "average_into", "average_blocks_into", "clear", "GroupMask", "Stale", "GROUP", "ascending",
-           "compiled", "sketch_insert", "sketch_query_blocks"]
+           "compiled", "IN_PLACE_SHARE", "sketch_insert", "sketch_query_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,10 @@ _INDEX_TYPES = (torch.int32, torch.int64)
 _MAX_CHUNKS = 4096
 #: elements per bit of a :class:`GroupMask` (as in _merge.c)
 GROUP = 16
+#: the sweep writes a block of the output in place when the groups it must touch are at most this share
+#: of the block's groups, else it streams the whole block out (_merge.c's DENSE_NUM / DENSE_DEN; the
+#: simulator models the sweep's memory traffic with it)
+IN_PLACE_SHARE = _compiled.DENSE_NUM / _compiled.DENSE_DEN if _compiled is not None else 1 / 6
 
 
 def compiled() -> bool:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ...core.cost import ceil_log2
+from ...selection.scan import take_and_clear
 from ...transport.chunk import SparseChunk, index_dtype
 from ...transport.comm import Communicator
 from ...transport.merge import ascending
@@ -136,9 +137,8 @@ class BlockSelector:
         """
         block = work.tensor[start:start + size]
         local = ascending(self.indices(block, count))  # sorted: receivers merge, not sort
-        values = block[local]
+        values = take_and_clear(block, local)
         work.record(local + start, values)
-        block.index_fill_(0, local, 0)
         nonzero = values != 0
         if not bool(nonzero.all()):
             local, values = local[nonzero], values[nonzero]
