@@ -72,6 +72,7 @@ def test_average_blocks_into_refuses_a_block_outside():
 @pytest.mark.parametrize("n, rows, cols, size, dtype", [
     (1000, 3, 7, 32, torch.float32), (100_003, 3, 300, 32, torch.float32), (5000, 1, 64, 16, torch.float64),
     (77_777, 5, 50, 7, torch.float32), (3000, 4, 5, 32, torch.float64), (70_000, 2, 3, 32, torch.float32),
+    (50_000, 3, 4000, 20, torch.float32), (33_333, 3, 2 ** 20, 48, torch.float32),  # sixteen lanes and a rest
     (2 ** 33 + 5, 3, 1000, 32, torch.float32)])  # the last: keys past 32 bits
 def test_sketch_kernels_give_the_bits_of_the_torch_hashes(n, rows, cols, size, dtype):
     gen = torch.Generator().manual_seed(rows * cols)

@@ -475,6 +475,20 @@ static inline uint64_t sketch_bucket(const sketch_t *s, int row, uint64_t i) {
 MEDIAN(float)
 MEDIAN(double)
 
+/* The same lower median of three NaN-free values without a branch: a stable sort of three by `<` is the
+ * bubble sort's three compare-and-swaps (swap only when strictly less: stable), each a pair of selects
+ * the compiler makes conditional moves; the middle element, with the sign of its zero, is the one the
+ * insertion sort leaves there. (The branches of the insertion sort, taken at random by the data, were
+ * most of the query's time.) */
+#define MEDIAN3(T)                                                                                          \
+    static inline T median3_##T(T a, T b, T c) {                                                            \
+        T lo = b < a ? b : a, hi = b < a ? a : b; /* (a, b) sorted, stable */                               \
+        T mid = c < hi ? c : hi;                  /* (hi, c): the larger of them leaves for the end */      \
+        return mid < lo ? lo : mid;               /* (lo, mid) sorted: the middle is the larger */          \
+    }
+MEDIAN3(float)
+MEDIAN3(double)
+
 /* sketch_insert: table[r * cols + bucket_r(idx[p])] += values[p] * sign_r(idx[p]), row by row, p in
  * order (torch's index_add_ of values * signs, row after row). */
 #define INSERT_BODY(T, I)                                                                                   \
@@ -490,26 +504,99 @@ MEDIAN(double)
         }                                                                                                   \
     }
 
+/* The query of one element i (CountSketch.query): the median over the rows of sign_r(i) * table[r, bucket_r(i)]. */
+#define QUERY_ONE(T)                                                                                        \
+    static inline T query_one_##T(const sketch_t *s, uint64_t i, const T *table) {                          \
+        T e[SKETCH_MAX_ROWS];                                                                               \
+        for (int r = 0; r < s->rows; r++) {                                                                 \
+            T sign = (sketch_mix(s, s->rows + r, i) & 1) ? (T)-1 : (T)1;                                    \
+            e[r] = table[(int64_t)r * (int64_t)s->cols + (int64_t)sketch_bucket(s, r, i)] * sign;           \
+        }                                                                                                   \
+        if (s->rows == 1) return e[0];                                                                      \
+        if (s->rows == 3 && e[0] == e[0] && e[1] == e[1] && e[2] == e[2]) return median3_##T(e[0], e[1], e[2]); \
+        return median_##T(e, s->rows);                                                                      \
+    }
+QUERY_ONE(float)
+QUERY_ONE(double)
+
+#if MERGE_HAVE_SIMD
+static int use_avx512 = 0; /* set at import: AVX512F and AVX512DQ */
+
+/* 16 lanes of one mixer (32-bit keys: a mask below 2^32). */
+__attribute__((target("avx512f,avx512dq"))) static inline __m512i mix16(const sketch_t *s, int m, __m512i x) {
+    const __m512i mask = _mm512_set1_epi32((int)(uint32_t)s->mask);
+    const __m128i shift = _mm_cvtsi32_si128(s->shift);
+    __m512i y = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)(uint32_t)s->a[m]));
+    y = _mm512_and_si512(_mm512_add_epi32(y, _mm512_set1_epi32((int)(uint32_t)s->b[m])), mask);
+    y = _mm512_xor_si512(y, _mm512_srl_epi32(y, shift));
+    y = _mm512_and_si512(_mm512_mullo_epi32(y, _mm512_set1_epi32((int)(uint32_t)s->c[m])), mask);
+    return _mm512_xor_si512(y, _mm512_srl_epi32(y, shift));
+}
+
+/* 8 lanes of x % cols for 32-bit x and cols below 2^31: the quotient by a double multiply, corrected by
+ * one either way (the remainder is an exact integer in double). */
+__attribute__((target("avx512f,avx512dq"))) static inline __m256i mod8(__m256i x, __m512d cols, __m512d inverse) {
+    const __m512d xd = _mm512_cvtepu32_pd(x);
+    const __m512d q = _mm512_roundscale_pd(_mm512_mul_pd(xd, inverse), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512d r = _mm512_fnmadd_pd(q, cols, xd);
+    r = _mm512_mask_add_pd(r, _mm512_cmp_pd_mask(r, _mm512_setzero_pd(), _CMP_LT_OQ), r, cols);
+    r = _mm512_mask_sub_pd(r, _mm512_cmp_pd_mask(r, cols, _CMP_GE_OQ), r, cols);
+    return _mm512_cvttpd_epi32(r);
+}
+
+/* The estimates of the 16 elements i0 .. i0 + 15 of a three-row float sketch with 32-bit keys into out;
+ * returns 0 (nothing written) when one of them reads a NaN, which the scalar median handles. The same
+ * bits as query_one_float: the buckets are the same integers, a sign of -1 multiplies exactly as the
+ * sign bit flips (NaN aside), and the median is median3's compare-and-swaps as masked blends. */
+__attribute__((target("avx512f,avx512dq"))) static int query16_float3(const sketch_t *s, uint32_t i0,
+                                                                        const float *table, float *out) {
+    const __m512i i = _mm512_add_epi32(_mm512_set1_epi32((int)i0),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512d cols = _mm512_set1_pd((double)s->cols), inverse = _mm512_set1_pd(1.0 / (double)s->cols);
+    const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u), one = _mm512_set1_epi32(1);
+    __m512 e[3];
+    for (int r = 0; r < 3; r++) {
+        const __m512i h = mix16(s, r, i);
+        const __m512i bucket = _mm512_inserti64x4(_mm512_castsi256_si512(mod8(_mm512_castsi512_si256(h), cols, inverse)),
+                                                  mod8(_mm512_extracti64x4_epi64(h, 1), cols, inverse), 1);
+        const __m512 v = _mm512_i32gather_ps(bucket, table + (int64_t)r * (int64_t)s->cols, 4);
+        const __mmask16 negative = _mm512_test_epi32_mask(mix16(s, 3 + r, i), one);
+        e[r] = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(v), negative, _mm512_castps_si512(v),
+                                                         sign_bit));
+        if (_mm512_cmp_ps_mask(e[r], e[r], _CMP_UNORD_Q)) return 0;
+    }
+    const __mmask16 swap_ab = _mm512_cmp_ps_mask(e[1], e[0], _CMP_LT_OQ);
+    const __m512 lo = _mm512_mask_blend_ps(swap_ab, e[0], e[1]), hi = _mm512_mask_blend_ps(swap_ab, e[1], e[0]);
+    const __m512 mid = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(e[2], hi, _CMP_LT_OQ), hi, e[2]);
+    _mm512_storeu_ps(out, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mid, lo, _CMP_LT_OQ), mid, lo));
+    return 1;
+}
+#endif
+
+/* Whether the 16-lane query applies: float values, three rows, 32-bit keys, fewer than 2^31 columns. */
+#if MERGE_HAVE_SIMD
+#define QUERY16(T, s, i0, table, out)                                                                       \
+    (use_avx512 && sizeof(T) == sizeof(float) && (s)->rows == 3 && (s)->mask <= UINT32_MAX &&               \
+     (s)->cols < (UINT64_C(1) << 31) && query16_float3((s), (uint32_t)(i0), (const float *)(table), (float *)(out)))
+#else
+#define QUERY16(T, s, i0, table, out) 0
+#endif
+
 /* sketch_query_blocks: out[b * size + j] = the median over the rows of sign_r(i) * table[r, bucket_r(i)]
- * for element i = ids[b] * size + j below n (the query of CountSketch.query); past n, 0. */
+ * for element i = ids[b] * size + j below n (the query of CountSketch.query); past n, 0. Sixteen elements
+ * at a time where the CPU has AVX-512 (query16_float3), else one by one. */
 #define QUERY_BODY(T, I)                                                                                    \
     static void sketch_query_##T##_##I(const sketch_t *s, const I *ids, int64_t nblocks, int64_t size,      \
                                        int64_t n, const T *table, T *out) {                                 \
-        T e[SKETCH_MAX_ROWS];                                                                               \
         for (int64_t b = 0; b < nblocks; b++) {                                                             \
             const int64_t lo = (int64_t)ids[b] * size;                                                      \
-            for (int64_t j = 0; j < size; j++) {                                                            \
-                const uint64_t i = (uint64_t)(lo + j);                                                      \
-                if (lo + j >= n) {                                                                          \
-                    out[b * size + j] = (T)0;                                                               \
-                    continue;                                                                               \
-                }                                                                                           \
-                for (int r = 0; r < s->rows; r++) {                                                         \
-                    T sign = (sketch_mix(s, s->rows + r, i) & 1) ? (T)-1 : (T)1;                            \
-                    e[r] = table[(int64_t)r * (int64_t)s->cols + (int64_t)sketch_bucket(s, r, i)] * sign;   \
-                }                                                                                           \
-                out[b * size + j] = s->rows == 1 ? e[0] : median_##T(e, s->rows);                           \
-            }                                                                                               \
+            int64_t j = 0;                                                                                  \
+            for (; j + 16 <= size && lo + j + 16 <= n; j += 16)                                             \
+                if (!QUERY16(T, s, lo + j, table, out + b * size + j))                                      \
+                    for (int64_t q = j; q < j + 16; q++)                                                    \
+                        out[b * size + q] = query_one_##T(s, (uint64_t)(lo + q), table);                   \
+            for (; j < size; j++)                                                                           \
+                out[b * size + j] = lo + j < n ? query_one_##T(s, (uint64_t)(lo + j), table) : (T)0;        \
         }                                                                                                   \
     }
 INSERT_BODY(float, int32_t)
@@ -809,6 +896,7 @@ PyMODINIT_FUNC PyInit__merge(void) {
 #if MERGE_HAVE_SIMD
     __builtin_cpu_init();
     use_avx2 = __builtin_cpu_supports("avx2");
+    use_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 #endif
     PyObject *m = PyModule_Create(&module);
     /* the sweep's cut-over, for the simulator's model of its memory traffic (merge.IN_PLACE_SHARE) */
