@@ -294,3 +294,27 @@ def test_take_and_clear_refuses_an_index_outside_and_writes_nothing(kernel):
     with scan.use_kernel(kernel), pytest.raises(IndexError):
         scan.take_and_clear(x, torch.tensor([2, 10]))
     assert torch.equal(x, torch.arange(1.0, 11.0))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@settings(max_examples=25, deadline=None)
+@given(count=st.integers(2, 3000), share=st.floats(0.0, 1.0), seed=st.integers(0, 2 ** 16), ties=st.booleans())
+def test_split_largest_keeps_the_largest_and_the_first_ties(kernel, index_dtype, count, share, seed, ties):
+    """split_largest (gTop-k's and Ok-Topk's merges) against a sort: the k largest magnitudes, the first
+    among ties with the k-th (signed zeros and repeated magnitudes of both signs included), both parts in
+    order, on the kernel and on torch."""
+    gen = torch.Generator().manual_seed(seed)
+    values = (torch.randint(-3, 4, (count,), generator=gen).float() * 0.5 if ties
+              else torch.randn(count, generator=gen))
+    values[torch.randperm(count, generator=gen)[: count // 9]] = -0.0
+    indices = torch.sort(torch.randperm(10 * count, generator=gen)[:count]).values.to(index_dtype)
+    k = min(count - 1, max(1, int(share * count)))
+    order = sorted(range(count), key=lambda i: (-abs(float(values[i])), i))  # stable: the first ties first
+    keep = torch.zeros(count, dtype=torch.bool)
+    keep[order[:k]] = True
+    with scan.use_kernel(kernel):
+        kept_idx, kept_val, dropped_idx, dropped_val = scan.split_largest(indices, values, k)
+    assert torch.equal(kept_idx, indices[keep]) and torch.equal(dropped_idx, indices[~keep])
+    assert torch.equal(kept_val.view(torch.int32), values[keep].view(torch.int32))
+    assert torch.equal(dropped_val.view(torch.int32), values[~keep].view(torch.int32))

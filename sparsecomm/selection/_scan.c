@@ -47,6 +47,9 @@
  * and the tie rule of scan.py's largest_in_order, without sorting. NaN or a negative value makes it
  * decline (the caller then uses torch).
  *
+ * split_largest: the same top-k of (index, value) pairs by magnitude, kept and dropped both written
+ * in one pass (gTop-k's and Ok-Topk's merges of received chunks).
+ *
  * take_and_clear: values[j] = x[idx[j]] and then x[idx[j]] = 0 for the selected indices: the sent
  * message's values taken out of acc = residual + grad, which leaves the residual (error feedback).
  * One visit of each touched cache line (torch's index_select and index_fill_ visit each twice), the
@@ -593,6 +596,55 @@ static PyObject *take_and_clear(PyObject *self, PyObject *args) {
     return PyLong_FromLong(inside ? 0 : -1);
 }
 
+/* split_largest(val_ptr, count, k, idx_ptr, wide_index, kept_idx, kept_val, dropped_idx, dropped_val) -> int:
+ * the k entries of largest magnitude of (idx, val) pairs (float32 values, int32 or int64 indices) and the
+ * others, both in their order, the first ones among ties with the k-th kept (select_largest's rule); one
+ * radix select on the magnitudes' bits and one pass that writes both. Returns k, or -1 (nothing written)
+ * when a value is NaN. */
+static PyObject *split_largest(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long val_ptr, idx_ptr, kept_idx, kept_val, dropped_idx, dropped_val;
+    long long count, k;
+    int wide;
+    if (!PyArg_ParseTuple(args, "KLLKpKKKK", &val_ptr, &count, &k, &idx_ptr, &wide, &kept_idx, &kept_val,
+                          &dropped_idx, &dropped_val))
+        return NULL;
+    if (k <= 0 || k >= count) {
+        PyErr_Format(PyExc_ValueError, "split_largest: needs 0 < k < count, got k=%lld count=%lld", k, count);
+        return NULL;
+    }
+    const uint32_t *bits = (const uint32_t *)(uintptr_t)val_ptr;
+    uint32_t *keys = calloc((size_t)count, sizeof *keys); /* calloc: gcc cannot see the loop below fill it */
+    if (!keys) return PyErr_NoMemory();
+    int64_t kth, ties = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < count; i++) keys[i] = bits[i] & 0x7fffffffu; /* |value| */
+    kth = kth_largest_key(keys, count, k, &ties);
+    if (kth >= 0) {
+        const uint32_t *vin = bits;
+        uint32_t *kv = (uint32_t *)(uintptr_t)kept_val, *dv = (uint32_t *)(uintptr_t)dropped_val;
+        int64_t kept = 0, dropped = 0;
+        for (int64_t i = 0; i < count; i++) {
+            const int keep = keys[i] > (uint32_t)kth || (keys[i] == (uint32_t)kth && ties > 0);
+            ties -= keys[i] == (uint32_t)kth && keep;
+            if (wide) {
+                int64_t *out = (int64_t *)(uintptr_t)(keep ? kept_idx : dropped_idx);
+                out[keep ? kept : dropped] = ((const int64_t *)(uintptr_t)idx_ptr)[i];
+            } else {
+                int32_t *out = (int32_t *)(uintptr_t)(keep ? kept_idx : dropped_idx);
+                out[keep ? kept : dropped] = ((const int32_t *)(uintptr_t)idx_ptr)[i];
+            }
+            (keep ? kv : dv)[keep ? kept : dropped] = vin[i];
+            kept += keep;
+            dropped += !keep;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(keys);
+    if (kth == KEY_NO_MEMORY) return PyErr_NoMemory();
+    return PyLong_FromLongLong(kth >= 0 ? k : -1);
+}
+
 static PyMethodDef methods[] = {
     {"scan_ge", scan_ge, METH_VARARGS,
      "scan_ge(x_ptr, n, floor, idx_ptr, val_ptr, cap, variant, add_ptr=0, dest_ptr=0) -> (count, sum, max): one "
@@ -608,6 +660,10 @@ static PyMethodDef methods[] = {
     {"take_and_clear", take_and_clear, METH_VARARGS,
      "take_and_clear(x_ptr, n, idx_ptr, count, out_ptr) -> int: out[j] = x[idx[j]], then x[idx[j]] = 0 (float32 x, "
      "int64 idx); 0, or -1 (nothing written) when an index lies outside [0, n) (see scan.take_and_clear)."},
+    {"split_largest", split_largest, METH_VARARGS,
+     "split_largest(val_ptr, count, k, idx_ptr, wide_index, kept_idx_ptr, kept_val_ptr, dropped_idx_ptr, "
+     "dropped_val_ptr) -> int: the k (index, value) pairs of largest |value| and the rest, each in order, the "
+     "first ties with the k-th kept; k, or -1 (nothing written) when a value is NaN (see scan.split_largest)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,

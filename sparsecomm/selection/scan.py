@@ -51,7 +51,7 @@ from . import triton_scan
 from .base import assert_finite
 
 __all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "above_float32", "kernel", "available_kernels",
-           "use_kernel", "take_and_clear"]
+           "use_kernel", "take_and_clear", "split_largest"]
 
 log = logging.getLogger(__name__)
 
@@ -476,6 +476,38 @@ def take_and_clear(x: Tensor, indices: Tensor) -> Tensor:
     values = x.index_select(0, indices)
     x.index_fill_(0, indices, 0)
     return values
+
+
+def split_largest(indices: Tensor, values: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(indices, values) of the ``k`` pairs largest in magnitude and of the others, each in the pairs'
+    order; among values tied in magnitude with the k-th largest the first ones are kept (the rule of
+    :func:`largest_in_order`). ``0 < k < len(values)``.
+
+    Where the compiled kernel is in use (float32 values on the CPU, int32 or int64 indices) a radix
+    select on the magnitudes' bits and one pass writing both parts (``_scan.split_largest``); else
+    ``torch.topk`` and masks, with the same result. NaN among the values: torch.topk's choice."""
+    count = values.numel()
+    if not 0 < k < count:
+        raise ValueError(f"split_largest: needs 0 < k < {count} (the pairs), got k={k}")
+    if (_compiled_applies(values, torch.float32) and indices.device.type == "cpu" and indices.is_contiguous()
+            and indices.dtype in (torch.int32, torch.int64) and indices.numel() == count):
+        kept_idx, dropped_idx = indices.new_empty(k), indices.new_empty(count - k)
+        kept_val, dropped_val = values.new_empty(k), values.new_empty(count - k)
+        if _compiled.split_largest(values.data_ptr(), count, k, indices.data_ptr(), indices.dtype == torch.int64,
+                                   kept_idx.data_ptr(), kept_val.data_ptr(), dropped_idx.data_ptr(),
+                                   dropped_val.data_ptr()) == k:
+            return kept_idx, kept_val, dropped_idx, dropped_val
+    magnitudes = values.abs()
+    top = torch.topk(magnitudes, k, sorted=False)
+    kth = top.values.min()
+    keep = magnitudes > kth
+    short = k - int(keep.sum())
+    if short > 0:
+        keep[torch.nonzero(magnitudes == kth).squeeze(1)[:short]] = True
+    if int(keep.sum()) != k:  # NaN among the values: torch.topk's own choice
+        keep = torch.zeros(count, dtype=torch.bool, device=values.device)
+        keep[top.indices] = True
+    return indices[keep], values[keep], indices[~keep], values[~keep]
 
 
 def largest_in_order(indices: Tensor, values: Tensor, k: int) -> Tensor:
