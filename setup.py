@@ -8,7 +8,11 @@ the code uses its pure-torch paths, which give the same results bit for bit, slo
 
 from setuptools import Extension, setup
 
+#: -ffp-contract=off: no multiply and add fused into one rounding (GCC fuses them by default), so the
+#: kernels round every operation as the torch paths they must match bit for bit do
+FLAGS = ["-O3", "-ffp-contract=off"]
+
 setup(ext_modules=[Extension("sparsecomm.selection._scan", ["sparsecomm/selection/_scan.c"],
-                             extra_compile_args=["-O3"], optional=True),
+                             extra_compile_args=FLAGS, optional=True),
                    Extension("sparsecomm.transport._merge", ["sparsecomm/transport/_merge.c"],
-                             extra_compile_args=["-O3"], optional=True)])
+                             extra_compile_args=FLAGS, optional=True)])

@@ -47,6 +47,9 @@
  * and the tie rule of scan.py's largest_in_order, without sorting. NaN or a negative value makes it
  * decline (the caller then uses torch).
  *
+ * block_energies: the squared L2 norm of every block of x (S2 Reducer's and OmniReduce's block top-k),
+ * with error feedback's addition in the same pass, summed in block.py's canonical order.
+ *
  * split_largest: the same top-k of (index, value) pairs by magnitude, kept and dropped both written
  * in one pass (gTop-k's and Ok-Topk's merges of received chunks).
  *
@@ -645,6 +648,95 @@ static PyObject *split_largest(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(kth >= 0 ? k : -1);
 }
 
+/* block_energies(x_ptr, n, size, add_ptr, dest_ptr, out_ptr, variant) -> None: out[b] = the sum of the
+ * squares of block b (size elements, the last one shorter), of dest = x + add where add_ptr is given
+ * (written in the same pass to dest, x itself unless dest_ptr), else of x. The sum is the canonical
+ * pairwise tree of block.py's torch path: the squares padded with +0.0 to a power of two w, then, while
+ * w > 1, element i added to element i + w/2 for i < w/2 (every addition an IEEE float32 one, so both
+ * paths give the same bits). AVX-512 for blocks of 32 (two registers: 16 + 16, then halves of 8, 4, 2,
+ * 1), portable C otherwise; blocks above BLOCK_ENERGY_MAX elements are left to torch. */
+#define BLOCK_ENERGY_MAX 4096
+static void energies_scalar(const float *x, const float *add, float *dest, int64_t n, int64_t size, float *out,
+                            int64_t from_block) {
+    float squares[BLOCK_ENERGY_MAX];
+    int64_t width = 1;
+    while (width < size) width <<= 1;
+    for (int64_t b = from_block, lo = from_block * size; lo < n; b++, lo += size) {
+        const int64_t m = n - lo < size ? n - lo : size;
+        for (int64_t j = 0; j < m; j++) {
+            float v = x[lo + j];
+            if (add) {
+                v += add[lo + j];
+                dest[lo + j] = v;
+            }
+            squares[j] = v * v;
+        }
+        for (int64_t j = m; j < width; j++) squares[j] = 0.0f;
+        for (int64_t w = width; w > 1; w >>= 1)
+            for (int64_t j = 0; j < w / 2; j++) squares[j] += squares[j + w / 2];
+        out[b] = squares[0];
+    }
+}
+
+#if SCAN_HAVE_X86_VARIANTS
+__attribute__((target("avx512f"))) static int64_t energies32_avx512(const float *x, const float *add, float *dest,
+                                                                    int64_t n, float *out) {
+    const int stream = add && dest != x && (uintptr_t)dest % 64 == 0;
+    int64_t b = 0;
+    for (int64_t lo = 0; lo + 32 <= n; lo += 32, b++) {
+        __m512 v0 = _mm512_loadu_ps(x + lo), v1 = _mm512_loadu_ps(x + lo + 16);
+        if (add) {
+            v0 = _mm512_add_ps(v0, _mm512_loadu_ps(add + lo));
+            v1 = _mm512_add_ps(v1, _mm512_loadu_ps(add + lo + 16));
+            if (stream) {
+                _mm512_stream_ps(dest + lo, v0);
+                _mm512_stream_ps(dest + lo + 16, v1);
+            } else {
+                _mm512_storeu_ps(dest + lo, v0);
+                _mm512_storeu_ps(dest + lo + 16, v1);
+            }
+        }
+        const __m512 w16 = _mm512_add_ps(_mm512_mul_ps(v0, v0), _mm512_mul_ps(v1, v1)); /* i + 16 */
+        const __m256 w8 = _mm256_add_ps(_mm512_castps512_ps256(w16),                      /* i + 8 */
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w16), 1)));
+        const __m128 w4 = _mm_add_ps(_mm256_castps256_ps128(w8), _mm256_extractf128_ps(w8, 1)); /* i + 4 */
+        const __m128 w2 = _mm_add_ps(w4, _mm_movehl_ps(w4, w4));                                 /* i + 2 */
+        out[b] = _mm_cvtss_f32(_mm_add_ss(w2, _mm_shuffle_ps(w2, w2, 1)));                       /* i + 1 */
+    }
+    if (stream) _mm_sfence();
+    return b;
+}
+#endif
+
+static PyObject *block_energies(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x_ptr, add_ptr, dest_ptr, out_ptr;
+    long long n, size;
+    const char *variant;
+    if (!PyArg_ParseTuple(args, "KLLKKKs", &x_ptr, &n, &size, &add_ptr, &dest_ptr, &out_ptr, &variant)) return NULL;
+    if (n < 0 || size < 1 || size > BLOCK_ENERGY_MAX) {
+        PyErr_Format(PyExc_ValueError, "block_energies: needs n >= 0 and 1 <= size <= %d, got n=%lld size=%lld",
+                     BLOCK_ENERGY_MAX, n, size);
+        return NULL;
+    }
+    if (!cpu_has(variant)) {
+        PyErr_Format(PyExc_ValueError, "block_energies: variant %R does not run here (see variants())",
+                     PyTuple_GET_ITEM(args, 6));
+        return NULL;
+    }
+    const float *x = (const float *)(uintptr_t)x_ptr, *add = (const float *)(uintptr_t)add_ptr;
+    float *dest = dest_ptr ? (float *)(uintptr_t)dest_ptr : (float *)(uintptr_t)x_ptr;
+    float *out = (float *)(uintptr_t)out_ptr;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t done = 0;
+#if SCAN_HAVE_X86_VARIANTS
+    if (size == 32 && strcmp(variant, "avx512") == 0) done = energies32_avx512(x, add, dest, n, out);
+#endif
+    energies_scalar(x, add, dest, n, size, out, done);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scan_ge", scan_ge, METH_VARARGS,
      "scan_ge(x_ptr, n, floor, idx_ptr, val_ptr, cap, variant, add_ptr=0, dest_ptr=0) -> (count, sum, max): one "
@@ -664,6 +756,10 @@ static PyMethodDef methods[] = {
      "split_largest(val_ptr, count, k, idx_ptr, wide_index, kept_idx_ptr, kept_val_ptr, dropped_idx_ptr, "
      "dropped_val_ptr) -> int: the k (index, value) pairs of largest |value| and the rest, each in order, the "
      "first ties with the k-th kept; k, or -1 (nothing written) when a value is NaN (see scan.split_largest)."},
+    {"block_energies", block_energies, METH_VARARGS,
+     "block_energies(x_ptr, n, size, add_ptr, dest_ptr, out_ptr, variant): out[b] = the canonical pairwise sum "
+     "of the squares of block b of x (of dest = x + add, written in the same pass, where add_ptr is given; see "
+     "block.py)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,

@@ -17,8 +17,9 @@ from ..core.validate import check_int
 from .base import Selector, assert_finite
 from .exact import TopK
 from .registry import register_selector
+from .scan import compiled_block_energies
 
-__all__ = ["BlockTopK", "gather_blocks", "zero_blocks"]
+__all__ = ["BlockTopK", "block_sum", "gather_blocks", "zero_blocks"]
 
 
 #: elements squared at a time by :meth:`BlockTopK.block_energies` (on a GPU a chunk of 64K elements
@@ -43,12 +44,17 @@ class BlockTopK(Selector):
         self._block_topk = TopK(check_finite=False)
 
     def block_energies(self, x: Tensor, addend: Tensor | None = None, dest: Tensor | None = None) -> Tensor:
-        """Squared L2 norm of each block (float32 for half-precision input, which could overflow).
+        """Squared L2 norm of each block (float32 for half-precision input, which could overflow),
+        summed in a canonical order (:func:`block_sum`), so that every implementation gives the same bits.
 
-        Computed chunk by chunk through a reused buffer of at most ``_CHUNK`` elements, so the
-        selector keeps no gradient-sized buffer between calls. With ``addend`` it is the energies of
-        ``dest = x + addend`` (``dest``: ``x`` when ``None``), each chunk added just before it is squared,
-        while it is in cache: one read of ``x`` and ``addend`` and one write of ``dest`` in all."""
+        With ``addend`` it is the energies of ``dest = x + addend`` (``dest``: ``x`` when ``None``), in
+        one read of ``x`` and ``addend`` and one write of ``dest``: by the compiled kernel where it
+        applies (:func:`~.scan.compiled_block_energies`), else chunk by chunk through a reused buffer of
+        at most ``_CHUNK`` elements, each chunk added just before it is squared, while it is in cache
+        (the selector keeps no gradient-sized buffer between calls)."""
+        compiled = compiled_block_energies(x, self.block_size, addend, dest)
+        if compiled is not None:
+            return compiled
         dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         n, size = x.numel(), self.block_size
         chunk = max(size, (_CHUNK_CUDA if x.is_cuda else _CHUNK) // size * size)
@@ -64,9 +70,9 @@ class BlockTopK(Selector):
             squares = torch.square(part.to(dtype), out=buf[:part.numel()])
             full = part.numel() // size
             first = start // size
-            energies[first:first + full] = squares[:full * size].view(full, size).sum(1)
+            energies[first:first + full] = block_sum(squares[:full * size].view(full, size), size)
             if full * size < part.numel():
-                energies[first + full] = squares[full * size:].sum()
+                energies[first + full] = block_sum(squares[full * size:].view(1, -1), size)[0]
         return energies
 
     def select(self, x: Tensor, k: int) -> Tensor:
@@ -103,6 +109,20 @@ class BlockTopK(Selector):
         if short and n_blocks * size - short < k and bool((blocks == energies.numel() - 1).any()):
             blocks = self._block_topk(energies, n_blocks + 1)
         return torch.sort(blocks).values
+
+
+def block_sum(rows: Tensor, size: int) -> Tensor:
+    """The sum of each row of ``rows`` (blocks of at most ``size`` elements) in the canonical pairwise
+    order of the block energies: the row padded with +0.0 to the power of two ``w >= size``, then, while
+    ``w > 1``, element ``i`` added to element ``i + w/2`` for ``i < w/2``. The compiled kernel sums in the
+    same order, so both give the same bits (``row.sum()`` would leave the order to the backend)."""
+    width = 1 << max(0, size - 1).bit_length()
+    if rows.shape[1] < width:
+        rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
+    while width > 1:
+        width //= 2
+        rows = rows[:, :width] + rows[:, width:2 * width]
+    return rows[:, 0]
 
 
 def _split(x: Tensor, blocks: Tensor, size: int) -> tuple[Tensor, Tensor, int]:

@@ -51,7 +51,7 @@ from . import triton_scan
 from .base import assert_finite
 
 __all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "above_float32", "kernel", "available_kernels",
-           "use_kernel", "take_and_clear", "split_largest"]
+           "use_kernel", "take_and_clear", "split_largest", "compiled_block_energies"]
 
 log = logging.getLogger(__name__)
 
@@ -456,6 +456,26 @@ class MagnitudeView:
             return largest_in_order(self.indices, self.values, k)
         above = self._at_or_above(t)
         return largest_in_order(above.indices, above.values, k)
+
+
+#: the largest block the compiled block energies take (its BLOCK_ENERGY_MAX)
+_BLOCK_ENERGY_MAX = 4096
+
+
+def compiled_block_energies(x: Tensor, size: int, addend: Tensor | None = None,
+                            dest: Tensor | None = None) -> Tensor | None:
+    """The squared L2 norm of every block of ``size`` elements of ``x`` (of ``dest = x + addend``,
+    written in the same pass, where ``addend`` is given; ``dest`` defaults to ``x``) summed in
+    :mod:`.block`'s canonical pairwise order, by the compiled kernel (one read of ``x`` and ``addend``);
+    ``None`` where the kernel does not take these tensors (the caller's torch path gives the same bits)."""
+    tensors = [t for t in (x, addend, dest) if t is not None]
+    if not (0 < size <= _BLOCK_ENERGY_MAX and all(_compiled_applies(t, torch.float32) and t.shape == x.shape
+                                                  for t in tensors)):
+        return None
+    energies = torch.empty(-(-x.numel() // size), dtype=torch.float32)
+    _compiled.block_energies(x.data_ptr(), x.numel(), size, 0 if addend is None else addend.data_ptr(),
+                             0 if addend is None or dest is None else dest.data_ptr(), energies.data_ptr(), _kernel)
+    return energies
 
 
 def take_and_clear(x: Tensor, indices: Tensor) -> Tensor:

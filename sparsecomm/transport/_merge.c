@@ -490,13 +490,15 @@ MEDIAN3(float)
 MEDIAN3(double)
 
 /* sketch_insert: table[r * cols + bucket_r(idx[p])] += values[p] * sign_r(idx[p]), row by row, p in
- * order (torch's index_add_ of values * signs, row after row). */
+ * order (torch's index_add_ of values * signs, row after row). Where the CPU has AVX-512 the buckets and
+ * signs of sixteen indices are hashed at once (hash16), and the additions stay one by one, in order. */
 #define INSERT_BODY(T, I)                                                                                   \
     static void sketch_insert_##T##_##I(const sketch_t *s, const I *idx, const T *values, int64_t m,        \
                                         T *table) {                                                         \
         for (int r = 0; r < s->rows; r++) {                                                                 \
             T *row = table + (int64_t)r * (int64_t)s->cols;                                                 \
-            for (int64_t p = 0; p < m; p++) {                                                               \
+            int64_t p = HASH16_LANES(s, idx, values, m, r, row);                                            \
+            for (; p < m; p++) {                                                                            \
                 uint64_t i = (uint64_t)idx[p];                                                              \
                 T sign = (sketch_mix(s, s->rows + r, i) & 1) ? (T)-1 : (T)1;                                \
                 row[sketch_bucket(s, r, i)] += values[p] * sign;                                            \
@@ -571,6 +573,51 @@ __attribute__((target("avx512f,avx512dq"))) static int query16_float3(const sket
     _mm512_storeu_ps(out, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mid, lo, _CMP_LT_OQ), mid, lo));
     return 1;
 }
+
+/* Sixteen indices as 32-bit lanes (they are below the 32-bit mask). */
+__attribute__((target("avx512f"))) static inline __m512i load16_int32_t(const int32_t *idx) {
+    return _mm512_loadu_si512((const void *)idx);
+}
+__attribute__((target("avx512f"))) static inline __m512i load16_int64_t(const int64_t *idx) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_loadu_si512((const void *)idx))),
+                              _mm512_cvtepi64_epi32(_mm512_loadu_si512((const void *)(idx + 8))), 1);
+}
+
+/* Row r's buckets of the sixteen indices i into buckets[], and the lanes whose sign is -1. */
+__attribute__((target("avx512f,avx512dq"))) static inline __mmask16 hash16(const sketch_t *s, int r, __m512i i,
+                                                                          int32_t *buckets) {
+    const __m512d cols = _mm512_set1_pd((double)s->cols), inverse = _mm512_set1_pd(1.0 / (double)s->cols);
+    const __m512i h = mix16(s, r, i);
+    _mm512_storeu_si512((void *)buckets,
+                        _mm512_inserti64x4(_mm512_castsi256_si512(mod8(_mm512_castsi512_si256(h), cols, inverse)),
+                                           mod8(_mm512_extracti64x4_epi64(h, 1), cols, inverse), 1));
+    return _mm512_test_epi32_mask(mix16(s, s->rows + r, i), _mm512_set1_epi32(1));
+}
+
+/* The first m - m % 16 insertions of row r, hashed sixteen at a time; returns how many were made. */
+#define INSERT16(T, I)                                                                                      \
+    __attribute__((target("avx512f,avx512dq"))) static int64_t insert16_##T##_##I(                          \
+        const sketch_t *s, const I *idx, const T *values, int64_t m, int r, T *row) {                       \
+        int32_t buckets[16];                                                                                \
+        int64_t p = 0;                                                                                      \
+        for (; p + 16 <= m; p += 16) {                                                                      \
+            const __mmask16 negative = hash16(s, r, load16_##I(idx + p), buckets);                          \
+            for (int l = 0; l < 16; l++)                                                                    \
+                row[buckets[l]] += values[p + l] * ((negative >> l) & 1 ? (T)-1 : (T)1);                    \
+        }                                                                                                   \
+        return p;                                                                                           \
+    }
+INSERT16(float, int32_t)
+INSERT16(float, int64_t)
+INSERT16(double, int32_t)
+INSERT16(double, int64_t)
+#define HASH16_APPLIES(s) (use_avx512 && (s)->mask <= UINT32_MAX && (s)->cols < (UINT64_C(1) << 31))
+#define HASH16_LANES(s, idx, values, m, r, row)                                                             \
+    (HASH16_APPLIES(s) ? _Generic((values), const float *: _Generic((idx), const int32_t *: insert16_float_int32_t, \
+                                                                     default: insert16_float_int64_t),       \
+                                  default: _Generic((idx), const int32_t *: insert16_double_int32_t,          \
+                                                    default: insert16_double_int64_t))(s, idx, values, m, r, row) \
+                       : 0)
 #endif
 
 /* Whether the 16-lane query applies: float values, three rows, 32-bit keys, fewer than 2^31 columns. */
@@ -580,6 +627,7 @@ __attribute__((target("avx512f,avx512dq"))) static int query16_float3(const sket
      (s)->cols < (UINT64_C(1) << 31) && query16_float3((s), (uint32_t)(i0), (const float *)(table), (float *)(out)))
 #else
 #define QUERY16(T, s, i0, table, out) 0
+#define HASH16_LANES(s, idx, values, m, r, row) 0
 #endif
 
 /* sketch_query_blocks: out[b * size + j] = the median over the rows of sign_r(i) * table[r, bucket_r(i)]
