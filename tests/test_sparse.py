@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparsecomm.selection.scan import largest_of_chunk
 from sparsecomm.transport.chunk import SparseChunk, add_chunks, index_dtype
 
 
@@ -26,8 +27,8 @@ def test_add_chunks_equals_dense_sum(parts):
 
 @settings(max_examples=60, deadline=None)
 @given(chunks(), st.integers(0, 60))
-def test_top_splits_by_magnitude(chunk, k):
-    kept, dropped = chunk.top(k)
+def test_largest_of_chunk_splits_by_magnitude(chunk, k):
+    kept, dropped = largest_of_chunk(chunk, k)
     assert kept.nnz == min(k, chunk.nnz) and kept.nnz + dropped.nnz == chunk.nnz
     if kept.nnz and dropped.nnz:
         assert kept.values.abs().min() >= dropped.values.abs().max()

@@ -27,7 +27,7 @@ import torch
 
 from ..core.cost import Cost, register_cost
 from ..selection import make as make_selector
-from ..selection.scan import take_and_clear
+from ..selection.scan import largest_of_chunk, take_and_clear
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype
 from .base import Layout, Method, register_method
 
@@ -84,7 +84,7 @@ class GlobalTopk(Method):
             with self.timer("comm"):
                 received = self._receive(peer, n, grad)
             with self.timer("select"):
-                held, dropped = add_chunks([held, received]).top(k)
+                held, dropped = largest_of_chunk(add_chunks([held, received]), k)
                 current = held
                 dropped.scatter_add_(acc)              # in-procedure residual stays here
         with self.timer("comm"):

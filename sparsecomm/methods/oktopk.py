@@ -56,7 +56,7 @@ from torch import Tensor
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_int, check_number
 from ..selection import make as make_selector
-from ..selection.scan import MagnitudeView, above_float32
+from ..selection.scan import MagnitudeView, above_float32, largest_of_chunk
 from ..transport.alltoallv import alltoallv, alltoallv_traffic
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype, pair_bytes
 from ..transport.collectives import allreduce, allreduce_cost
@@ -191,7 +191,7 @@ class OkTopk(Method):
             if exact:
                 self.global_threshold = 0.0
             elif estimate:
-                chosen = chosen.top(k)[0]
+                chosen = largest_of_chunk(chosen, k)[0]
                 self.global_threshold = float(chosen.values.abs().min()) if chosen.nnz else 0.0
             elif chosen.nnz < 3 * k / 4:
                 self.global_threshold = self.global_threshold / self.global_scale  # type: ignore[operator]

@@ -47,11 +47,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..transport.chunk import SparseChunk
 from . import triton_scan
 from .base import assert_finite
 
 __all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "above_float32", "kernel", "available_kernels",
-           "use_kernel", "take_and_clear", "split_largest", "compiled_block_energies"]
+           "use_kernel", "take_and_clear", "split_largest", "largest_of_chunk",
+           "compiled_block_energies"]
 
 log = logging.getLogger(__name__)
 
@@ -528,6 +530,18 @@ def split_largest(indices: Tensor, values: Tensor, k: int) -> tuple[Tensor, Tens
         keep = torch.zeros(count, dtype=torch.bool, device=values.device)
         keep[top.indices] = True
     return indices[keep], values[keep], indices[~keep], values[~keep]
+
+
+def largest_of_chunk(chunk: SparseChunk, k: int) -> tuple[SparseChunk, SparseChunk]:
+    """Split a sparse chunk into (its ``k`` entries largest in magnitude, the rest), both in index
+    order, the first entries tied with the k-th kept (:func:`split_largest`): gTop-k's and Ok-Topk's
+    merges of received chunks."""
+    if k >= chunk.nnz:
+        return chunk, SparseChunk(chunk.indices[:0], chunk.values[:0])
+    if k <= 0:
+        return SparseChunk(chunk.indices[:0], chunk.values[:0]), chunk
+    kept_idx, kept_val, dropped_idx, dropped_val = split_largest(chunk.indices, chunk.values, k)
+    return SparseChunk(kept_idx, kept_val), SparseChunk(dropped_idx, dropped_val)
 
 
 def largest_in_order(indices: Tensor, values: Tensor, k: int) -> Tensor:

@@ -74,18 +74,6 @@ class SparseChunk:
     def to_dense(self, n: int, offset: int = 0) -> torch.Tensor:
         return self.scatter_add_(torch.zeros(n, dtype=self.values.dtype, device=self.values.device), offset)
 
-    def top(self, k: int) -> tuple[SparseChunk, SparseChunk]:
-        """Split into (the k entries largest in magnitude, the rest); both keep index order, and among
-        entries tied with the k-th the first are kept (:func:`~sparsecomm.selection.scan.split_largest`)."""
-        from ..selection.scan import split_largest  # the selection package imports this one's merge
-
-        if k >= self.nnz:
-            return self, SparseChunk(self.indices[:0], self.values[:0])
-        if k <= 0:
-            return SparseChunk(self.indices[:0], self.values[:0]), self
-        kept_idx, kept_val, dropped_idx, dropped_val = split_largest(self.indices, self.values, k)
-        return SparseChunk(kept_idx, kept_val), SparseChunk(dropped_idx, dropped_val)
-
     def select(self, mask: torch.Tensor) -> SparseChunk:
         return SparseChunk(self.indices[mask], self.values[mask])
 
