@@ -1,4 +1,4 @@
-"""The median (min-max) over several `sparsecomm bench step` outputs of the figures issue 25 names: at
+"""The median (min-max) over several `sparsecomm bench step` outputs of the figures the per-step goal names: at
 P = 1 the passes outside communication ("non-comm"), at P = 4 and 8 the passes of decompression.
 
     python docs/step-runs/summarize.py docs/step-runs/step-*.md

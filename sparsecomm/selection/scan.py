@@ -520,16 +520,22 @@ def split_largest(indices: Tensor, values: Tensor, k: int) -> tuple[Tensor, Tens
                                    dropped_val.data_ptr()) == k:
             return kept_idx, kept_val, dropped_idx, dropped_val
     magnitudes = values.abs()
-    top = torch.topk(magnitudes, k, sorted=False)
-    kth = top.values.min()
-    keep = magnitudes > kth
+    keep = _first_largest(magnitudes, k)
+    if keep is None:  # NaN among the values: torch.topk's own choice
+        keep = torch.zeros(count, dtype=torch.bool, device=values.device)
+        keep[torch.topk(magnitudes, k, sorted=False).indices] = True
+    return indices[keep], values[keep], indices[~keep], values[~keep]
+
+
+def _first_largest(values: Tensor, k: int) -> Tensor | None:
+    """The mask of the ``k`` largest ``values`` (``0 < k < len(values)``), the first ones among ties with
+    the k-th kept (torch operations); ``None`` when NaN among the values leaves no such set."""
+    kth = torch.topk(values, k, sorted=False).values.min()
+    keep = values > kth
     short = k - int(keep.sum())
     if short > 0:
-        keep[torch.nonzero(magnitudes == kth).squeeze(1)[:short]] = True
-    if int(keep.sum()) != k:  # NaN among the values: torch.topk's own choice
-        keep = torch.zeros(count, dtype=torch.bool, device=values.device)
-        keep[top.indices] = True
-    return indices[keep], values[keep], indices[~keep], values[~keep]
+        keep[torch.nonzero(values == kth).squeeze(1)[:short]] = True
+    return keep if int(keep.sum()) == k else None
 
 
 def largest_of_chunk(chunk: SparseChunk, k: int) -> tuple[SparseChunk, SparseChunk]:
@@ -561,12 +567,7 @@ def largest_in_order(indices: Tensor, values: Tensor, k: int) -> Tensor:
         if _compiled.select_largest(indices.data_ptr(), values.data_ptr(), values.numel(), k,
                                     chosen.data_ptr(), _kernel) == k:
             return chosen
-    kth = torch.topk(values, k, sorted=False).values.min()
-    keep = values > kth
-    short = k - int(keep.sum())
-    if short > 0:
-        keep[torch.nonzero(values == kth).squeeze(1)[:short]] = True
-    chosen = indices[keep]
-    if chosen.numel() != k:  # NaN among the values (unchecked input): torch.topk's own choice, sorted
+    keep = _first_largest(values, k)
+    if keep is None:  # NaN among the values (unchecked input): torch.topk's own choice, sorted
         return torch.sort(indices.index_select(0, torch.topk(values, k, sorted=False).indices)).values
-    return chosen
+    return indices[keep]

@@ -546,6 +546,16 @@ __attribute__((target("avx512f,avx512dq"))) static inline __m256i mod8(__m256i x
     return _mm512_cvttpd_epi32(r);
 }
 
+/* Row r's buckets of the sixteen indices i (returned) and the lanes whose sign is -1 (*negative). */
+__attribute__((target("avx512f,avx512dq"))) static inline __m512i hash16(const sketch_t *s, int r, __m512i i,
+                                                                        __mmask16 *negative) {
+    const __m512d cols = _mm512_set1_pd((double)s->cols), inverse = _mm512_set1_pd(1.0 / (double)s->cols);
+    const __m512i h = mix16(s, r, i);
+    *negative = _mm512_test_epi32_mask(mix16(s, s->rows + r, i), _mm512_set1_epi32(1));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(mod8(_mm512_castsi512_si256(h), cols, inverse)),
+                              mod8(_mm512_extracti64x4_epi64(h, 1), cols, inverse), 1);
+}
+
 /* The estimates of the 16 elements i0 .. i0 + 15 of a three-row float sketch with 32-bit keys into out;
  * returns 0 (nothing written) when one of them reads a NaN, which the scalar median handles. The same
  * bits as query_one_float: the buckets are the same integers, a sign of -1 multiplies exactly as the
@@ -554,15 +564,12 @@ __attribute__((target("avx512f,avx512dq"))) static int query16_float3(const sket
                                                                         const float *table, float *out) {
     const __m512i i = _mm512_add_epi32(_mm512_set1_epi32((int)i0),
                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512d cols = _mm512_set1_pd((double)s->cols), inverse = _mm512_set1_pd(1.0 / (double)s->cols);
-    const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u), one = _mm512_set1_epi32(1);
+    const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u);
     __m512 e[3];
     for (int r = 0; r < 3; r++) {
-        const __m512i h = mix16(s, r, i);
-        const __m512i bucket = _mm512_inserti64x4(_mm512_castsi256_si512(mod8(_mm512_castsi512_si256(h), cols, inverse)),
-                                                  mod8(_mm512_extracti64x4_epi64(h, 1), cols, inverse), 1);
+        __mmask16 negative;
+        const __m512i bucket = hash16(s, r, i, &negative);
         const __m512 v = _mm512_i32gather_ps(bucket, table + (int64_t)r * (int64_t)s->cols, 4);
-        const __mmask16 negative = _mm512_test_epi32_mask(mix16(s, 3 + r, i), one);
         e[r] = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(v), negative, _mm512_castps_si512(v),
                                                          sign_bit));
         if (_mm512_cmp_ps_mask(e[r], e[r], _CMP_UNORD_Q)) return 0;
@@ -583,17 +590,6 @@ __attribute__((target("avx512f"))) static inline __m512i load16_int64_t(const in
                               _mm512_cvtepi64_epi32(_mm512_loadu_si512((const void *)(idx + 8))), 1);
 }
 
-/* Row r's buckets of the sixteen indices i into buckets[], and the lanes whose sign is -1. */
-__attribute__((target("avx512f,avx512dq"))) static inline __mmask16 hash16(const sketch_t *s, int r, __m512i i,
-                                                                          int32_t *buckets) {
-    const __m512d cols = _mm512_set1_pd((double)s->cols), inverse = _mm512_set1_pd(1.0 / (double)s->cols);
-    const __m512i h = mix16(s, r, i);
-    _mm512_storeu_si512((void *)buckets,
-                        _mm512_inserti64x4(_mm512_castsi256_si512(mod8(_mm512_castsi512_si256(h), cols, inverse)),
-                                           mod8(_mm512_extracti64x4_epi64(h, 1), cols, inverse), 1));
-    return _mm512_test_epi32_mask(mix16(s, s->rows + r, i), _mm512_set1_epi32(1));
-}
-
 /* The first m - m % 16 insertions of row r, hashed sixteen at a time; returns how many were made. */
 #define INSERT16(T, I)                                                                                      \
     __attribute__((target("avx512f,avx512dq"))) static int64_t insert16_##T##_##I(                          \
@@ -601,7 +597,8 @@ __attribute__((target("avx512f,avx512dq"))) static inline __mmask16 hash16(const
         int32_t buckets[16];                                                                                \
         int64_t p = 0;                                                                                      \
         for (; p + 16 <= m; p += 16) {                                                                      \
-            const __mmask16 negative = hash16(s, r, load16_##I(idx + p), buckets);                          \
+            __mmask16 negative;                                                                             \
+            _mm512_storeu_si512((void *)buckets, hash16(s, r, load16_##I(idx + p), &negative));             \
             for (int l = 0; l < 16; l++)                                                                    \
                 row[buckets[l]] += values[p + l] * ((negative >> l) & 1 ? (T)-1 : (T)1);                    \
         }                                                                                                   \
