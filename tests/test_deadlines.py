@@ -55,37 +55,52 @@ def test_a_stuck_rank_is_named_under_the_hook_within_the_timeout(method):
     assert results[2][0] == "stuck"
 
 
-def _fails_after_agreement():
-    """Rank 1's reduce raises after the agreement (a failure the local checks cannot foresee)."""
+def _fails_after_agreement(name):
+    """Rank 1's call raises after the agreement (a failure the local checks cannot foresee), in its
+    decompression: ``topkdsa`` still exchanges its streams with the others then, ``topk`` (on gloo)
+    gathered everything inside the agreement."""
     rank = dist.get_rank()
-    method = make_method("topk", density=0.1)
+    method = make_method(name, density=0.1)
     method(torch.ones(100))
     if rank == 1:
-        def broken(grad, layout):
-            if method.agrees_in_reduce:  # topk agrees after its selection's scan: fail after that
-                method.agree(grad, layout, 0)
+        def broken(*args, **kwargs):
             raise MemoryError("out of memory (injected)")
-        method.reduce = broken
+        if name == "topk":
+            method.output_average = broken
+        else:
+            method.reduce = lambda grad, layout: (method.agree(grad, layout, 0), broken())
     start = time.monotonic()
-    try:
-        method(torch.ones(100))
-    except Exception as exc:  # noqa: BLE001
-        first = f"{type(exc).__name__}: {exc}"
-    try:
-        method(torch.ones(100))
-        second = "went on"
-    except Exception as exc:  # noqa: BLE001
-        second = type(exc).__name__
-    return first, second, time.monotonic() - start
+    calls = []
+    for _ in range(2):
+        try:
+            method(torch.ones(100))
+            calls.append("went on")
+        except Exception as exc:  # noqa: BLE001
+            calls.append(f"{type(exc).__name__}: {exc}")
+    return calls, time.monotonic() - start
 
 
 def test_a_failure_after_the_agreement_is_named_on_the_others_and_stops_the_method():
-    results = run_workers(3, _fails_after_agreement, timeout=90, stall_timeout=4)
-    assert "out of memory (injected)" in results[1][0]
+    """The others wait for rank 1 in the same call, time out and name it with its error."""
+    results = run_workers(3, _fails_after_agreement, "topkdsa", timeout=90, stall_timeout=4)
+    assert "out of memory (injected)" in results[1][0][0]
     for rank in (0, 2):
-        first, second, _ = results[rank]
+        first = results[rank][0][0]
         assert "rank 1 failed mid-call (MemoryError: out of memory (injected))" in first, first
-    assert all(second == ProtocolBroken.__name__ for _, second, _ in results)
+    assert all(calls[1].startswith(ProtocolBroken.__name__) for calls, _ in results)
+
+
+def test_a_failure_after_an_all_gather_inside_the_agreement_is_named_at_the_next_call():
+    """``topk`` on gloo sends its all-gather inside the agreement: when rank 1 fails after it, the
+    others already hold every message and return the average; their next call waits for rank 1,
+    which refuses it, and names rank 1 with its error."""
+    results = run_workers(3, _fails_after_agreement, "topk", timeout=90, stall_timeout=4)
+    assert "out of memory (injected)" in results[1][0][0]
+    assert results[1][0][1].startswith(ProtocolBroken.__name__)
+    for rank in (0, 2):
+        first, second = results[rank][0]
+        assert first == "went on"
+        assert "rank 1 failed mid-call (MemoryError: out of memory (injected))" in second, second
 
 
 def _fails_before_agreement():
@@ -115,7 +130,7 @@ def test_a_failure_before_a_deferred_agreement_raises_on_every_rank_and_changes_
     results = run_workers(3, _fails_before_agreement, timeout=90, stall_timeout=10)
     for rank, (first, unchanged, step) in enumerate(results):
         assert "out of memory (injected)" in first if rank == 1 else "rank 1" in first, first
-        assert "nothing was sent" in first, first
+        assert "nothing was applied" in first, first
         assert unchanged and step == 2
 
 

@@ -10,10 +10,12 @@ naming the offending ranks. The transport module holds the header's collective; 
 what a method call puts in it and how a verdict is read.
 
 The non-finite count costs one sum over the gradient per call (a finite sum means every element is
-finite; only a non-finite sum pays for the exact count). The header is not folded into a method's
-first message: a rank with another dtype or n could not be read safely there, and a verdict after
-``acc = residual + grad`` (done in place, in the selection's scan) could not restore the residual
-exactly (docs/reliability.md, "Why the header travels on its own").
+finite; only a non-finite sum pays for the exact count), unless the method counts it in its
+selection's scan and agrees after it (:attr:`Method.agrees_in_reduce`). On gloo and MPI such a method
+can send its all-gather inside the agreement's messages (:func:`check_call_gathering`): every
+agreement message there has one self-describing frame, so a rank with another n, dtype or method is
+still read, and the header field ``gathers`` makes ranks that would not all do so disagree
+(docs/reliability.md, "The all-gather rides on the agreement").
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from typing import Any
 import torch
 
 from ..selection import NonFiniteInputError
-from ..transport.agreement import Agreement, AgreementError, agree
+from ..transport.agreement import Agreement, AgreementError, agree_gathering
+from ..transport.comm import BlockStep
 from ..transport.disagreement import describe_options, gather_texts, options_text
 
-__all__ = ["check_call", "local_problem", "count_nonfinite", "AgreementError", "NonFiniteGradientError",
-           "NONFINITE_POLICIES"]
+__all__ = ["check_call", "check_call_gathering", "local_problem", "count_nonfinite", "AgreementError",
+           "NonFiniteGradientError", "NONFINITE_POLICIES"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,14 @@ class NonFiniteGradientError(NonFiniteInputError, AgreementError):
 
 def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[str] = (), *,
                nonfinite: int | None = None, failure: str | None = None) -> dict[str, Any] | None:
+    """:func:`check_call_gathering` without a payload: the agreement alone."""
+    return check_call_gathering(method, grad, layout, method_names, nonfinite=nonfinite, failure=failure)[0]
+
+
+def check_call_gathering(method: Any, grad: Any, layout: Layout, method_names: Iterable[str] = (), *,
+                         nonfinite: int | None = None, failure: str | None = None, gathers: bool = False,
+                         block: Sequence[torch.Tensor] | None = None
+                         ) -> tuple[dict[str, Any] | None, list[torch.Tensor] | None, list[BlockStep]]:
     """Check ``grad`` locally, then agree with every rank of ``method.comm`` on the call (one header
     all-reduce). Raises the same error on every rank when a rank's input is unusable, the ranks
     disagree, or (policy ``"error"``) a rank's gradient holds NaN/Inf. Returns ``None`` to go on, or
@@ -57,29 +68,46 @@ def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[st
     ``nonfinite``: the NaN/Inf elements of ``grad`` when the caller counted them already (a method
     that agrees after its selection's scan, :attr:`Method.agrees_in_reduce`); ``None`` counts them
     here (:func:`count_nonfinite`, one sum over the gradient). ``failure``: this rank failed locally
-    before the agreement (the message); every rank then raises."""
+    before the agreement (the message); every rank then raises.
+
+    ``gathers``: this call sends its first message inside the agreement
+    (:func:`~sparsecomm.transport.agreement.agree_gathering`), ``block`` being that message (``None``
+    when the rank has none to send, e.g. a non-finite gradient: the verdict then stops every rank).
+    The flag is a header field, so ranks that would not all do so disagree instead of misreading each
+    other. Returns (as :func:`check_call`, every rank's block in rank order, the payload moved per
+    step); the blocks are there whenever the call goes on."""
     problem = local_problem(grad, layout, method.name, method.residual)
     if failure is not None:
         problem = (9, RuntimeError, f"{method.name}: {failure}")
     tensor = isinstance(grad, torch.Tensor)
     try:
-        header = _header(method, grad, layout, problem, nonfinite)
+        header = _header(method, grad, layout, problem, nonfinite, gathers)
     except Exception as exc:  # noqa: BLE001 - any local failure is told to every rank in the agreement
         problem = (9, RuntimeError, f"{method.name}: reading the gradient failed: {type(exc).__name__}: {exc}")
         header = _header(method, grad, layout, problem)
     with method.comm.meter.phase("agreement"):
-        verdict = agree(method.comm, header, zero=("input", "nonfinite"),
-                        device=grad.device if tensor and not grad.is_meta else None)
+        verdict, gathered, steps = agree_gathering(
+            method.comm, header, block if problem is None else None, zero=("input", "nonfinite"),
+            device=grad.device if tensor and not grad.is_meta else None)
     if verdict is None:
-        return None
+        if gathers and gathered is None:
+            raise RuntimeError(f"{method.name}: the ranks agreed but a rank sent no block (a method bug)")
+        return None, gathered, steps
+    return _refuse(method, grad, layout, problem, verdict, method_names), None, steps
+
+
+def _refuse(method: Any, grad: Any, layout: Layout, problem: tuple | None, verdict: Agreement,
+            method_names: Iterable[str]) -> dict[str, Any]:
+    """Raise the same error on every rank for a verdict that stops the call, or return the figures
+    of a step the non-finite policy skips."""
     bad_input = verdict.nonzero_ranks("input")
     if bad_input:
         if problem is not None:
-            raise problem[1](f"{problem[2]} (input rejected on {_ranks_text(bad_input)}; nothing was sent)")
+            raise problem[1](f"{problem[2]} (input rejected on {_ranks_text(bad_input)}; nothing was applied)")
         codes = sorted(set(verdict.column("input")) - {0})
         what = "failed before sending" if codes == [9] else \
             f"passed an unusable gradient ({', '.join(_PROBLEMS[c][1] for c in codes)})"
-        raise AgreementError(f"{method.name}: {_ranks_text(bad_input)} {what}; nothing was sent", bad_input, "input")
+        raise AgreementError(f"{method.name}: {_ranks_text(bad_input)} {what}; nothing was applied", bad_input, "input")
     mismatched = [name for name in verdict.mismatched() if name != "nonfinite"]
     if mismatched:
         odd = sorted({r for name in mismatched for r in verdict.outliers(name)[1]})
@@ -91,7 +119,7 @@ def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[st
         hints = "".join(_HINTS[name] for name in mismatched if name in _HINTS)
         raise AgreementError(
             f"{method.name}: {details}. Every rank must call the same method on the same kind of gradient; "
-            f"nothing was sent and the state is unchanged.{hints}", odd, mismatched[0])
+            f"nothing was applied and the state is unchanged.{hints}", odd, mismatched[0])
     bad = verdict.nonzero_ranks("nonfinite")
     counts = ", ".join(f"rank {r}: {verdict.column('nonfinite')[r]}" for r in bad)
     if method.nonfinite == "propagate":
@@ -104,7 +132,7 @@ def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[st
         return {"skipped_reason": "nonfinite", "nonfinite_ranks": bad}
     raise NonFiniteGradientError(
         f"{method.name}: NaN/Inf in the gradient of {_ranks_text(bad)} ({counts} non-finite elements); "
-        f"raised on every rank before anything was sent, residual and step unchanged "
+        f"raised on every rank before anything was applied, residual and step unchanged "
         f"(make_method(..., nonfinite='skip') skips such steps instead)", bad, "nonfinite")
 
 
@@ -121,16 +149,17 @@ def _describe_mismatch(method: Any, name: str, grad: Any, layout: Layout) -> str
 
 
 def _header(method: Any, grad: Any, layout: Layout, problem: tuple | None,
-            nonfinite: int | None = None) -> dict[str, int]:
+            nonfinite: int | None = None, gathers: bool = False) -> dict[str, int]:
     """This rank's description of the call, as int64 fields (see :mod:`..transport.agreement`);
-    ``nonfinite`` when counted already, else counted here."""
+    ``nonfinite`` when counted already, else counted here; ``gathers``: the call's first message
+    rides on the agreement."""
     if problem is not None:
         return {"input": problem[0], **dict.fromkeys(_HEADER_FIELDS, 0)}
     n = grad.numel()
     return {"input": 0, "n": n, "dtype": _dtype_code(grad.dtype), "density": _float_bits(method.density),
             "step": method.step, "method": zlib.crc32(method.name.encode()), "options": _options_hash(method.options),
             "layout": 0 if layout is None else _layout_hash(layout),
-            "nonfinite": count_nonfinite(grad) if nonfinite is None else nonfinite}
+            "nonfinite": count_nonfinite(grad) if nonfinite is None else nonfinite, "gathers": int(gathers)}
 
 
 def _options_hash(options: dict[str, Any]) -> int:
@@ -153,7 +182,7 @@ def _check_layout(layout: Layout, n: int, name: str) -> list[tuple[int, int]]:
 
 
 # The header of a call (after its first field, "input": 0 or the code of a local problem).
-_HEADER_FIELDS = ("n", "dtype", "density", "step", "method", "options", "layout", "nonfinite")
+_HEADER_FIELDS = ("n", "dtype", "density", "step", "method", "options", "layout", "nonfinite", "gathers")
 
 # code -> (exception type on the offending rank, short cause for the other ranks)
 _PROBLEMS: dict[int, tuple[type[Exception], str]] = {
@@ -237,7 +266,8 @@ def _show_density(bits: int) -> str:
 _LABELS = {"n": "gradient length differs across ranks", "dtype": "gradient dtype differs across ranks",
            "density": "density differs across ranks", "step": "step counter differs across ranks",
            "method": "method differs across ranks", "options": "method options differ across ranks",
-           "layout": "layout differs across ranks"}
+           "layout": "layout differs across ranks",
+           "gathers": "whether the first message rides on the agreement differs across ranks"}
 
 
 def _range(verdict: Agreement, name: str) -> str:
@@ -258,4 +288,6 @@ _SHOW: dict[str, Callable[[int], str]] = {"dtype": _show_dtype, "density": _show
 _HINTS = {"step": " A differing step means a rank went on after an error the others did not see, or resumed "
                   "from another checkpoint.",
           "method": " Every rank must use the same method.",
-          "options": " Every rank must build the method with the same options."}
+          "options": " Every rank must build the method with the same options.",
+          "gathers": " A method sends its first message with the agreement only for a gradient on the CPU: every rank "
+                     "must pass its gradient on the same kind of device."}

@@ -24,7 +24,7 @@ from ..core.validate import check_fraction
 from ..selection import NonFiniteInputError
 from ..selection.base import Selector
 from ..selection.scan import Scratch
-from ..transport.comm import Communicator
+from ..transport.comm import BlockStep, Communicator
 from ..transport.deadline import ProtocolBroken, explain_timeout, is_peer_failure, report_failure
 from ..transport.merge import GroupMask, Stale, average_blocks_into, average_into, clear
 from .agreement import (
@@ -32,6 +32,7 @@ from .agreement import (
     AgreementError,
     NonFiniteGradientError,
     check_call,
+    check_call_gathering,
     count_nonfinite,
     local_problem,
 )
@@ -195,8 +196,21 @@ class Method:
                 else:
                     residual.add_(grad)
             return residual, selected
+        acc, selected, nonfinite = self.accumulate_to_spare(grad, select)
+        self.agree(grad, layout, nonfinite)
+        self.commit_residual(acc)
+        return acc, selected
+
+    def accumulate_to_spare(self, grad: torch.Tensor,
+                            select: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The local half of :meth:`accumulate_and_agree`: ``acc = residual + grad`` written to
+        :meth:`spare_residual` by ``select``'s fused scan (or the scan alone), the residual untouched.
+        Returns (``acc``, ``select``'s result, or ``None`` when the gradient is not finite, the
+        gradient's NaN/Inf count). The caller agrees next and then :meth:`commit_residual`."""
         residual = self.residual_like(grad)  # not replaced before the agreement: a refused call keeps it
         acc = self.spare_residual(grad)
+        selected: torch.Tensor | None = None
         nonfinite = 0
         with self.timer("select" if select is not None else "residual"):
             try:
@@ -209,9 +223,7 @@ class Method:
                     nonfinite = count_nonfinite(grad)
             except NonFiniteInputError:  # the scan's sum of |acc| is not finite: count (the rare path)
                 nonfinite = max(1, count_nonfinite(grad))
-        self.agree(grad, layout, nonfinite)
-        self.commit_residual(acc)
-        return acc, selected
+        return acc, selected, nonfinite
 
     def accumulate_select_and_agree(self, grad: torch.Tensor, layout: Layout, selector: Selector,
                                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,23 +239,46 @@ class Method:
         the next call's spare buffer."""
         self.residual, self._spare = acc, self.residual
 
-    def agree(self, grad: torch.Tensor, layout: Layout, nonfinite: int) -> None:
+    def agree(self, grad: torch.Tensor, layout: Layout, nonfinite: int, *, gathers: bool = False,
+              block: Sequence[torch.Tensor] | None = None) -> tuple[list[torch.Tensor] | None, list[BlockStep]]:
         """The call's agreement (:func:`.agreement.check_call`), made by a method whose
         :attr:`agrees_in_reduce` is set, once per call, after its local work on ``grad`` and before
         it sends anything; ``nonfinite``: the NaN/Inf elements that work found in ``grad`` (0 when
         none; any positive number when there are some). Raises the agreement's error on every rank;
         a step skipped by the non-finite policy leaves :meth:`reduce` by an internal exception that
         :meth:`__call__` turns into the policy's result. Its header bytes and rounds are not the
-        method's traffic (they are booked apart, as when the base class agrees first)."""
+        method's traffic (they are booked apart, as when the base class agrees first).
+
+        ``gathers``: the method sends its first message, an all-gather of ``block`` (this rank's
+        payload, ``None`` when it has none, e.g. a non-finite gradient), inside the agreement's own
+        messages (only where ``self.comm.gathers_in_agreement``; see
+        :func:`.agreement.check_call_gathering`). Returns every rank's block (``uint8``, rank order)
+        and the payload moved per step, which the method books as its own traffic
+        (:meth:`book_gathered`); ``(None, [])`` without ``gathers``."""
         if self._agreement is not None:
             raise RuntimeError(f"{self.name}: agree() called twice in one call (a method bug)")
         mark, start = self.comm.meter.snapshot(), time.perf_counter()
         self._agreement_entered = True  # from here on, every rank learns of a failure in the agreement
-        skip = check_call(self, grad, layout, METHODS.names(), nonfinite=nonfinite)
-        self._agreement = (time.perf_counter() - start, self.comm.meter.since(mark))
+        skip, gathered, steps = check_call_gathering(self, grad, layout, METHODS.names(), nonfinite=nonfinite,
+                                                     gathers=gathers, block=block)
+        # an agreement that carried the method's all-gather is the method's communication: its time is
+        # the method's (time_comm), not an agreement's of its own
+        elapsed = 0.0 if gathers and skip is None else time.perf_counter() - start
+        self._agreement = (elapsed, self.comm.meter.since(mark))
         if skip is not None:
             raise _SkippedCall(skip)
         self._agreed = True
+        return gathered, steps
+
+    def book_gathered(self, steps: Sequence[BlockStep]) -> None:
+        """Book the payload an all-gather inside the agreement moved (:meth:`agree` with ``gathers``)
+        as this method's traffic: one round and one message each way per step, as if it had been sent
+        on its own."""
+        meter = self.comm.meter
+        for step in steps:
+            meter.record_round()
+            meter.record_send(step.sent, inter_node=self.comm.is_inter_node(step.dst))
+            meter.record_recv(step.recv, inter_node=self.comm.is_inter_node(step.src))
 
     # ------------------------------------------------------------------ the output tensor
     def output_buffer(self, like: torch.Tensor) -> torch.Tensor:

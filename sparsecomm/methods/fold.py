@@ -50,7 +50,8 @@ class ThresholdFold:
     :meth:`fused_select` instead: ``fused_select(residual, grad, acc)`` writes ``acc = residual + grad``
     and returns the selected indices, changing no state but the working threshold of its
     :class:`~sparsecomm.selection.threshold.HardThreshold` (set anew every call); its controller moves
-    in :meth:`agreed`, once every rank agreed to go on, so a refused or skipped call leaves it as it was.
+    by :meth:`controller_update`'s result, run once every rank agreed to go on, so a refused or skipped
+    call leaves it as it was.
     """
 
     agrees_in_reduce = True
@@ -60,17 +61,19 @@ class ThresholdFold:
         :class:`~sparsecomm.selection.NonFiniteInputError` on a non-finite gradient)."""
         raise NotImplementedError
 
-    def agreed(self, acc: Tensor, indices: Tensor) -> None:
-        """After the agreement: the controller's update and the stats of the selection."""
+    def controller_update(self, acc: Tensor, indices: Tensor) -> Callable[[], None]:
+        """What the controller learns from this call's selection (``indices`` of ``acc``, read now,
+        before the sent values leave ``acc``), as the update to run once the ranks agreed."""
         raise NotImplementedError
 
     def accumulate_and_agree(self, grad: Tensor, layout: Layout,
                              select: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
                              ) -> tuple[Tensor, Tensor | None]:
         """:meth:`.base.Method.accumulate_and_agree` with :meth:`fused_select` as the selection (the
-        ``select`` handed in, the configured selector's scan, is not this method's), then :meth:`agreed`."""
+        ``select`` handed in, the configured selector's scan, is not this method's), then the
+        controller's update."""
         assert isinstance(self, Method)
         acc, indices = Method.accumulate_and_agree(self, grad, layout, self.fused_select)
         assert indices is not None
-        self.agreed(acc, indices)
+        self.controller_update(acc, indices)()
         return acc, indices

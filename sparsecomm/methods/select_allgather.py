@@ -7,12 +7,17 @@ Per call, on every rank r:
    ``residual = acc`` with the entries at ``idx`` set to zero (error feedback). With the default
    selection the addition happens inside the selector's scan (one read of the gradient and the
    residual, :meth:`SelectAllGather.accumulate_select`).
-2. All-gather of the packed message ``(indices, values)``, by
-   :func:`~sparsecomm.transport.sparse_collectives.allgather_chunks`. With an exact-count selector every
-   rank sends exactly k entries, a length every rank knows once the ranks agreed on n and the density,
-   so each round is the payload alone; otherwise the receivers do not know its length and the element
-   counts travel first as the size header of :meth:`Communicator.exchange_many` (the "initial element
-   which indicates the length" of RedSync section 2.3).
+2. All-gather of the packed message ``(indices, values)``. On gloo and MPI, when the method agrees
+   after its scan (:attr:`agrees_in_reduce`), the all-gather *is* the call's agreement: the
+   agreement's ceil(log2 P) messages carry the messages too (a mirrored Bruck all-gather,
+   :meth:`~sparsecomm.transport.comm.Communicator.agree_max_gathering`), so a call sends ceil(log2 P)
+   messages in all instead of twice as many, and the residual becomes ``acc`` only once the ranks
+   agreed. Otherwise (NCCL, a stateful selector) by
+   :func:`~sparsecomm.transport.sparse_collectives.allgather_chunks` after the agreement: with an
+   exact-count selector every rank sends exactly k entries, a length every rank knows once the ranks
+   agreed on n and the density, so each round is the payload alone; otherwise the element counts
+   travel as the size header of :meth:`Communicator.exchange_many` (the "initial element which
+   indicates the length" of RedSync section 2.3).
 3. Every rank merges the P messages (each sorted by index) into the method's reused output buffer
    (:meth:`~.base.Method.output_average`: one ordered sweep that zeroes where the last call wrote and
    writes this call's average, :func:`~sparsecomm.transport.merge.average_into`): each index's sum is
@@ -31,7 +36,7 @@ bytes that is ``(P-1) m`` sent and received (RedSync equation (1) without its co
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -142,6 +147,19 @@ class SelectAllGather(SelectorStateMixin, Method):
         and the agreement follows it (:meth:`~.base.Method.agree`), with no pass of its own."""
         return type(self).select is SelectAllGather.select and self.selector.stateless
 
+    def fused_select(self, residual: Tensor, grad: Tensor, acc: Tensor) -> Tensor:
+        """``acc = residual + grad`` and the indices this rank sends, in one scan (raises
+        :class:`~sparsecomm.selection.NonFiniteInputError` on a non-finite gradient): the configured
+        selector's :meth:`~sparsecomm.selection.base.Selector.accumulate` with k = ceil(density n).
+        Used where the method agrees after its scan (:attr:`agrees_in_reduce`)."""
+        return self.selector.accumulate(residual, grad, self.k(grad.numel()), dest=acc)
+
+    def controller_update(self, acc: Tensor, indices: Tensor) -> Callable[[], None]:
+        """What a selection controller learns from this call (read from ``acc`` now, before the sent
+        values leave it), as the update to run once the ranks agreed: nothing here (threshold
+        methods move their controller, :class:`~.fold.ThresholdFold`)."""
+        return _nothing
+
     def _known_counts(self, n: int) -> list[int] | None:
         """Every rank's message length when it is known before the exchange: the configured selector
         picks exactly k = ceil(density n) entries (an exact-count selector, ``select`` not overridden)
@@ -153,12 +171,53 @@ class SelectAllGather(SelectorStateMixin, Method):
 
     def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
         n = grad.numel()
-        if self.agrees_in_reduce:
-            acc, idx = self.accumulate_select_and_agree(grad, layout, self.selector, self.k(n))
+        k = self.k(n)
+        # the all-gather rides on the agreement where the backend allows (gloo, MPI): see below
+        gathers = self.agrees_in_reduce and not self._agreed and self.comm.gathers_in_agreement
+        nonfinite = 0
+        idx: Tensor | None
+        update: Callable[[], None] = _nothing
+        if gathers:
+            acc, idx, nonfinite = self.accumulate_to_spare(grad, self.fused_select)
+            if idx is not None:
+                update = self.controller_update(acc, idx)
+        elif self.agrees_in_reduce:
+            acc, idx = self.accumulate_select_and_agree(grad, layout, self.selector, k)
         else:
             with self.timer("select"):
                 acc = self.residual_for(grad)       # acc is self.residual, updated in place
                 idx = self.accumulate_select(acc, grad)
+        chunk = None if idx is None else self._message(acc, idx, n)
+        if gathers:
+            # the agreement's messages carry the all-gather (a rank whose gradient is not finite sends
+            # none, and the verdict stops every rank): ceil(log2 P) messages for both
+            with self.timer("comm"):
+                blocks, steps = self.agree(grad, layout, nonfinite, gathers=True,
+                                           block=None if chunk is None else chunk.parts())
+            assert blocks is not None and chunk is not None
+            self.commit_residual(acc)
+            update()
+            self.book_gathered(steps)
+            gathered = [SparseChunk.from_bytes(block, chunk.indices.dtype, chunk.values.dtype) for block in blocks]
+        else:
+            assert chunk is not None
+            counts = self._known_counts(n)
+            if counts is not None and chunk.nnz != counts[self.comm.rank]:
+                raise RuntimeError(f"{self.name}: selector {self.selector_name!r} picked {chunk.nnz} entries, not "
+                                   f"the k={counts[self.comm.rank]} its exact count promises (a selector bug)")
+            with self.timer("comm"):
+                gathered = allgather_chunks(self.comm, chunk, counts=counts)
+        with self.timer("decompress"):
+            out = self.output_average(grad, [c.indices for c in gathered], [c.values for c in gathered],
+                                      self.comm.size)
+        self.stats["message_bytes"] = chunk.nbytes()
+        self.stats["counts"] = [received.nnz for received in gathered]
+        self.stats["received_nnz"] = sum(self.stats["counts"])
+        return out
+
+    def _message(self, acc: Tensor, idx: Tensor, n: int) -> SparseChunk:
+        """This rank's message: the selected entries (cut to the cap, in ascending order), their values
+        taken out of ``acc``, whose rest stays as the residual (error feedback)."""
         with self.timer("select"):
             idx = idx.to(torch.int64)
             picked = idx.numel()
@@ -170,19 +229,11 @@ class SelectAllGather(SelectorStateMixin, Method):
             chunk = SparseChunk(idx.to(index_dtype(n)), take_and_clear(acc, idx))  # what was not sent stays
         self.last_sent = idx
         self.stats.update(selected=idx.numel(), capped=int(picked > idx.numel()), cut=picked - idx.numel())
-        counts = self._known_counts(n)
-        if counts is not None and idx.numel() != counts[self.comm.rank]:
-            raise RuntimeError(f"{self.name}: selector {self.selector_name!r} picked {idx.numel()} entries, not the "
-                               f"k={counts[self.comm.rank]} its exact count promises (a selector bug)")
-        with self.timer("comm"):
-            gathered = allgather_chunks(self.comm, chunk, counts=counts)
-        with self.timer("decompress"):
-            out = self.output_average(grad, [c.indices for c in gathered], [c.values for c in gathered],
-                                      self.comm.size)
-        self.stats["message_bytes"] = chunk.nbytes()
-        self.stats["counts"] = [received.nnz for received in gathered]
-        self.stats["received_nnz"] = sum(self.stats["counts"])
-        return out
+        return chunk
+
+
+def _nothing() -> None:
+    """The controller update of a selection without a controller."""
 
 
 def select_allgather_cost(P: int, n: int, k: int, rank: int, itemsize: int = 4, *,

@@ -41,6 +41,7 @@ k_(P-1)])`` is exact; without ``counts`` it is TopkA's figure for k per rank, ma
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -211,12 +212,14 @@ class SIDCo(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllG
         self.stats.update(threshold=self.hard.threshold, fitted_threshold=fitted)
         return view.indices_ge(self.hard.threshold, view.n_candidates)  # the stages' buffer size: kept
 
-    def agreed(self, acc: Tensor, indices: Tensor) -> None:
+    def controller_update(self, acc: Tensor, indices: Tensor) -> Callable[[], None]:
         n = acc.numel()
         k = self.k(n)
-        if self.controller == "adaptive" and k < n:
-            elasticity = local_elasticity(acc.index_select(0, indices).abs_(), self.hard.threshold)
-            self._feedback.update(indices.numel(), k, elasticity)
+        if self.controller != "adaptive" or k >= n:
+            return lambda: None
+        elasticity = local_elasticity(acc.index_select(0, indices).abs_(), self.hard.threshold)
+        picked = indices.numel()
+        return lambda: self._feedback.update(picked, k, elasticity)
 
 
 register_cost("sidco")(data_dependent_cost)

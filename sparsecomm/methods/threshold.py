@@ -31,6 +31,7 @@ k_(P-1)])`` is exact; without ``counts`` it is TopkA's figure for k per rank, ma
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from torch import Tensor
 
@@ -86,12 +87,14 @@ class HardThresholdAllGather(ThresholdFold, SparsificationMetrics, FeedbackState
             self.hard.threshold = 1 / (2 * math.sqrt(k))
         return self.hard.accumulate(residual, grad, k, dest=acc)
 
-    def agreed(self, acc: Tensor, indices: Tensor) -> None:
+    def controller_update(self, acc: Tensor, indices: Tensor) -> Callable[[], None]:
         self.stats["threshold"] = self.hard.threshold
         n = acc.numel()
         k = self.k(n)
-        if self._adaptive(n, k):
-            self._feedback.update(indices.numel(), k)
+        if not self._adaptive(n, k):
+            return lambda: None
+        picked = indices.numel()
+        return lambda: self._feedback.update(picked, k)
 
 
 register_cost("threshold")(data_dependent_cost)

@@ -244,7 +244,8 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     * agreement: the least over calls and over ranks of the agreement's time (where recorded: the
       rank that arrives last waits least, so its time is the messages' own), per agreement round
       (``agreement_round_s``; :func:`~.simulator.agreement_rounds` at this P). A method that agrees
-      after its selection's scan (``agreement_folded``) spends it all on the rounds; one that agrees
+      after its selection's scan (``agreement_folded``) spends it all on the rounds (none at all when
+      its all-gather rides on the agreement: its time is then the method's comm); one that agrees
       first also makes a pass over the gradient (its finiteness count), so its rounds are costed at
       the folded methods' median per round and the rest stays with the selection, per element;
     * selection: work less decompression and the agreement's rounds, fitted per gradient element
@@ -291,8 +292,9 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
         per.setdefault(name, []).append((n, work, traffic, comm_factor, comm))
     out = {}
     rounds = agreement_rounds(P)
+    # a method whose all-gather rides on the agreement records none of its own (0 s: it is its comm)
     folded_rates = [seconds / rounds for name, by_n in agreement.items() if folded[name] and rounds
-                    for seconds in by_n.values()]
+                    for seconds in by_n.values() if seconds > 0]
     for name, samples in per.items():
         w1, w0 = fit_work([(n, w) for n, w, *_ in samples])
         out[name] = {"w1": w1, "w0": w0, "traffic_factor": statistics.mean(s[2] for s in samples),

@@ -24,7 +24,8 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   cache lines, touched in place or streamed whole, at most one write of the output: it grows with
   the P x k pairs of the all-gather family until the output is written once, then with n).
   ``a_r``: the agreement's cost per round (``agreement_round_s``), its ceil(log2 P) small messages
-  (:func:`agreement_rounds`); a method that agrees before its selection also makes a pass over the
+  (:func:`agreement_rounds`; 0 for a method whose all-gather rides on the agreement, whose messages
+  are then its comm); a method that agrees before its selection also makes a pass over the
   gradient, which stays in ``s1``. All are fitted over the calibrated sizes at P_cal. (A dense
   method touches no sparse entries; its decompression, if any, is per gradient element.) Profiles
   fitted before the sweep (``decompress_per`` "entry") keep ``d1`` per touched entry

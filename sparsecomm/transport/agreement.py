@@ -18,9 +18,15 @@ This is the check that ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` makes for torch's own 
 compares the collective's shapes and dtypes across ranks) and that NCCL's error checking makes
 before launching a kernel, reduced to what a sparse method needs.
 
-Cost per call, per rank: ceil(log2 P) messages of 2 H int64 (16 H bytes each), booked as header
-bytes in the meter, with no round; only after a disagreement a second exchange of ceil(log2 P)
-messages of 8 P H bytes.
+A method whose first message is an all-gather can send it *in* the agreement
+(:func:`agree_gathering`, on gloo and MPI): the dissemination's messages carry the payload blocks
+too, so the call needs no messages of its own for the agreement. Every rank still reads every
+message, whatever method it called, because every agreement message on those backends has the same
+self-describing frame (:meth:`Communicator.agree_max_gathering`).
+
+Cost per call, per rank: ceil(log2 P) messages of 2 H int64 (16 H bytes each; on gloo and MPI 16 more
+bytes of frame), booked as header bytes in the meter, with no round; only after a disagreement a
+second exchange of ceil(log2 P) messages of 8 P H bytes.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .comm import Communicator
+from torch import Tensor
 
-__all__ = ["AgreementError", "Agreement", "agree", "INT64_MIN"]
+from .comm import BlockStep, Communicator
+
+__all__ = ["AgreementError", "Agreement", "agree", "agree_gathering", "INT64_MIN"]
 
 INT64_MIN = -(2 ** 63)
 
@@ -101,19 +109,38 @@ def agree(comm: Communicator, header: Mapping[str, int], *, zero: Sequence[str] 
     """``None`` when every rank passed the same ``header`` and the fields in ``zero`` are 0 on every
     rank; else every rank's header (the same :class:`Agreement` on every rank).
 
-    Collective: every rank of ``comm`` must call it with the same field names, in the same order.
+    Collective: every rank of ``comm`` must call it (or :func:`agree_gathering`) with the same field
+    names, in the same order.
     """
+    return agree_gathering(comm, header, None, zero=zero, device=device)[0]
+
+
+def agree_gathering(comm: Communicator, header: Mapping[str, int], block: Sequence[Tensor] | None, *,
+                    zero: Sequence[str] = (), device=None
+                    ) -> tuple[Agreement | None, list[Tensor] | None, list[BlockStep]]:
+    """:func:`agree` whose messages also all-gather ``block``, this rank's payload (a method's first
+    message; :meth:`Communicator.agree_max_gathering`, on backends where
+    :attr:`Communicator.gathers_in_agreement`). Returns (the verdict, every rank's block in rank order
+    as ``uint8`` tensors, the payload moved per step). The blocks are ``None`` when a rank passed
+    none; that rank's header then differs (the caller puts whether it sends one in the header), so
+    the verdict is never ``None`` without them."""
     names = tuple(header)
     values = [int(header[name]) for name in names]
-    both = comm.agree_max(values + [-v for v in values], device=device)
+    both_ways = values + [-v for v in values]
+    gathered: list[Tensor] | None = None
+    steps: list[BlockStep] = []
+    if block is None:
+        both = comm.agree_max(both_ways, device=device)
+    else:
+        both, gathered, steps = comm.agree_max_gathering(both_ways, block)
     hi, lo = both[:len(values)], [-v for v in both[len(values):]]
     equal = all(a == b for a, b in zip(hi, lo, strict=True))
     zero_ok = all(hi[names.index(name)] == 0 and lo[names.index(name)] == 0 for name in zero)
     if equal and zero_ok:
-        return None
+        return None, gathered, steps
     width = len(values)
     table = [INT64_MIN] * (comm.size * width)
     table[comm.rank * width:(comm.rank + 1) * width] = values
-    gathered = comm.agree_max(table, device=device)
-    rows = tuple(tuple(gathered[r * width:(r + 1) * width]) for r in range(comm.size))
-    return Agreement(names, rows)
+    rows_flat = comm.agree_max(table, device=device)
+    rows = tuple(tuple(rows_flat[r * width:(r + 1) * width]) for r in range(comm.size))
+    return Agreement(names, rows), gathered, steps

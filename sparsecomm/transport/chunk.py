@@ -81,6 +81,19 @@ class SparseChunk:
         """The tensors that travel: (indices, values)."""
         return self.indices, self.values
 
+    @classmethod
+    def from_bytes(cls, block: torch.Tensor, index: torch.dtype, value: torch.dtype) -> SparseChunk:
+        """The chunk whose :meth:`parts` were sent back to back as the ``uint8`` ``block`` (views where
+        aligned; a part that starts off its dtype's alignment, e.g. float64 values behind an odd
+        number of int32 indices, is copied)."""
+        pair = index.itemsize + value.itemsize
+        if block.numel() % pair:
+            raise ValueError(f"a block of {block.numel()} bytes is not a whole number of ({index}, {value}) pairs")
+        cut = block.numel() // pair * index.itemsize
+        parts = [block[:cut], block[cut:]]
+        return cls(*(part.view(dtype) if part.storage_offset() % dtype.itemsize == 0 else part.clone().view(dtype)
+                     for part, dtype in zip(parts, (index, value), strict=True)))
+
 
 def add_chunks(chunks: Iterable[SparseChunk]) -> SparseChunk:
     """Sum chunks by index: the result is coalesced (unique, sorted indices).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from .meter import TrafficMeter
 from .nodemap import node_of, resolve_local_size
 
-__all__ = ["Communicator"]
+__all__ = ["Communicator", "BlockStep"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,20 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of 8 (the blocks of an agreement message stay aligned)."""
+    return -(-nbytes // 8) * 8
+
+
+class BlockStep(NamedTuple):
+    """The payload one step of :meth:`Communicator.agree_max_gathering` moved (bytes, unpadded)."""
+
+    dst: int
+    sent: int
+    src: int
+    recv: int
 
 
 def _split_payload(payload: torch.Tensor, sizes: Sequence[int], dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
@@ -95,6 +110,7 @@ class Communicator:
         self._host_staging = backend == "gloo"
         # one message per round for payloads of unknown size: the header rides in front of the payload
         self._eager_headers = backend in _SHORT_RECEIVE_BACKENDS
+        self._landings: list[torch.Tensor] = []  # the agreement's receive buffers, one per step
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, ranks={self._ranks})"
@@ -332,9 +348,13 @@ class Communicator:
     def agree_max(self, values: Sequence[int], device=None) -> list[int]:
         """Element-wise maximum of a small integer list over all ranks of this communicator.
 
-        A control exchange for input validation (dissemination: ceil(log2 P) steps), booked as
-        header bytes and no round, so it never disturbs a method's traffic figures.
-        """
+        A control exchange for input validation (ceil(log2 P) steps), booked as header bytes and no
+        round, so it never disturbs a method's traffic figures. On gloo and MPI it is
+        :meth:`agree_max_gathering` without a payload, so that a rank whose method carries one and a
+        rank whose method does not still exchange messages each can read; elsewhere a dissemination
+        (step d sends to rank r + d and receives from r - d)."""
+        if self._eager_headers:
+            return self.agree_max_gathering(values, None)[0]
         mine = torch.tensor(list(values), dtype=_HEADER_DTYPE, device=device)
         theirs = torch.empty_like(mine)
         distance = 1
@@ -344,6 +364,115 @@ class Communicator:
             torch.maximum(mine, theirs, out=mine)
             distance *= 2
         return [int(v) for v in mine.tolist()]
+
+    @property
+    def gathers_in_agreement(self) -> bool:
+        """Whether :meth:`agree_max_gathering` can carry a payload: on gloo and MPI, whose receives
+        accept a message shorter than the posted buffer. On NCCL a method agrees first, then sends."""
+        return self._eager_headers
+
+    def agree_max_gathering(self, values: Sequence[int], block: Sequence[torch.Tensor] | None
+                            ) -> tuple[list[int], list[torch.Tensor] | None, list[BlockStep]]:
+        """:meth:`agree_max` whose messages also all-gather one *block* of bytes per rank (a method's
+        first message riding on its agreement: ceil(log2 P) messages instead of twice as many).
+
+        ``block``: this rank's payload, a list of CPU tensors sent back to back as raw bytes, or
+        ``None`` (an agreement alone). Returns (the maxima, every rank's block as a ``uint8`` tensor in
+        rank order or ``None``, the payload moved per step). The blocks come back only when every rank
+        passed one; otherwise (a rank that only agrees: a disagreement its header will show) ``None``.
+        The other ranks' blocks are views into this communicator's receive buffers (one of
+        :data:`EAGER_LIMIT_BYTES` per step, kept): they hold until its next agreement, so copy what
+        must outlive the call.
+
+        The steps are those of :func:`~.sparse_collectives.allgatherv`, which an element-wise maximum
+        can ride on as well: for P a power of two, recursive doubling (step mask = 1, 2, ... exchanges
+        everything held with rank r ^ mask), otherwise Bruck's (step d = 1, 2, 4, ... sends the first
+        min(d, P - d) blocks held, those of ranks r, r+1, ..., to r - d and receives as many from
+        r + d); each message also carries the running maximum. Each message is ``[V, m, sizes of the
+        m blocks, the V running maxima | the blocks, each padded to 8 bytes]`` (int64 prefix),
+        received into a buffer of :data:`EAGER_LIMIT_BYTES`; past that limit the blocks follow as a
+        second message, which both sides decide from the sizes alone. The prefix and the padding are
+        booked as header bytes with no round; the blocks are not booked here: the caller books them,
+        as its own message (``BlockStep``: destination, bytes sent, source, bytes received).
+
+        Cost per rank: ceil(log2 P) messages of 8 (2 + m + V) bytes of header plus the blocks, which
+        are those of :func:`~.sparse_collectives.allgatherv_traffic`."""
+        mine = torch.tensor(list(values), dtype=_HEADER_DTYPE)
+        me, P = self.rank, self.size
+        held: dict[int, torch.Tensor] | None = None  # rank -> its block
+        if block is not None:
+            held = {me: torch.cat([_as_bytes(t) for t in block]) if len(block) != 1 else _as_bytes(block[0])}
+        steps: list[BlockStep] = []
+        doubling = P & (P - 1) == 0
+        distance = 1
+        while distance < P:
+            if doubling:  # the partner's group: ranks first .. first + distance - 1
+                dst = src = me ^ distance
+                mine_first, first, count = me & ~(distance - 1), src & ~(distance - 1), distance
+            else:
+                dst, src = (me - distance) % P, (me + distance) % P
+                mine_first, first, count = me, src, min(distance, P - distance)
+            outgoing = [] if held is None else [held[(mine_first + j) % P] for j in range(count)]
+            theirs, incoming = self._disseminate_step(mine, outgoing, dst, src, len(steps))
+            torch.maximum(mine, theirs, out=mine)
+            if held is not None:
+                if len(incoming) == count:
+                    held.update({(first + j) % P: b for j, b in enumerate(incoming)})
+                else:  # a rank on the way passed no block: no rank's verdict will let these be used
+                    held = None
+            steps.append(BlockStep(dst, sum(_nbytes(b) for b in outgoing), src, sum(_nbytes(b) for b in incoming)))
+            distance *= 2
+        gathered = None if held is None else [held[q] for q in range(P)]
+        return [int(v) for v in mine.tolist()], gathered, steps
+
+    def _landing(self, step: int) -> torch.Tensor:
+        """The receive buffer of step ``step`` of an agreement: :data:`EAGER_LIMIT_BYTES`, allocated once
+        and reused by every agreement (a fresh one per message costs page faults, and its release
+        returns memory the next allocation of the call faults in again)."""
+        while len(self._landings) <= step:
+            self._landings.append(torch.empty(EAGER_LIMIT_BYTES, dtype=torch.uint8))
+        return self._landings[step]
+
+    def _disseminate_step(self, mine: torch.Tensor, outgoing: Sequence[torch.Tensor], dst: int, src: int,
+                          step: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One step of :meth:`agree_max_gathering`: send ``mine`` and the ``outgoing`` blocks to
+        ``dst``; return what ``src`` sent (its maxima, its blocks as ``uint8`` views)."""
+        padded = [_padded(_nbytes(b)) for b in outgoing]
+        prefix = torch.tensor([mine.numel(), len(outgoing), *(_nbytes(b) for b in outgoing)], dtype=_HEADER_DTYPE)
+        head = prefix.numel() * _HEADER_DTYPE.itemsize + _nbytes(mine)
+        message = torch.empty(head + sum(padded), dtype=torch.uint8)
+        message[:prefix.numel() * 8] = prefix.view(torch.uint8)
+        message[prefix.numel() * 8:head] = mine.view(torch.uint8)
+        offset = head
+        for b, size in zip(outgoing, padded, strict=True):
+            message[offset:offset + _nbytes(b)] = b
+            message[offset + _nbytes(b):offset + size] = 0
+            offset += size
+        send_first, send_rest = (message, None) if message.numel() <= EAGER_LIMIT_BYTES \
+            else (message[:head], message[head:])
+        landing = self._landing(step)
+        self._post(send_first, dst, landing, src, header=False, book=False)
+        counts = landing[:16].view(_HEADER_DTYPE).tolist()
+        if counts[0] != mine.numel():
+            raise RuntimeError(f"agreement: rank {src} sent {counts[0]} values where this rank has {mine.numel()} "
+                               "(the ranks are in different collectives)")
+        sizes = landing[16:16 + 8 * counts[1]].view(_HEADER_DTYPE).tolist()
+        their_head = 8 * (2 + counts[1]) + _nbytes(mine)
+        theirs = landing[16 + 8 * counts[1]:their_head].view(_HEADER_DTYPE).clone()
+        body_bytes = sum(_padded(s) for s in sizes)
+        second = their_head + body_bytes > EAGER_LIMIT_BYTES  # the blocks follow in a message of their own
+        body = torch.empty(body_bytes, dtype=torch.uint8) if second else landing[their_head:their_head + body_bytes]
+        if send_rest is not None or second:
+            self._post(send_rest, dst if send_rest is not None else None,
+                       body if second else None, src if second else None, header=False, book=False)
+        self.meter.record_send(head + sum(padded) - sum(_nbytes(b) for b in outgoing), header=True,
+                               inter_node=self.is_inter_node(dst))
+        self.meter.record_recv(their_head + body_bytes - sum(sizes), header=True, inter_node=self.is_inter_node(src))
+        blocks, offset = [], 0
+        for size in sizes:
+            blocks.append(body[offset:offset + size])
+            offset += _padded(size)
+        return theirs, blocks
 
     def barrier(self) -> None:
         self._require_whole_group("barrier")
