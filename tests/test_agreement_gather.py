@@ -1,0 +1,118 @@
+"""The all-gather that rides on the agreement (gloo): ``Communicator.agree_max_gathering`` delivers every
+rank's block with the maxima, in the steps and bytes of ``allgatherv``; a ``SelectAllGather`` call sends
+ceil(log2 P) messages in all and returns the same bits as when it agrees first; ranks that do not all
+gather disagree on every rank instead of misreading each other."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sparsecomm.launch.launcher import run_workers
+from sparsecomm.methods import make_method
+from sparsecomm.transport.agreement import AgreementError
+from sparsecomm.transport.comm import EAGER_LIMIT_BYTES, Communicator
+from sparsecomm.transport.sparse_collectives import allgatherv_traffic
+
+WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def _block_of(rank: int, big: bool) -> list[torch.Tensor]:
+    """Rank r's block: r + 1 int32 and 2 r + 1 float64 (unaligned sizes), or past the eager limit."""
+    if big and rank == 1:
+        return [torch.arange(EAGER_LIMIT_BYTES // 4 + 5, dtype=torch.int32)]
+    return [torch.arange(rank + 1, dtype=torch.int32), torch.full((2 * rank + 1,), rank + 0.5, dtype=torch.float64)]
+
+
+def _gather(big: bool, without: int | None):
+    comm = Communicator()
+    rank, P = comm.rank, comm.size
+    block = None if rank == without else _block_of(rank, big)
+    maxima, gathered, steps = comm.agree_max_gathering([rank, -rank, 7], block)
+    expected = [torch.cat([t.contiguous().view(torch.uint8) for t in _block_of(q, big)]) for q in range(P)]
+    same = gathered is not None and all(torch.equal(a, b) for a, b in zip(gathered, expected, strict=True))
+    sizes = [int(b.numel()) for b in expected]
+    rounds, sent, recv = allgatherv_traffic(sizes, rank)
+    traffic = (len(steps), sum(s.sent for s in steps), sum(s.recv for s in steps)) == (rounds, sent, recv)
+    return maxima, same, gathered is None, traffic
+
+
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_every_rank_gets_every_block_and_the_maxima_in_the_steps_of_allgatherv(P):
+    for maxima, same, _, traffic in run_workers(P, _gather, False, None, timeout=60):
+        assert maxima == [P - 1, 0, 7]
+        assert same and traffic
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_block_past_the_eager_limit_follows_in_a_second_message(P):
+    for maxima, same, _, traffic in run_workers(P, _gather, True, None, timeout=60):
+        assert maxima == [P - 1, 0, 7]
+        assert same and traffic
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 5])
+def test_a_rank_without_a_block_leaves_every_rank_without_blocks_but_with_the_maxima(P):
+    for maxima, _, none, _ in run_workers(P, _gather, False, P - 1, timeout=60):
+        assert maxima == [P - 1, 0, 7]
+        assert none
+
+
+def _topka_calls(gathers: bool):
+    """Three topka calls; ``gathers=False`` makes every rank agree first and all-gather after (the NCCL
+    path), with the same frames for the agreement."""
+    class AgreesFirst(Communicator):
+        gathers_in_agreement = False
+
+    method = make_method("topka", density=0.02)
+    if not gathers:
+        method.comm.__class__ = AgreesFirst
+    sends = []
+    real_isend = dist.isend
+
+    def counting_isend(*args, **kwargs):
+        sends.append(1)
+        return real_isend(*args, **kwargs)
+
+    dist.isend = counting_isend
+    try:
+        outputs = []
+        for call in range(3):
+            grad = torch.randn(3000, generator=torch.Generator().manual_seed(10 * dist.get_rank() + call))
+            outputs.append(method(grad))
+    finally:
+        dist.isend = real_isend
+    return outputs, len(sends) / 3, method.stats.rounds
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 7, 8])
+def test_topka_gathering_in_the_agreement_gives_the_same_bits_in_half_the_messages(P):
+    folded = run_workers(P, _topka_calls, True, timeout=60)
+    apart = run_workers(P, _topka_calls, False, timeout=60)
+    for (outs, messages, rounds), (ref, ref_messages, ref_rounds) in zip(folded, apart, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True))
+        assert rounds == ref_rounds == (P - 1).bit_length()  # the method's rounds are its all-gather's
+        assert messages == rounds and ref_messages == 2 * rounds  # messages each rank sent per call
+
+
+def _mixed(kind: str):
+    rank = dist.get_rank()
+    method = make_method("topka", density=0.05)
+    if rank == 1 and kind == "method":
+        method = make_method("rabenseifner")
+    if rank == 1 and kind == "gathers":
+        class AgreesFirst(Communicator):
+            gathers_in_agreement = False
+        method.comm.__class__ = AgreesFirst
+    try:
+        method(torch.randn(2000))
+        return "went on"
+    except AgreementError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("kind, text", [("method", "method differs across ranks"),
+                                        ("gathers", "whether the first message rides on the agreement differs")])
+def test_ranks_that_do_not_all_gather_disagree_on_every_rank(kind, text):
+    for message in run_workers(3, _mixed, kind, timeout=60):
+        assert text in message, message
+        assert "rank 1" in message
