@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from sparsecomm.launch.launcher import run_workers
 from sparsecomm.methods import agreement, make_method
+from sparsecomm.methods.exdyna import ExDyna
+from sparsecomm.methods.redsync import RedSync
 from sparsecomm.methods.select_allgather import SelectAllGather
 
 N = 70_000  # large enough for the sampled selection's fused scan (n >= 65536)
@@ -97,8 +99,9 @@ def _counts_of_the_separate_pass(name):
         method = make_method(name, density=0.01, **options)
         for call in range(3):
             method(gradient(dist.get_rank(), call))
-        # an all-gather that rides on the agreement (SelectAllGather on gloo) is timed as the comm
-        gathered = isinstance(method, SelectAllGather) and method.agrees_in_reduce
+        # an all-gather that rides on the agreement (SelectAllGather, RedSync, ExDyna on gloo) is timed as the comm
+        gathered = method.stats.extra.get("gathered_in_agreement") == 1
+        assert gathered == (isinstance(method, SelectAllGather | RedSync | ExDyna) and method.agrees_in_reduce)
         agreement_s = method.stats.extra["time_agreement"]
         timed = agreement_s == 0 and method.stats.time_comm > 0 if gathered else agreement_s > 0
         return method.agrees_in_reduce, len(calls), timed

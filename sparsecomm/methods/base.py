@@ -254,7 +254,9 @@ class Method:
         messages (only where ``self.comm.gathers_in_agreement``; see
         :func:`.agreement.check_call_gathering`). Returns every rank's block (``uint8``, rank order)
         and the payload moved per step, which the method books as its own traffic
-        (:meth:`book_gathered`); ``(None, [])`` without ``gathers``."""
+        (:meth:`book_gathered`); ``(None, [])`` without ``gathers``. Such a call's
+        ``stats.extra["gathered_in_agreement"]`` is 1 and its ``time_agreement`` 0 (its time is
+        ``time_comm``)."""
         if self._agreement is not None:
             raise RuntimeError(f"{self.name}: agree() called twice in one call (a method bug)")
         mark, start = self.comm.meter.snapshot(), time.perf_counter()
@@ -268,6 +270,8 @@ class Method:
         if skip is not None:
             raise _SkippedCall(skip)
         self._agreed = True
+        if gathers:
+            self.stats.extra["gathered_in_agreement"] = 1
         return gathered, steps
 
     def book_gathered(self, steps: Sequence[BlockStep]) -> None:

@@ -88,7 +88,7 @@ from ..selection.threshold import (
     cap_selection,
     estimate_kth_magnitude,
 )
-from ..transport.chunk import index_dtype
+from ..transport.chunk import bytes_as, index_dtype
 from ..transport.collectives import (
     allreduce,
     allreduce_cost,
@@ -344,27 +344,38 @@ class ExDyna(SparsificationMetrics, Method):
         # One fused pass (the selectors' scan kernel where built) writes acc = residual + grad, checks
         # the gradient for the agreement and gathers |acc| >= threshold over all of acc (about P times
         # this rank's share, the threshold estimating the global k-th magnitude).
+        def scan(residual: torch.Tensor, g: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+            return self._scratch.scan(residual, threshold, name="exdyna", check_finite=True, need_total=False,
+                                      expected=math.ceil(2 * k), addend=g, dest=dest).indices
+
+        # on gloo and MPI the all-gather of the indices rides on the agreement (uneven mode)
+        gathers = not self._agreed and self.comm.gathers_in_agreement and self.allgather == "uneven"
         try:
-            acc, candidates = self.accumulate_and_agree(grad, layout, lambda residual, g, dest: self._scratch.scan(
-                residual, threshold, name="exdyna", check_finite=True, need_total=False,
-                expected=math.ceil(2 * k), addend=g, dest=dest).indices)
+            if gathers:
+                acc, candidates, nonfinite = self.accumulate_to_spare(grad, scan)
+                selection = None if candidates is None else self._selection(acc, candidates, start, end, k)
+                with self.timer("comm"):
+                    blocks, steps = self.agree(grad, layout, nonfinite, gathers=True,
+                                               block=None if selection is None else [selection[0]])
+                self.commit_residual(acc)
+            else:
+                acc, candidates = self.accumulate_and_agree(grad, layout, scan)
         except BaseException:
             if kept is not None:
                 self.partitions, self.partition_counts, self.scaler, self.feedback = kept
             raise
-        assert candidates is not None
         self.scaler.threshold, self.partitions = estimated, partitions
-        with self.timer("select"):
-            lo, hi = torch.searchsorted(candidates, torch.tensor([start, end], dtype=candidates.dtype)).tolist()
-            local = candidates[lo:hi] - start  # increasing indices of |part| >= threshold
-            part = acc[start:end]
-            picked = local.numel()
-            limit = cap_limit(self.cap, k / P)
-            if limit is not None and k < n and picked > limit:
-                local = cap_selection(part, local, limit)  # the rest stays in the residual
-            indices = (local + start).to(index_dtype(n))
+        if gathers:
+            self.book_gathered(steps)
+            assert blocks is not None and selection is not None
+            indices, picked = selection
+            gathered = [bytes_as(block, indices.dtype) for block in blocks]
+        else:
+            assert candidates is not None
+            indices, picked = self._selection(acc, candidates, start, end, k)
+            with self.timer("comm"):
+                gathered = self._allgather_indices(indices)
         with self.timer("comm"):
-            gathered = self._allgather_indices(indices)
             # Rank q searched partition allocated_partition(step, q, P): order the union by partition.
             owner = [0] * P
             for q in range(P):
@@ -389,6 +400,21 @@ class ExDyna(SparsificationMetrics, Method):
                           threshold_next=self.scaler.threshold, capped=int(picked > counts[r]),
                           cut=picked - counts[r])
         return out
+
+    def _selection(self, acc: torch.Tensor, candidates: torch.Tensor, start: int, end: int,
+                   k: int) -> tuple[torch.Tensor, int]:
+        """This rank's indices to send (global, increasing): the candidates inside its partition
+        [start, end), cut to the cap; and how many there were before the cut."""
+        n, P = acc.numel(), self.comm.size
+        with self.timer("select"):
+            lo, hi = torch.searchsorted(candidates, torch.tensor([start, end], dtype=candidates.dtype)).tolist()
+            local = candidates[lo:hi] - start  # increasing indices of |part| >= threshold
+            part = acc[start:end]
+            picked = local.numel()
+            limit = cap_limit(self.cap, k / P)
+            if limit is not None and k < n and picked > limit:
+                local = cap_selection(part, local, limit)  # the rest stays in the residual
+            return (local + start).to(index_dtype(n)), picked
 
     def _allgather_indices(self, indices: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's selected indices, in rank order (see the module docstring for both modes)."""

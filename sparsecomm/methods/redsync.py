@@ -19,7 +19,10 @@ Per call (Algorithm 1, one bucket), on every rank:
 3. The packed message (:func:`pack_message`): per-layer counts (int32, one per layer), the global
    indices of the sparse layers, then the values (dense layers' values, sparse layers' values, one mean
    per quantized layer), all-gathered in one round per step (``allgatherv``: recursive doubling
-   for powers of two, Bruck otherwise; ceil(log2 P) rounds).
+   for powers of two, Bruck otherwise; ceil(log2 P) rounds). On gloo and MPI the all-gather rides on
+   the call's agreement (the compression is then made before it, into the spare buffer, the
+   selectors' state put back if the ranks refuse the call): ceil(log2 P) messages per call in all
+   (docs/reliability.md, "The all-gather rides on the agreement").
 4. Decompression (section 2.3): every rank scatter-adds the P messages in rank order, divides by P.
 
 Cost, equation (1): ``T = T_select + lg(p) alpha + (p-1) M D beta + p gamma_1``; the meter sees
@@ -43,7 +46,7 @@ from ..core.cost import Cost, ceil_log2, register_cost
 from ..selection import current_name as current_selector_name
 from ..selection import make as make_selector
 from ..selection.scan import take_and_clear
-from ..transport.chunk import index_dtype
+from ..transport.chunk import bytes_as, index_dtype
 from ..transport.comm import Communicator
 from ..transport.merge import ascending
 from ..transport.sparse_collectives import allgatherv, allgatherv_cost
@@ -156,6 +159,18 @@ def unpack_message(specs: Sequence[LayerSpec], counts: Tensor, indices: Tensor, 
         raise ValueError(f"unpack_message: counts account for {i_at} indices and {v_at} values, the message "
                          f"holds {indices.numel()} and {values.numel()}")
     return parts
+
+
+def split_message(block: Tensor, specs: Sequence[LayerSpec], index_type: torch.dtype,
+                  value_type: torch.dtype) -> list[Tensor]:
+    """The three tensors of a :func:`pack_message` message that arrived as the ``uint8`` ``block`` (its
+    tensors back to back): one count per layer, as many indices as the sparse layers' counts, then
+    the values (the rest); views where aligned."""
+    count_bytes = len(specs) * _COUNT_DTYPE.itemsize
+    counts = bytes_as(block[:count_bytes], _COUNT_DTYPE)
+    n_indices = sum(count for spec, count in zip(specs, counts.tolist(), strict=True) if not spec.dense)
+    cut = count_bytes + n_indices * index_type.itemsize
+    return [counts, bytes_as(block[count_bytes:cut], index_type), bytes_as(block[cut:], value_type)]
 
 
 def message_nbytes(message: Sequence[Tensor]) -> int:
@@ -296,25 +311,30 @@ class RedSync(Method):
             self._accumulate(specs, residual, g, acc, picked)
             return acc[:0]
 
+        # on gloo and MPI the all-gather rides on the agreement: compress first (into the spare buffer,
+        # the selectors' state kept until the verdict), then one exchange for both
+        gathers = not self._agreed and self.comm.gathers_in_agreement
         try:
             with kept_on_failure(self._selectors.values()):  # a refused or skipped call: as it was
-                acc, _ = self.accumulate_and_agree(grad, layout, accumulate)
+                if gathers:
+                    acc, selected, nonfinite = self.accumulate_to_spare(grad, accumulate)
+                    message = None if selected is None else self._message(specs, acc, sign, picked, n)
+                    with self.timer("comm"):
+                        blocks, steps = self.agree(grad, layout, nonfinite, gathers=True, block=message)
+                    self.commit_residual(acc)
+                else:
+                    acc, _ = self.accumulate_and_agree(grad, layout, accumulate)
         except BaseException:
             self._spans, self._specs, self._selectors, self._pending_selector_state = plan
             raise
-        with self.timer("select"):
-            parts, sent = [], []
-            for i, spec in enumerate(specs):
-                part, idx = self._compress(i, spec, acc[spec.offset:spec.offset + spec.numel], sign, picked.get(i))
-                parts.append(part)
-                sent.append(idx + spec.offset)
-            message = pack_message(specs, parts, index_dtype(n))
-        self.last_sent = torch.cat(sent)
-        self.stats["selected"] = self.last_sent.numel()
-        self.stats["message_bytes"] = message_nbytes(message)
-        self.stats["asq_sign"] = sign if self.quantize else 0
-        with self.timer("comm"):
-            gathered = allgatherv(self.comm, message)
+        if gathers:
+            self.book_gathered(steps)
+            assert blocks is not None and message is not None
+            gathered = [split_message(block, specs, message[1].dtype, message[2].dtype) for block in blocks]
+        else:
+            message = self._message(specs, acc, sign, picked, n)
+            with self.timer("comm"):
+                gathered = allgatherv(self.comm, message)
         with self.timer("decompress"):
             messages = [unpack_message(specs, counts, indices, values) for counts, indices, values in gathered]
             if any(spec.dense for spec in specs):  # dense layers are added in place: divide all of out
@@ -328,6 +348,23 @@ class RedSync(Method):
                 received = [_sparse_entries(grad, specs, parts) for parts in messages]
                 out = self.output_average(grad, [i for i, _ in received], [v for _, v in received], self.comm.size)
         return out
+
+    def _message(self, specs: Sequence[LayerSpec], acc: Tensor, sign: int, picked: dict[int, Tensor],
+                 n: int) -> list[Tensor]:
+        """This rank's packed message (:func:`pack_message`), each layer compressed out of ``acc``,
+        which keeps the rest (error feedback); sets ``last_sent`` and the message's stats."""
+        with self.timer("select"):
+            parts, sent = [], []
+            for i, spec in enumerate(specs):
+                part, idx = self._compress(i, spec, acc[spec.offset:spec.offset + spec.numel], sign, picked.get(i))
+                parts.append(part)
+                sent.append(idx + spec.offset)
+            message = pack_message(specs, parts, index_dtype(n))
+        self.last_sent = torch.cat(sent)
+        self.stats["selected"] = self.last_sent.numel()
+        self.stats["message_bytes"] = message_nbytes(message)
+        self.stats["asq_sign"] = sign if self.quantize else 0
+        return message
 
     # ------------------------------------------------------------------ checkpoints
     def extra_state(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import torch
 
 from .merge import merge_sum
 
-__all__ = ["SparseChunk", "index_dtype", "pair_bytes", "add_chunks"]
+__all__ = ["SparseChunk", "index_dtype", "pair_bytes", "add_chunks", "bytes_as"]
 
 _INT32_LIMIT = 2 ** 31
 
@@ -83,16 +83,19 @@ class SparseChunk:
 
     @classmethod
     def from_bytes(cls, block: torch.Tensor, index: torch.dtype, value: torch.dtype) -> SparseChunk:
-        """The chunk whose :meth:`parts` were sent back to back as the ``uint8`` ``block`` (views where
-        aligned; a part that starts off its dtype's alignment, e.g. float64 values behind an odd
-        number of int32 indices, is copied)."""
+        """The chunk whose :meth:`parts` were sent back to back as the ``uint8`` ``block``
+        (:func:`bytes_as`: views where aligned)."""
         pair = index.itemsize + value.itemsize
         if block.numel() % pair:
             raise ValueError(f"a block of {block.numel()} bytes is not a whole number of ({index}, {value}) pairs")
         cut = block.numel() // pair * index.itemsize
-        parts = [block[:cut], block[cut:]]
-        return cls(*(part.view(dtype) if part.storage_offset() % dtype.itemsize == 0 else part.clone().view(dtype)
-                     for part, dtype in zip(parts, (index, value), strict=True)))
+        return cls(bytes_as(block[:cut], index), bytes_as(block[cut:], value))
+
+
+def bytes_as(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``uint8`` tensor ``part`` read as ``dtype``: a view where its start is aligned for ``dtype``,
+    else a copy (e.g. float64 values behind an odd number of int32 indices)."""
+    return part.view(dtype) if part.storage_offset() % dtype.itemsize == 0 else part.clone().view(dtype)
 
 
 def add_chunks(chunks: Iterable[SparseChunk]) -> SparseChunk:
