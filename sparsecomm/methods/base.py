@@ -274,6 +274,19 @@ class Method:
             self.stats.extra["gathered_in_agreement"] = 1
         return gathered, steps
 
+    def gather_in_agreement(self, grad: torch.Tensor, layout: Layout, nonfinite: int, acc: torch.Tensor,
+                            block: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The call's agreement carrying its all-gather of ``block`` (:meth:`agree` with ``gathers``,
+        timed as the comm), after which ``acc`` (:meth:`accumulate_to_spare`'s) becomes the residual
+        and the payload is booked as this method's traffic (:meth:`book_gathered`). Returns every
+        rank's block (``uint8``, rank order); raises or skips the call as :meth:`agree` does."""
+        with self.timer("comm"):
+            blocks, steps = self.agree(grad, layout, nonfinite, gathers=True, block=block)
+        assert blocks is not None  # the verdict lets a call go on only when every rank sent its block
+        self.commit_residual(acc)
+        self.book_gathered(steps)
+        return blocks
+
     def book_gathered(self, steps: Sequence[BlockStep]) -> None:
         """Book the payload an all-gather inside the agreement moved (:meth:`agree` with ``gathers``)
         as this method's traffic: one round and one message each way per step, as if it had been sent

@@ -354,10 +354,8 @@ class ExDyna(SparsificationMetrics, Method):
             if gathers:
                 acc, candidates, nonfinite = self.accumulate_to_spare(grad, scan)
                 selection = None if candidates is None else self._selection(acc, candidates, start, end, k)
-                with self.timer("comm"):
-                    blocks, steps = self.agree(grad, layout, nonfinite, gathers=True,
-                                               block=None if selection is None else [selection[0]])
-                self.commit_residual(acc)
+                blocks = self.gather_in_agreement(grad, layout, nonfinite, acc,
+                                                  None if selection is None else [selection[0]])
             else:
                 acc, candidates = self.accumulate_and_agree(grad, layout, scan)
         except BaseException:
@@ -366,8 +364,7 @@ class ExDyna(SparsificationMetrics, Method):
             raise
         self.scaler.threshold, self.partitions = estimated, partitions
         if gathers:
-            self.book_gathered(steps)
-            assert blocks is not None and selection is not None
+            assert selection is not None
             indices, picked = selection
             gathered = [bytes_as(block, indices.dtype) for block in blocks]
         else:

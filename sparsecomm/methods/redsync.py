@@ -319,17 +319,14 @@ class RedSync(Method):
                 if gathers:
                     acc, selected, nonfinite = self.accumulate_to_spare(grad, accumulate)
                     message = None if selected is None else self._message(specs, acc, sign, picked, n)
-                    with self.timer("comm"):
-                        blocks, steps = self.agree(grad, layout, nonfinite, gathers=True, block=message)
-                    self.commit_residual(acc)
+                    blocks = self.gather_in_agreement(grad, layout, nonfinite, acc, message)
                 else:
                     acc, _ = self.accumulate_and_agree(grad, layout, accumulate)
         except BaseException:
             self._spans, self._specs, self._selectors, self._pending_selector_state = plan
             raise
         if gathers:
-            self.book_gathered(steps)
-            assert blocks is not None and message is not None
+            assert message is not None
             gathered = [split_message(block, specs, message[1].dtype, message[2].dtype) for block in blocks]
         else:
             message = self._message(specs, acc, sign, picked, n)

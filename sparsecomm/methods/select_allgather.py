@@ -9,7 +9,7 @@ Per call, on every rank r:
    residual, :meth:`SelectAllGather.accumulate_select`).
 2. All-gather of the packed message ``(indices, values)``. On gloo and MPI, when the method agrees
    after its scan (:attr:`agrees_in_reduce`), the all-gather *is* the call's agreement: the
-   agreement's ceil(log2 P) messages carry the messages too (a mirrored Bruck all-gather,
+   agreement's ceil(log2 P) messages carry the messages too (in the steps of ``allgatherv``,
    :meth:`~sparsecomm.transport.comm.Communicator.agree_max_gathering`), so a call sends ceil(log2 P)
    messages in all instead of twice as many, and the residual becomes ``acc`` only once the ranks
    agreed. Otherwise (NCCL, a stateful selector) by
@@ -191,13 +191,9 @@ class SelectAllGather(SelectorStateMixin, Method):
         if gathers:
             # the agreement's messages carry the all-gather (a rank whose gradient is not finite sends
             # none, and the verdict stops every rank): ceil(log2 P) messages for both
-            with self.timer("comm"):
-                blocks, steps = self.agree(grad, layout, nonfinite, gathers=True,
-                                           block=None if chunk is None else chunk.parts())
-            assert blocks is not None and chunk is not None
-            self.commit_residual(acc)
+            blocks = self.gather_in_agreement(grad, layout, nonfinite, acc, None if chunk is None else chunk.parts())
+            assert chunk is not None
             update()
-            self.book_gathered(steps)
             gathered = [SparseChunk.from_bytes(block, chunk.indices.dtype, chunk.values.dtype) for block in blocks]
         else:
             assert chunk is not None

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .chunk import bytes_as
 from .meter import TrafficMeter
 from .nodemap import node_of, resolve_local_size
 
@@ -63,10 +64,7 @@ def _split_payload(payload: torch.Tensor, sizes: Sequence[int], dtypes: Sequence
     out: list[torch.Tensor] = []
     offset = 0
     for nbytes, dt in zip(sizes, dtypes, strict=False):
-        piece = payload[offset:offset + nbytes]
-        if offset % dt.itemsize:  # a dtype view needs an aligned start: copy the rare misaligned part
-            piece = piece.clone()
-        out.append(piece.view(dt))
+        out.append(bytes_as(payload[offset:offset + nbytes], dt))
         offset += nbytes
     return out
 
