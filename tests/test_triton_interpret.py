@@ -36,6 +36,14 @@ _SCRIPT = textwrap.dedent("""
             assert torch.equal(val, x.abs()[want]), (n, floor)
             assert math.isclose(total, float(x.abs().double().sum()), rel_tol=1e-12), (n, floor)
             assert top == float(x.abs().max()), (n, floor)
+    # one buffer set across calls: outputs sized from the last count, too small when it grows
+    x = torch.randn(70_001, generator=gen)
+    buffers = triton_scan._Buffers()
+    for floor in (3.0, 2.0, 2.5, 0.5, math.inf, 1.0):
+        count, _, _, idx, val = triton_scan.scan_ge(x, floor, buffers, expected=10)
+        want = torch.nonzero(x.abs() >= floor).squeeze(1)
+        assert count == want.numel() and torch.equal(idx, want) and torch.equal(val, x.abs()[want]), floor
+        assert triton_scan.scan_ge(x, floor, buffers, gather=False)[0] == count, floor
     # the counts at many thresholds in one call equal one count per threshold
     a = torch.sort(torch.randn(5000, generator=gen).abs()).values
     thresholds = np.array([0.0, 0.1, 1.0, float(a[17]), 2.5, 9.0])

@@ -404,7 +404,8 @@ class ExDyna(SparsificationMetrics, Method):
         [start, end), cut to the cap; and how many there were before the cut."""
         n, P = acc.numel(), self.comm.size
         with self.timer("select"):
-            lo, hi = torch.searchsorted(candidates, torch.tensor([start, end], dtype=candidates.dtype)).tolist()
+            lo, hi = torch.searchsorted(candidates, torch.tensor([start, end], dtype=candidates.dtype,
+                                                                 device=candidates.device)).tolist()
             local = candidates[lo:hi] - start  # increasing indices of |part| >= threshold
             part = acc[start:end]
             picked = local.numel()

@@ -184,7 +184,7 @@ class Scratch:
             result = self._scan_compiled(x, floor, expected, addend, dest)
             x = x if dest is None else dest
         elif self.uses_triton(x):
-            result = self._scan_triton(x, floor)
+            result = self._scan_triton(x, floor, expected)
         else:
             a = self.magnitudes(x)
             total = _sum_of_magnitudes(a) if need_total or check_finite else math.nan
@@ -202,9 +202,9 @@ class Scratch:
             return triton_scan.scan_ge(x, t, self._triton, gather=False)[0]
         return int(torch.count_nonzero(self._mask_ge(self.magnitudes(x), t)))
 
-    def _scan_triton(self, x: Tensor, floor: float) -> ScanResult:
+    def _scan_triton(self, x: Tensor, floor: float, expected: int) -> ScanResult:
         """The GPU scan (:func:`.triton_scan.scan_ge`): candidates in increasing index order."""
-        count, total, top, indices, values = triton_scan.scan_ge(x, floor, self._triton)
+        count, total, top, indices, values = triton_scan.scan_ge(x, floor, self._triton, expected=expected)
         assert indices is not None and values is not None
         return ScanResult(indices, values, total, top)
 

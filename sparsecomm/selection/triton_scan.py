@@ -5,10 +5,14 @@ The CPU path reads ``x`` once with the C kernel; on CUDA the same contract is me
 
 * :func:`scan_ge` -- ``sum |x|`` (in float64, per program, then summed in a fixed order, so the
   result does not depend on scheduling), ``max |x|`` and the candidates ``|x| >= floor`` (indices
-  and magnitudes, in increasing index order) in two reads of ``x``: one for the statistics and the
-  count of each program, one to write each program's candidates at its prefix-sum offset. (A single
-  read with an atomic slot reservation per program was measured too: its output is unordered, and
-  sorting it cost more than the second read.)
+  and magnitudes, in increasing index order) in two reads of ``x`` and one host synchronization, at
+  the end: a statistics kernel (the figures of each program and the count of each tile of 1024), a
+  prefix sum of the tile counts on the device, and a gather kernel with one program per tile, which
+  writes that tile's candidates at its prefix-sum offset (no atomics: the same result on every run).
+  The three are queued back to back, so the host's launches overlap the GPU's work; the output is
+  sized from the previous calls' counts, and a call that finds more candidates than fit gathers
+  again into an exact buffer. (A single read with an atomic slot reservation per program was
+  measured too: its output is unordered, and sorting it cost more than the second read.)
 * :func:`counts_ge` -- the exact counts ``#{v >= t_j}`` at many thresholds at once, from the
   candidates sorted by magnitude (one binary search per threshold), so that a threshold bisection
   of depth ``L`` costs one launch and one host synchronization instead of ``L`` passes and syncs.
@@ -41,8 +45,8 @@ except ImportError:  # CPU builds of torch come without Triton: the torch passes
 _TILE = 1024
 _TILES = 16
 CHUNK = _TILE * _TILES
-#: the gather's tiles are smaller: at the densities of a selection most of them hold no candidate
-_GATHER_TILE = 256
+#: the smallest output the gather is given before the count is known (elements)
+_MIN_CAPACITY = 1 << 12
 
 
 def interpreted() -> bool:
@@ -65,10 +69,12 @@ def available(x: Tensor, *, on_cpu: bool = False) -> bool:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n", "floor", "programs"], do_not_specialize_on_alignment=["out_ptr"])
-    def _stats_kernel(x_ptr, n, floor, out_ptr, programs, TILE: tl.constexpr, TILES: tl.constexpr):
+    @triton.jit(do_not_specialize=["n", "floor", "programs"],
+                do_not_specialize_on_alignment=["out_ptr", "tile_counts_ptr"])
+    def _stats_kernel(x_ptr, n, floor, out_ptr, tile_counts_ptr, programs, TILE: tl.constexpr, TILES: tl.constexpr):
         """Per program p, into the float64 array out: out[p] = sum |x| (float64), out[programs + p] =
-        max |x|, out[2 programs + p] = #{|x| >= floor}, over its chunk of x (one host copy reads all)."""
+        max |x|, out[2 programs + p] = #{|x| >= floor}, over its chunk of x (one host copy reads all);
+        and into the int32 array tile_counts, #{|x| >= floor} of each of its tiles."""
         pid = tl.program_id(0)
         start = pid.to(tl.int64) * (TILE * TILES)
         lanes = tl.arange(0, TILE)
@@ -81,30 +87,31 @@ if triton is not None:
             a = tl.abs(tl.load(x_ptr + offs, mask=inside, other=0.0))
             total += a.to(tl.float64)
             top = tl.maximum(top, a.to(tl.float32))
-            hits += ((a >= floor) & inside).to(tl.int32)
+            hit = ((a >= floor) & inside).to(tl.int32)
+            tl.store(tile_counts_ptr + pid * TILES + t, tl.sum(hit, axis=0))
+            hits += hit
         tl.store(out_ptr + pid, tl.sum(total, axis=0))
         tl.store(out_ptr + programs + pid, tl.max(top, axis=0).to(tl.float64))
         tl.store(out_ptr + 2 * programs + pid, tl.sum(hits, axis=0).to(tl.float64))
 
-    @triton.jit(do_not_specialize=["n", "floor"], do_not_specialize_on_alignment=["ends_ptr", "idx_ptr", "val_ptr"])
-    def _gather_kernel(x_ptr, n, floor, ends_ptr, idx_ptr, val_ptr, TILE: tl.constexpr, TILES: tl.constexpr):
-        """Per program: write the indices and magnitudes of |x| >= floor of its chunk, in order, from
-        the slot ``ends[pid - 1]`` (``ends``: the inclusive prefix sum of the programs' counts)."""
+    @triton.jit(do_not_specialize=["n", "floor", "capacity"],
+                do_not_specialize_on_alignment=["ends_ptr", "idx_ptr", "val_ptr"])
+    def _gather_kernel(x_ptr, n, floor, ends_ptr, idx_ptr, val_ptr, capacity, TILE: tl.constexpr):
+        """Per program, one tile of x: write the indices and magnitudes of its |x| >= floor, in order,
+        from the slot ``ends[pid - 1]`` (``ends``: the inclusive prefix sum of the tiles' counts), those
+        below ``capacity`` only. A tile without candidates is not read."""
         pid = tl.program_id(0)
-        start = pid.to(tl.int64) * (TILE * TILES)
-        lanes = tl.arange(0, TILE)
-        slot = tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0.0).to(tl.int64)
-        for t in range(TILES):
-            offs = start + t * TILE + lanes
+        slot = tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0)
+        end = tl.load(ends_ptr + pid)
+        if (end > slot) & (slot < capacity):
+            offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
             inside = offs < n
             a = tl.abs(tl.load(x_ptr + offs, mask=inside, other=0.0))
             hit = (a >= floor) & inside
-            hits = tl.sum(hit.to(tl.int32), axis=0)
-            if hits > 0:  # most tiles of a sparse selection have none: no prefix sum for them
-                position = slot + (tl.cumsum(hit.to(tl.int32), axis=0) - 1).to(tl.int64)
-                tl.store(idx_ptr + position, offs, mask=hit)
-                tl.store(val_ptr + position, a, mask=hit)
-                slot += hits.to(tl.int64)
+            position = slot + (tl.cumsum(hit.to(tl.int32), axis=0) - 1).to(tl.int64)
+            keep = hit & (position < capacity)
+            tl.store(idx_ptr + position, offs, mask=keep)
+            tl.store(val_ptr + position, a, mask=keep)
 
 
 class _Launcher:
@@ -122,25 +129,38 @@ class _Launcher:
         self.kernel = kernel
         self.compiled: dict = {}
 
-    def __call__(self, programs: int, x: Tensor, *args, tile: int, tiles: int) -> None:
+    def __call__(self, programs: int, x: Tensor, *args, **constants: int) -> None:
         grid = (programs, 1, 1)
         if interpreted() or not x.is_cuda:
-            self.kernel[grid](x, *args, TILE=tile, TILES=tiles)
+            self.kernel[grid](x, *args, **constants)
             return
         key = (x.device.index, x.dtype, x.data_ptr() % 16 == 0)
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self.kernel.warmup(x, *args, TILE=tile, TILES=tiles, grid=grid)
+            compiled = self.kernel.warmup(x, *args, **constants, grid=grid)
             compiled = compiled.result() if hasattr(compiled, "result") else compiled
             self.compiled[key] = compiled
-        compiled[grid](x, *args, tile, tiles)
+        compiled[grid](x, *args, *constants.values())
 
 
 class _Buffers:
-    """Per-scratch device buffer of the scan's per-program figures, reused across calls."""
+    """Per-scratch device buffers of the scan (reused across calls) and the size of its last output."""
 
     def __init__(self) -> None:
-        self.figures: Tensor | None = None  # float64 [3 programs + 1]: sums, maxima, 0, counts
+        self.figures: Tensor | None = None  # float64 [3 programs]: sums, maxima, counts
+        self.tile_counts: Tensor | None = None  # int32 [tiles]: candidates per tile of _TILE
+        self.ends: Tensor | None = None  # int64 [tiles]: their inclusive prefix sum
+        self.last_count = 0  # candidates of the previous gathering call (sizes the next output)
+
+    def fit(self, x: Tensor, programs: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The three buffers for ``programs`` programs over ``x``'s device, grown when needed."""
+        tiles = programs * _TILES
+        if self.figures is None or self.figures.numel() < 3 * programs or self.figures.device != x.device:
+            self.figures = torch.empty(3 * programs, dtype=torch.float64, device=x.device)
+            self.tile_counts = torch.empty(tiles, dtype=torch.int32, device=x.device)
+            self.ends = torch.empty(tiles, dtype=torch.int64, device=x.device)
+        assert self.tile_counts is not None and self.ends is not None
+        return self.figures[:3 * programs], self.tile_counts[:tiles], self.ends[:tiles]
 
 
 _STATS = _Launcher(_stats_kernel) if triton is not None else None
@@ -156,36 +176,46 @@ def _floor_in(dtype: torch.dtype, floor: float) -> float:
     return float(torch.tensor(floor, dtype=torch.float64).to(dtype).to(torch.float64))
 
 
-def scan_ge(x: Tensor, floor: float, buffers: _Buffers, *, gather: bool = True
+def scan_ge(x: Tensor, floor: float, buffers: _Buffers, *, gather: bool = True, expected: int = 0
             ) -> tuple[int, float, float, Tensor | None, Tensor | None]:
     """``(count, sum |x|, max |x|, indices, magnitudes)`` of ``|x| >= floor``, indices increasing.
 
-    Two kernels: the first reads ``x`` for the statistics and each program's count; one copy of those
-    per-program figures to the host (the only synchronization) gives the three scalars and sizes the
-    output exactly; the second kernel reads ``x`` again and writes the candidates in index order at
-    each program's prefix-sum offset (no atomics, no sort: the same result on every run).
-    ``gather=False`` stops after the first (a count); indices and magnitudes are then ``None``.
+    The statistics kernel reads ``x`` for each program's figures and each tile's count; a prefix sum
+    of the tile counts on the device gives every tile its first output slot; the gather kernel reads
+    ``x`` again (the tiles holding a candidate) and writes the candidates there. All three are queued
+    without waiting; the one synchronization, the copy of the per-program figures to the host, comes
+    last and gives the three scalars. The output is sized before the count is known: at least
+    ``expected`` (the caller's guess) and 1.5 times the previous call's count; a call with more
+    candidates than that gathers again into an exact buffer (a third read). ``gather=False`` stops
+    after the statistics (a count); indices and magnitudes are then ``None``.
     """
     assert _STATS is not None and _GATHER is not None, "Triton is not installed"
     n = x.numel()
     programs = max(1, -(-n // CHUNK))
-    figures = buffers.figures
-    if figures is None or figures.numel() < 3 * programs or figures.device != x.device:
-        buffers.figures = figures = torch.empty(3 * programs, dtype=torch.float64, device=x.device)
+    figures, tile_counts, ends = buffers.fit(x, programs)
     floor_arg = _floor_in(x.dtype, floor)
-    _STATS(programs, x, n, floor_arg, figures, programs, tile=_TILE, tiles=_TILES)
-    host = figures[:3 * programs].cpu().numpy()
+    _STATS(programs, x, n, floor_arg, figures, tile_counts, programs, TILE=_TILE, TILES=_TILES)
+    indices = values = None
+    capacity = 0
+    if gather:
+        capacity = min(n, max(expected, buffers.last_count + buffers.last_count // 2, _MIN_CAPACITY))
+        indices = torch.empty(capacity, dtype=torch.int64, device=x.device)
+        values = torch.empty(capacity, dtype=x.dtype, device=x.device)
+        torch.cumsum(tile_counts, 0, dtype=torch.int64, out=ends)
+        _GATHER(ends.numel(), x, n, floor_arg, ends, indices, values, capacity, TILE=_TILE)
+    host = figures.cpu().numpy()
     total = float(host[:programs].sum())
     top = float(host[programs:2 * programs].max())
     count = int(host[2 * programs:3 * programs].sum())
     if not gather:
         return count, total, top, None, None
-    indices = torch.empty(count, dtype=torch.int64, device=x.device)
-    values = torch.empty(count, dtype=x.dtype, device=x.device)
-    if count:
-        ends = figures[2 * programs:3 * programs].cumsum(0)  # exact: counts are integers below 2^53
-        _GATHER(programs, x, n, floor_arg, ends, indices, values, tile=_GATHER_TILE, tiles=CHUNK // _GATHER_TILE)
-    return count, total, top, indices, values
+    assert indices is not None and values is not None
+    buffers.last_count = count
+    if count > capacity:  # more candidates than the guess: gather again, into buffers of the exact size
+        indices = torch.empty(count, dtype=torch.int64, device=x.device)
+        values = torch.empty(count, dtype=x.dtype, device=x.device)
+        _GATHER(ends.numel(), x, n, floor_arg, ends, indices, values, count, TILE=_TILE)
+    return count, total, top, indices[:count], values[:count]
 
 
 def counts_ge(ascending: Tensor, thresholds: np.ndarray) -> np.ndarray:
