@@ -1,7 +1,7 @@
 #!/bin/bash
 # The GPU checks of docs/gpu.md in one run on a machine with one CUDA GPU whose python3 holds CUDA
 # torch and Triton (no package registry needed). Run from the repository root:
-#   OUT=/some/dir bash docs/gpu/device_run.sh [profile] [select] [test] [calibrate]
+#   OUT=/some/dir bash docs/gpu/device_run.sh [tune] [profile] [select] [selectall] [test] [calibrate]
 # Each stage writes its log under $OUT; a stage that fails does not stop the next.
 set -u
 OUT=${OUT:-runs/gpu}
@@ -14,6 +14,7 @@ python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || echo "C extens
 for stage in $stages; do
     start=$(date +%s)
     case $stage in
+        tune) timeout 150 python3 docs/gpu/tune_scan.py --sizes 25M,64M >"$OUT/tune.md" 2>&1 ;;
         profile) timeout 150 python3 docs/gpu/profile_selectors.py --sizes 25M,64M >"$OUT/profile.txt" 2>&1 ;;
         select) timeout 120 python3 -m sparsecomm bench select --device cuda --repeat 20 --sizes 25M,64M \
                     >"$OUT/select.md" 2>&1 ;;

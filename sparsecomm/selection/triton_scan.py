@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["available", "installed", "interpreted", "scan_ge", "counts_ge", "CHUNK"]
+__all__ = ["available", "installed", "interpreted", "scan_ge", "counts_ge", "SHAPE"]
 
 try:
     import triton
@@ -41,10 +41,12 @@ except ImportError:  # CPU builds of torch come without Triton: the torch passes
     triton = None
     tl = None
 
-#: elements per program of the scan: 16 tiles of 1024
+#: elements per tile: the gather runs one program per tile, the statistics count per tile
 _TILE = 1024
-_TILES = 16
-CHUNK = _TILE * _TILES
+#: the launch shape: tiles per program of the statistics kernel, warps per program of each kernel,
+#: whether the gather skips the tiles its prefix sum says are empty, and whether the figures come to
+#: the host through a pinned buffer (``docs/gpu/tune_scan.py`` times the alternatives on a GPU)
+SHAPE = {"tiles": 16, "stats_warps": 4, "gather_warps": 4, "skip_empty": True, "pinned": True}
 #: the smallest output the gather is given before the count is known (elements)
 _MIN_CAPACITY = 1 << 12
 
@@ -96,16 +98,26 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n", "floor", "capacity"],
                 do_not_specialize_on_alignment=["ends_ptr", "idx_ptr", "val_ptr"])
-    def _gather_kernel(x_ptr, n, floor, ends_ptr, idx_ptr, val_ptr, capacity, TILE: tl.constexpr):
+    def _gather_kernel(x_ptr, n, floor, ends_ptr, idx_ptr, val_ptr, capacity, TILE: tl.constexpr,
+                       SKIP_EMPTY: tl.constexpr):
         """Per program, one tile of x: write the indices and magnitudes of its |x| >= floor, in order,
         from the slot ``ends[pid - 1]`` (``ends``: the inclusive prefix sum of the tiles' counts), those
-        below ``capacity`` only. A tile without candidates is not read."""
+        below ``capacity`` only. With SKIP_EMPTY a tile without candidates is not read (its load waits
+        for the prefix sum's); without, the tile is loaded at once, beside the prefix sum."""
         pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
+        inside = offs < n
         slot = tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0)
-        end = tl.load(ends_ptr + pid)
-        if (end > slot) & (slot < capacity):
-            offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
-            inside = offs < n
+        if SKIP_EMPTY:
+            end = tl.load(ends_ptr + pid)
+            if (end > slot) & (slot < capacity):
+                a = tl.abs(tl.load(x_ptr + offs, mask=inside, other=0.0))
+                hit = (a >= floor) & inside
+                position = slot + (tl.cumsum(hit.to(tl.int32), axis=0) - 1).to(tl.int64)
+                keep = hit & (position < capacity)
+                tl.store(idx_ptr + position, offs, mask=keep)
+                tl.store(val_ptr + position, a, mask=keep)
+        else:
             a = tl.abs(tl.load(x_ptr + offs, mask=inside, other=0.0))
             hit = (a >= floor) & inside
             position = slot + (tl.cumsum(hit.to(tl.int32), axis=0) - 1).to(tl.int64)
@@ -129,15 +141,15 @@ class _Launcher:
         self.kernel = kernel
         self.compiled: dict = {}
 
-    def __call__(self, programs: int, x: Tensor, *args, **constants: int) -> None:
+    def __call__(self, programs: int, x: Tensor, *args, warps: int, **constants: int) -> None:
         grid = (programs, 1, 1)
         if interpreted() or not x.is_cuda:
-            self.kernel[grid](x, *args, **constants)
+            self.kernel[grid](x, *args, **constants, num_warps=warps)
             return
-        key = (x.device.index, x.dtype, x.data_ptr() % 16 == 0)
+        key = (x.device.index, x.dtype, x.data_ptr() % 16 == 0, warps, *constants.values())
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self.kernel.warmup(x, *args, **constants, grid=grid)
+            compiled = self.kernel.warmup(x, *args, **constants, num_warps=warps, grid=grid)
             compiled = compiled.result() if hasattr(compiled, "result") else compiled
             self.compiled[key] = compiled
         compiled[grid](x, *args, *constants.values())
@@ -150,17 +162,32 @@ class _Buffers:
         self.figures: Tensor | None = None  # float64 [3 programs]: sums, maxima, counts
         self.tile_counts: Tensor | None = None  # int32 [tiles]: candidates per tile of _TILE
         self.ends: Tensor | None = None  # int64 [tiles]: their inclusive prefix sum
+        self.host: Tensor | None = None  # pinned float64 copy of the figures (CUDA only)
         self.last_count = 0  # candidates of the previous gathering call (sizes the next output)
 
-    def fit(self, x: Tensor, programs: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The three buffers for ``programs`` programs over ``x``'s device, grown when needed."""
-        tiles = programs * _TILES
-        if self.figures is None or self.figures.numel() < 3 * programs or self.figures.device != x.device:
+    def fit(self, x: Tensor, programs: int, tiles: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The three device buffers for ``programs`` programs and ``tiles`` tiles over ``x``'s device,
+        grown when needed."""
+        if (self.figures is None or self.tile_counts is None or self.ends is None or self.figures.device != x.device
+                or self.figures.numel() < 3 * programs or self.tile_counts.numel() < tiles):
             self.figures = torch.empty(3 * programs, dtype=torch.float64, device=x.device)
             self.tile_counts = torch.empty(tiles, dtype=torch.int32, device=x.device)
             self.ends = torch.empty(tiles, dtype=torch.int64, device=x.device)
-        assert self.tile_counts is not None and self.ends is not None
+            self.host = None
         return self.figures[:3 * programs], self.tile_counts[:tiles], self.ends[:tiles]
+
+    def to_host(self, figures: Tensor) -> np.ndarray:
+        """The figures on the host (the call's one synchronization): through a pinned buffer and a
+        wait on the stream where ``SHAPE["pinned"]`` and ``figures`` is on a GPU, else a plain copy."""
+        if not (SHAPE["pinned"] and figures.is_cuda):
+            return figures.cpu().numpy()
+        if self.host is None or self.host.numel() < figures.numel():
+            self.host = torch.empty(self.figures.numel() if self.figures is not None else figures.numel(),
+                                    dtype=torch.float64, pin_memory=True)
+        host = self.host[:figures.numel()]
+        host.copy_(figures, non_blocking=True)
+        torch.cuda.current_stream(figures.device).synchronize()
+        return host.numpy()
 
 
 _STATS = _Launcher(_stats_kernel) if triton is not None else None
@@ -191,10 +218,13 @@ def scan_ge(x: Tensor, floor: float, buffers: _Buffers, *, gather: bool = True, 
     """
     assert _STATS is not None and _GATHER is not None, "Triton is not installed"
     n = x.numel()
-    programs = max(1, -(-n // CHUNK))
-    figures, tile_counts, ends = buffers.fit(x, programs)
+    tiles_per_program = int(SHAPE["tiles"])
+    programs = max(1, -(-n // (_TILE * tiles_per_program)))
+    figures, tile_counts, ends = buffers.fit(x, programs, programs * tiles_per_program)
     floor_arg = _floor_in(x.dtype, floor)
-    _STATS(programs, x, n, floor_arg, figures, tile_counts, programs, TILE=_TILE, TILES=_TILES)
+    _STATS(programs, x, n, floor_arg, figures, tile_counts, programs, warps=int(SHAPE["stats_warps"]), TILE=_TILE,
+           TILES=tiles_per_program)
+    gather_shape = {"warps": int(SHAPE["gather_warps"]), "TILE": _TILE, "SKIP_EMPTY": bool(SHAPE["skip_empty"])}
     indices = values = None
     capacity = 0
     if gather:
@@ -202,8 +232,8 @@ def scan_ge(x: Tensor, floor: float, buffers: _Buffers, *, gather: bool = True, 
         indices = torch.empty(capacity, dtype=torch.int64, device=x.device)
         values = torch.empty(capacity, dtype=x.dtype, device=x.device)
         torch.cumsum(tile_counts, 0, dtype=torch.int64, out=ends)
-        _GATHER(ends.numel(), x, n, floor_arg, ends, indices, values, capacity, TILE=_TILE)
-    host = figures.cpu().numpy()
+        _GATHER(ends.numel(), x, n, floor_arg, ends, indices, values, capacity, **gather_shape)
+    host = buffers.to_host(figures)
     total = float(host[:programs].sum())
     top = float(host[programs:2 * programs].max())
     count = int(host[2 * programs:3 * programs].sum())
@@ -214,7 +244,7 @@ def scan_ge(x: Tensor, floor: float, buffers: _Buffers, *, gather: bool = True, 
     if count > capacity:  # more candidates than the guess: gather again, into buffers of the exact size
         indices = torch.empty(count, dtype=torch.int64, device=x.device)
         values = torch.empty(count, dtype=x.dtype, device=x.device)
-        _GATHER(ends.numel(), x, n, floor_arg, ends, indices, values, count, TILE=_TILE)
+        _GATHER(ends.numel(), x, n, floor_arg, ends, indices, values, count, **gather_shape)
     return count, total, top, indices[:count], values[:count]
 
 
