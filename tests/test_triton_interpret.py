@@ -37,13 +37,17 @@ _SCRIPT = textwrap.dedent("""
             assert math.isclose(total, float(x.abs().double().sum()), rel_tol=1e-12), (n, floor)
             assert top == float(x.abs().max()), (n, floor)
     # one buffer set across calls: outputs sized from the last count, too small when it grows
+    # (and every gather tile the launch shape allows)
     x = torch.randn(70_001, generator=gen)
-    buffers = triton_scan._Buffers()
-    for floor in (3.0, 2.0, 2.5, 0.5, math.inf, 1.0):
-        count, _, _, idx, val = triton_scan.scan_ge(x, floor, buffers, expected=10)
-        want = torch.nonzero(x.abs() >= floor).squeeze(1)
-        assert count == want.numel() and torch.equal(idx, want) and torch.equal(val, x.abs()[want]), floor
-        assert triton_scan.scan_ge(x, floor, buffers, gather=False)[0] == count, floor
+    for piece in (256, 512, 1024):
+        triton_scan.SHAPE["gather_tile"] = piece
+        buffers = triton_scan._Buffers()
+        for floor in (3.0, 2.0, 2.5, 0.5, math.inf, 1.0):
+            count, _, _, idx, val = triton_scan.scan_ge(x, floor, buffers, expected=10)
+            want = torch.nonzero(x.abs() >= floor).squeeze(1)
+            assert count == want.numel() and torch.equal(idx, want) and torch.equal(val, x.abs()[want]), floor
+            assert triton_scan.scan_ge(x, floor, buffers, gather=False)[0] == count, floor
+    triton_scan.SHAPE["gather_tile"] = 1024
     # the counts at many thresholds in one call equal one count per threshold
     a = torch.sort(torch.randn(5000, generator=gen).abs()).values
     thresholds = np.array([0.0, 0.1, 1.0, float(a[17]), 2.5, 9.0])

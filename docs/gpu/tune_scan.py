@@ -1,9 +1,11 @@
-"""The Triton scan's launch shape, timed on a GPU: each alternative of ``triton_scan.SHAPE`` against
-the default, one knob at a time, then the best of each knob together.
+"""The Triton scan's launch shape, timed on a GPU: alternatives of ``triton_scan.SHAPE`` against
+the default, one knob at a time and a few combinations.
 
 Every shape is checked first: its candidates must equal ``torch.nonzero(|x| >= floor)`` and its
 count the exact count. Times are medians of synchronized calls of ``scan_ge`` (statistics, prefix
-sum, gather and the copy of the figures), in memory passes of the same GPU.
+sum, gather and the copy of the figures), in memory passes of the same GPU; the shapes are timed in
+turn, in several rounds, and each keeps its least median (the calls are bounded by the host, whose
+jitter moves a median by more than most knobs do).
 
     python3 docs/gpu/tune_scan.py --sizes 25M,64M
 """
@@ -21,8 +23,10 @@ import torch
 from sparsecomm.experiments.bench.select import _size_list
 from sparsecomm.selection import triton_scan
 
-ALTERNATIVES = {"tiles": [4, 8, 32], "stats_warps": [8], "gather_warps": [2, 8], "skip_empty": [False],
-                "pinned": [False]}
+ALTERNATIVES = {"tiles": [8, 32], "gather_tile": [256, 512], "stats_warps": [8], "gather_warps": [2, 8],
+                "skip_empty": [False], "pinned": [False]}
+COMBINATIONS = [{"gather_tile": 256, "gather_warps": 1}, {"gather_tile": 256, "gather_warps": 2},
+                {"gather_tile": 512, "gather_warps": 2}]
 
 
 def _wall(fn, repeat: int) -> float:
@@ -55,6 +59,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="25M,64M")
     parser.add_argument("--densities", default="0.001,0.01")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases, labels = [], []
@@ -67,24 +72,22 @@ def main() -> None:
             cases.append((x, floor, torch.nonzero(x.abs() >= floor).squeeze(1), t_pass))
             labels.append(f"n={n} d={density}")
     default = dict(triton_scan.SHAPE)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; scan_ge in memory passes, median of "
-          f"{args.repeat}; default shape {default}")
+    shapes = {"default": default}
+    for key, values in ALTERNATIVES.items():
+        shapes.update({f"{key}={value}": {**default, key: value} for value in values})
+    shapes.update({", ".join(f"{k}={v}" for k, v in change.items()): {**default, **change} for change in COMBINATIONS})
+    best: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for label, shape in shapes.items():
+            passes = _time_shape(shape, cases, args.repeat)
+            best[label] = passes if label not in best else [min(a, b) for a, b in zip(best[label], passes, strict=True)]
+    triton_scan.SHAPE.update(default)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; scan_ge in memory passes, least median of "
+          f"{args.repeat} over {args.rounds} rounds; default shape {default}")
     print("| shape | " + " | ".join(labels) + " | mean |")
     print("| --- |" + " --- |" * (len(labels) + 1))
-    base = _time_shape(default, cases, args.repeat)
-    print(f"| default | {' | '.join(f'{p:.2f}' for p in base)} | {statistics.mean(base):.2f} |", flush=True)
-    best = dict(default)
-    best_mean = {key: statistics.mean(base) for key in ALTERNATIVES}
-    for key, values in ALTERNATIVES.items():
-        for value in values:
-            passes = _time_shape({**default, key: value}, cases, args.repeat)
-            mean = statistics.mean(passes)
-            print(f"| {key}={value} | {' | '.join(f'{p:.2f}' for p in passes)} | {mean:.2f} |", flush=True)
-            if mean < best_mean[key] * 0.97:  # a knob moves only for a clear gain
-                best[key], best_mean[key] = value, mean
-    passes = _time_shape(best, cases, args.repeat)
-    print(f"| best of each: {best} | {' | '.join(f'{p:.2f}' for p in passes)} | {statistics.mean(passes):.2f} |")
-    triton_scan.SHAPE.update(default)
+    for label, passes in best.items():
+        print(f"| {label} | {' | '.join(f'{p:.2f}' for p in passes)} | {statistics.mean(passes):.2f} |")
 
 
 if __name__ == "__main__":

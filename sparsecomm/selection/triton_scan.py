@@ -43,10 +43,11 @@ except ImportError:  # CPU builds of torch come without Triton: the torch passes
 
 #: elements per tile: the gather runs one program per tile, the statistics count per tile
 _TILE = 1024
-#: the launch shape: tiles per program of the statistics kernel, warps per program of each kernel,
+#: the launch shape: tiles per program of the statistics kernel, elements per program of the gather
+#: (a power of two up to the tile; the statistics count per such piece), warps per program of each kernel,
 #: whether the gather skips the tiles its prefix sum says are empty, and whether the figures come to
 #: the host through a pinned buffer (``docs/gpu/tune_scan.py`` times the alternatives on a GPU)
-SHAPE = {"tiles": 16, "stats_warps": 4, "gather_warps": 4, "skip_empty": True, "pinned": True}
+SHAPE = {"tiles": 16, "gather_tile": 1024, "stats_warps": 4, "gather_warps": 4, "skip_empty": True, "pinned": True}
 #: the smallest output the gather is given before the count is known (elements)
 _MIN_CAPACITY = 1 << 12
 
@@ -73,10 +74,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n", "floor", "programs"],
                 do_not_specialize_on_alignment=["out_ptr", "tile_counts_ptr"])
-    def _stats_kernel(x_ptr, n, floor, out_ptr, tile_counts_ptr, programs, TILE: tl.constexpr, TILES: tl.constexpr):
+    def _stats_kernel(x_ptr, n, floor, out_ptr, tile_counts_ptr, programs, TILE: tl.constexpr, TILES: tl.constexpr,
+                      PIECE: tl.constexpr):
         """Per program p, into the float64 array out: out[p] = sum |x| (float64), out[programs + p] =
         max |x|, out[2 programs + p] = #{|x| >= floor}, over its chunk of x (one host copy reads all);
-        and into the int32 array tile_counts, #{|x| >= floor} of each of its tiles."""
+        and into the int32 array tile_counts, #{|x| >= floor} of each piece of PIECE elements (the
+        gather's tile; a divisor of TILE) of its tiles."""
         pid = tl.program_id(0)
         start = pid.to(tl.int64) * (TILE * TILES)
         lanes = tl.arange(0, TILE)
@@ -90,7 +93,9 @@ if triton is not None:
             total += a.to(tl.float64)
             top = tl.maximum(top, a.to(tl.float32))
             hit = ((a >= floor) & inside).to(tl.int32)
-            tl.store(tile_counts_ptr + pid * TILES + t, tl.sum(hit, axis=0))
+            pieces = tl.sum(tl.reshape(hit, [TILE // PIECE, PIECE]), axis=1)
+            first = (pid * TILES + t) * (TILE // PIECE)
+            tl.store(tile_counts_ptr + first + tl.arange(0, TILE // PIECE), pieces)
             hits += hit
         tl.store(out_ptr + pid, tl.sum(total, axis=0))
         tl.store(out_ptr + programs + pid, tl.max(top, axis=0).to(tl.float64))
@@ -160,7 +165,7 @@ class _Buffers:
 
     def __init__(self) -> None:
         self.figures: Tensor | None = None  # float64 [3 programs]: sums, maxima, counts
-        self.tile_counts: Tensor | None = None  # int32 [tiles]: candidates per tile of _TILE
+        self.tile_counts: Tensor | None = None  # int32 [pieces]: candidates per gather tile
         self.ends: Tensor | None = None  # int64 [tiles]: their inclusive prefix sum
         self.host: Tensor | None = None  # pinned float64 copy of the figures (CUDA only)
         self.last_count = 0  # candidates of the previous gathering call (sizes the next output)
@@ -220,11 +225,12 @@ def scan_ge(x: Tensor, floor: float, buffers: _Buffers, *, gather: bool = True, 
     n = x.numel()
     tiles_per_program = int(SHAPE["tiles"])
     programs = max(1, -(-n // (_TILE * tiles_per_program)))
-    figures, tile_counts, ends = buffers.fit(x, programs, programs * tiles_per_program)
+    piece = int(SHAPE["gather_tile"])
+    figures, tile_counts, ends = buffers.fit(x, programs, programs * tiles_per_program * (_TILE // piece))
     floor_arg = _floor_in(x.dtype, floor)
     _STATS(programs, x, n, floor_arg, figures, tile_counts, programs, warps=int(SHAPE["stats_warps"]), TILE=_TILE,
-           TILES=tiles_per_program)
-    gather_shape = {"warps": int(SHAPE["gather_warps"]), "TILE": _TILE, "SKIP_EMPTY": bool(SHAPE["skip_empty"])}
+           TILES=tiles_per_program, PIECE=piece)
+    gather_shape = {"warps": int(SHAPE["gather_warps"]), "TILE": piece, "SKIP_EMPTY": bool(SHAPE["skip_empty"])}
     indices = values = None
     capacity = 0
     if gather:
