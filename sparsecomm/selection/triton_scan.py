@@ -1,4 +1,4 @@
-"""The selectors' passes on a GPU: Triton kernels that read the gradient once.
+"""The selectors' passes on a GPU: Triton kernels that read the gradient twice, with one host synchronization.
 
 The CPU path reads ``x`` once with the C kernel; on CUDA the same contract is met by these kernels
 (see :mod:`sparsecomm.selection.scan` for how the selectors use them):
@@ -6,9 +6,10 @@ The CPU path reads ``x`` once with the C kernel; on CUDA the same contract is me
 * :func:`scan_ge` -- ``sum |x|`` (in float64, per program, then summed in a fixed order, so the
   result does not depend on scheduling), ``max |x|`` and the candidates ``|x| >= floor`` (indices
   and magnitudes, in increasing index order) in two reads of ``x`` and one host synchronization, at
-  the end: a statistics kernel (the figures of each program and the count of each tile of 1024), a
-  prefix sum of the tile counts on the device, and a gather kernel with one program per tile, which
-  writes that tile's candidates at its prefix-sum offset (no atomics: the same result on every run).
+  the end: a statistics kernel (the figures of each program and the count of each gather tile, 1024
+  elements by default), a prefix sum of those counts on the device, and a gather kernel with one
+  program per gather tile, which writes that tile's candidates at its prefix-sum offset (no
+  atomics: the same result on every run).
   The three are queued back to back, so the host's launches overlap the GPU's work; the output is
   sized from the previous calls' counts, and a call that finds more candidates than fit gathers
   again into an exact buffer. (A single read with an atomic slot reservation per program was
@@ -41,7 +42,7 @@ except ImportError:  # CPU builds of torch come without Triton: the torch passes
     triton = None
     tl = None
 
-#: elements per tile: the gather runs one program per tile, the statistics count per tile
+#: elements per step of the statistics kernel's loop (its count is kept per gather tile, a divisor)
 _TILE = 1024
 #: the launch shape: tiles per program of the statistics kernel, elements per program of the gather
 #: (a power of two up to the tile; the statistics count per such piece), warps per program of each kernel,
@@ -132,8 +133,9 @@ if triton is not None:
 
 
 class _Launcher:
-    """A Triton kernel compiled once per (device, dtype, 16-byte alignment of ``x``) and then launched
-    straight through its compiled handle.
+    """A Triton kernel compiled once per (device, dtype, 16-byte alignment of ``x``, warps, constexpr
+    values) and then launched straight through its compiled handle, which takes the constexprs
+    positionally: pass them as keywords in the kernel's own order.
 
     Triton's own ``kernel[grid](...)`` binds and specializes the arguments on every call, about 50
     microseconds of Python in Triton 3.6 (measured on an H100): more than the kernel itself on
@@ -166,13 +168,13 @@ class _Buffers:
     def __init__(self) -> None:
         self.figures: Tensor | None = None  # float64 [3 programs]: sums, maxima, counts
         self.tile_counts: Tensor | None = None  # int32 [pieces]: candidates per gather tile
-        self.ends: Tensor | None = None  # int64 [tiles]: their inclusive prefix sum
+        self.ends: Tensor | None = None  # int64 [pieces]: their inclusive prefix sum
         self.host: Tensor | None = None  # pinned float64 copy of the figures (CUDA only)
         self.last_count = 0  # candidates of the previous gathering call (sizes the next output)
 
     def fit(self, x: Tensor, programs: int, tiles: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The three device buffers for ``programs`` programs and ``tiles`` tiles over ``x``'s device,
-        grown when needed."""
+        """The three device buffers for ``programs`` programs of the statistics and ``tiles`` gather
+        tiles over ``x``'s device, grown when needed."""
         if (self.figures is None or self.tile_counts is None or self.ends is None or self.figures.device != x.device
                 or self.figures.numel() < 3 * programs or self.tile_counts.numel() < tiles):
             self.figures = torch.empty(3 * programs, dtype=torch.float64, device=x.device)
@@ -212,8 +214,8 @@ def scan_ge(x: Tensor, floor: float, buffers: _Buffers, *, gather: bool = True, 
             ) -> tuple[int, float, float, Tensor | None, Tensor | None]:
     """``(count, sum |x|, max |x|, indices, magnitudes)`` of ``|x| >= floor``, indices increasing.
 
-    The statistics kernel reads ``x`` for each program's figures and each tile's count; a prefix sum
-    of the tile counts on the device gives every tile its first output slot; the gather kernel reads
+    The statistics kernel reads ``x`` for each program's figures and each gather tile's count; a
+    prefix sum of those counts on the device gives every gather tile its first output slot; the gather kernel reads
     ``x`` again (the tiles holding a candidate) and writes the candidates there. All three are queued
     without waiting; the one synchronization, the copy of the per-program figures to the host, comes
     last and gives the three scalars. The output is sized before the count is known: at least
