@@ -24,7 +24,7 @@ from sparsecomm.experiments.bench.select import _size_list
 from sparsecomm.selection import triton_scan
 
 ALTERNATIVES = {"tiles": [8, 32], "gather_tile": [256, 512], "stats_warps": [8], "gather_warps": [2, 8],
-                "skip_empty": [False], "pinned": [False]}
+                "pinned": [False]}
 COMBINATIONS = [{"gather_tile": 256, "gather_warps": 1}, {"gather_tile": 256, "gather_warps": 2},
                 {"gather_tile": 512, "gather_warps": 2}]
 

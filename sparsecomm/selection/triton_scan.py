@@ -45,10 +45,10 @@ except ImportError:  # CPU builds of torch come without Triton: the torch passes
 #: elements per step of the statistics kernel's loop (its count is kept per gather tile, a divisor)
 _TILE = 1024
 #: the launch shape: tiles per program of the statistics kernel, elements per program of the gather
-#: (a power of two up to the tile; the statistics count per such piece), warps per program of each kernel,
-#: whether the gather skips the tiles its prefix sum says are empty, and whether the figures come to
-#: the host through a pinned buffer (``docs/gpu/tune_scan.py`` times the alternatives on a GPU)
-SHAPE = {"tiles": 16, "gather_tile": 1024, "stats_warps": 4, "gather_warps": 4, "skip_empty": True, "pinned": True}
+#: (a power of two up to the tile; the statistics count per such piece), warps per program of each
+#: kernel, and whether the figures come to the host through a pinned buffer (``docs/gpu/tune_scan.py``
+#: times the alternatives on a GPU)
+SHAPE = {"tiles": 16, "gather_tile": 1024, "stats_warps": 4, "gather_warps": 4, "pinned": True}
 #: the smallest output the gather is given before the count is known (elements)
 _MIN_CAPACITY = 1 << 12
 
@@ -104,26 +104,17 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n", "floor", "capacity"],
                 do_not_specialize_on_alignment=["ends_ptr", "idx_ptr", "val_ptr"])
-    def _gather_kernel(x_ptr, n, floor, ends_ptr, idx_ptr, val_ptr, capacity, TILE: tl.constexpr,
-                       SKIP_EMPTY: tl.constexpr):
+    def _gather_kernel(x_ptr, n, floor, ends_ptr, idx_ptr, val_ptr, capacity, TILE: tl.constexpr):
         """Per program, one tile of x: write the indices and magnitudes of its |x| >= floor, in order,
         from the slot ``ends[pid - 1]`` (``ends``: the inclusive prefix sum of the tiles' counts), those
-        below ``capacity`` only. With SKIP_EMPTY a tile without candidates is not read (its load waits
-        for the prefix sum's); without, the tile is loaded at once, beside the prefix sum."""
+        below ``capacity`` only. A tile without candidates is not read. (Loading every tile at once,
+        beside the prefix sum, instead of after it was timed too: no faster, docs/gpu.md.)"""
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
         inside = offs < n
         slot = tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0)
-        if SKIP_EMPTY:
-            end = tl.load(ends_ptr + pid)
-            if (end > slot) & (slot < capacity):
-                a = tl.abs(tl.load(x_ptr + offs, mask=inside, other=0.0))
-                hit = (a >= floor) & inside
-                position = slot + (tl.cumsum(hit.to(tl.int32), axis=0) - 1).to(tl.int64)
-                keep = hit & (position < capacity)
-                tl.store(idx_ptr + position, offs, mask=keep)
-                tl.store(val_ptr + position, a, mask=keep)
-        else:
+        end = tl.load(ends_ptr + pid)
+        if (end > slot) & (slot < capacity):
             a = tl.abs(tl.load(x_ptr + offs, mask=inside, other=0.0))
             hit = (a >= floor) & inside
             position = slot + (tl.cumsum(hit.to(tl.int32), axis=0) - 1).to(tl.int64)
@@ -232,7 +223,7 @@ def scan_ge(x: Tensor, floor: float, buffers: _Buffers, *, gather: bool = True, 
     floor_arg = _floor_in(x.dtype, floor)
     _STATS(programs, x, n, floor_arg, figures, tile_counts, programs, warps=int(SHAPE["stats_warps"]), TILE=_TILE,
            TILES=tiles_per_program, PIECE=piece)
-    gather_shape = {"warps": int(SHAPE["gather_warps"]), "TILE": piece, "SKIP_EMPTY": bool(SHAPE["skip_empty"])}
+    gather_shape = {"warps": int(SHAPE["gather_warps"]), "TILE": piece}
     indices = values = None
     capacity = 0
     if gather:
