@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -573,3 +574,13 @@ def test_simvalidate_merges_a_new_calibration_into_the_last_one(tmp_path, monkey
     assert len(made) == 2 and first.meta["calibrations"] == 1 and second.meta["calibrations"] == 2
     assert second.meta["when"] == "call 1 .. call 2"
     assert len(second.records[0]["runs"][0]["times"]) == 2 * len(first.records[0]["runs"][0]["times"])
+
+
+def test_rests_on_names_each_methods_decompression_unit():
+    """The GPU profile fits the dense methods' decompression per gradient element and the sparse
+    ones' per entry touched: each prediction says which (not "byte swept" for both)."""
+    profile = Profile.load(Path(__file__).resolve().parents[1] / "docs/simulator/profile-h100-P2.json")
+    dense = predict("dense", 8, 25_000_000, 0.01, profile=profile, alpha=50e-6, beta=0.8e-9)
+    sparse = predict("topka", 8, 25_000_000, 0.01, profile=profile, alpha=50e-6, beta=0.8e-9)
+    assert "decompression per gradient element" in dense.rests_on
+    assert "decompression per entry touched" in sparse.rests_on

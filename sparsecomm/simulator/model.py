@@ -187,6 +187,10 @@ class Prediction:
         return self.comm_s + self.work_s - self.hidden_s
 
 
+#: how a profile's decompression term is counted (``decompress_per``), as "rests on" names it
+_DECOMPRESS_UNIT = {"entry": "entry touched", "byte": "byte swept", "element": "gradient element"}
+
+
 def comm_contention(P: int, cores: int, colocated: bool, net: str) -> float:
     """How many times slower the links get when P colocated workers share ``cores`` cores on loopback.
 
@@ -389,7 +393,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
             work = (shared * contention / calib_contention + alone) / compute_scale
             rests.append(f"work measured at P={calib['P']}, density={calib['density']:g}"
                          + (f" (selection per element, decompression per "
-                            f"{'entry touched' if calib.get('decompress_per') == 'entry' else 'byte swept'}"
+                            f"{_DECOMPRESS_UNIT.get(calib.get('decompress_per', 'byte'), 'byte swept')}"
                             + (", agreement per round" if "agreement_round_s" in calib else "") + ")"
                             if "d1" in calib else ""))
             if factor != 1.0:
