@@ -15,40 +15,20 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import statistics
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sparsecomm import selectors
-from sparsecomm.experiments.bench.select import _make, _size_list
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _wall(fn, repeat: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeat):
-        _sync()
-        start = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from sparsecomm.experiments.bench.select import _device_median_seconds, _make, _size_list
 
 
 def _profile(fn, calls: int) -> str:
-    _sync()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
-        _sync()
+        torch.cuda.synchronize()
     events = prof.events()
     busy = sum(e.device_time for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / calls
     kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / calls
@@ -69,27 +49,24 @@ def main() -> None:
     parser.add_argument("--selectors", default=",".join(selectors.available()))
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--device", default="cuda", help="cuda, or cpu to try the script without a GPU")
     args = parser.parse_args()
-    gen = torch.Generator(device=args.device).manual_seed(0)
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"{name}, torch {torch.__version__}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for n in _size_list(args.sizes):
-        x = torch.randn(n, generator=gen, device=args.device)
-        t_pass = _wall(functools.partial(torch.empty_like(x).copy_, x), args.repeat) / 2
+        x = torch.randn(n, generator=gen, device="cuda")
+        t_pass = _device_median_seconds(functools.partial(torch.empty_like(x).copy_, x), args.repeat, x.device) / 2
         for density in (float(d) for d in args.densities.split(",")):
             k = math.ceil(density * n)
             a = x.abs()
-            t_topk = _wall(functools.partial(torch.topk, a, k, sorted=False), args.repeat)
+            t_topk = _device_median_seconds(functools.partial(torch.topk, a, k, sorted=False), args.repeat, x.device)
             print(f"\n## n={n} density={density} pass {1e6 * t_pass:.1f} us, torch.topk {1e6 * t_topk:.0f} us")
             for selector in args.selectors.split(","):
                 call = functools.partial(_make(selector, x, k), x, k)
-                t = _wall(call, args.repeat)
+                t = _device_median_seconds(call, args.repeat, x.device)
                 print(f"{selector}: wall {1e6 * t:.0f} us = {t / t_pass:.2f} passes; {_profile(call, args.calls)}",
                       flush=True)
         del x
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

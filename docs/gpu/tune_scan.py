@@ -16,30 +16,16 @@ import argparse
 import functools
 import math
 import statistics
-import time
 
 import torch
 
-from sparsecomm.experiments.bench.select import _size_list
+from sparsecomm.experiments.bench.select import _device_median_seconds, _size_list
 from sparsecomm.selection import triton_scan
 
 ALTERNATIVES = {"tiles": [8, 32], "gather_tile": [256, 512], "stats_warps": [8], "gather_warps": [2, 8],
                 "pinned": [False]}
 COMBINATIONS = [{"gather_tile": 256, "gather_warps": 1}, {"gather_tile": 256, "gather_warps": 2},
                 {"gather_tile": 512, "gather_warps": 2}]
-
-
-def _wall(fn, repeat: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _time_shape(shape: dict, cases: list, repeat: int) -> list[float]:
@@ -50,7 +36,8 @@ def _time_shape(shape: dict, cases: list, repeat: int) -> list[float]:
         buffers = triton_scan._Buffers()
         count, _, _, idx, _ = triton_scan.scan_ge(x, floor, buffers)
         assert count == want.numel() and torch.equal(idx, want), (shape, x.numel(), floor)
-        passes.append(_wall(functools.partial(triton_scan.scan_ge, x, floor, buffers), repeat) / t_pass)
+        call = functools.partial(triton_scan.scan_ge, x, floor, buffers)
+        passes.append(_device_median_seconds(call, repeat, x.device) / t_pass)
     return passes
 
 
@@ -65,7 +52,7 @@ def main() -> None:
     cases, labels = [], []
     for n in _size_list(args.sizes):
         x = torch.randn(n, generator=gen, device="cuda")
-        t_pass = _wall(functools.partial(torch.empty_like(x).copy_, x), args.repeat) / 2
+        t_pass = _device_median_seconds(functools.partial(torch.empty_like(x).copy_, x), args.repeat, x.device) / 2
         for density in (float(d) for d in args.densities.split(",")):
             k = math.ceil(density * n)
             floor = float(torch.topk(x.abs(), k, sorted=False).values.min())
