@@ -24,7 +24,7 @@ def test_plan_puts_the_floor_and_baselines_first_then_every_sparse_method_at_its
     assert [r.method for r in first[4:]] == SPARSE
     # momentum correction's density on the word LSTM for the methods that can run it, else 1%
     assert {r.method: r.density for r in first[4:]} == {
-        m: 0.005 if method_class(m).tracks_sent else 0.01 for m in SPARSE}
+        m: 0.001 if method_class(m).tracks_sent else 0.01 for m in SPARSE}
     assert len(runs) == 2 * len(first)
     assert {r.method: r.density for r in campaign.plan(["fashion"], [None], ["topka", "cltk"])} == \
         {"topka": 0.005, "cltk": 0.01}
@@ -33,7 +33,7 @@ def test_plan_puts_the_floor_and_baselines_first_then_every_sparse_method_at_its
 
 def test_the_recipe_fills_density_and_lr_and_an_explicit_choice_wins():
     assert (TrainConfig(model="word-lstm", data="fortunes-words", method="topka").density,
-            TrainConfig(model="word-lstm", data="fortunes-words", method="topka").lr) == (0.005, 3.0)
+            TrainConfig(model="word-lstm", data="fortunes-words", method="topka").lr) == (0.001, 3.0)
     hook = TrainConfig(model="word-lstm", data="fortunes-words", method="topka", sync="ddp")
     assert (hook.density, hook.lr, hook.momentum_correction) == (0.01, 1.0, False)
     assert TrainConfig(model="word-lstm", data="fortunes-words", method="topka", density=0.02).density == 0.02
@@ -43,7 +43,7 @@ def test_the_recipe_fills_density_and_lr_and_an_explicit_choice_wins():
 def test_plan_runs_every_seed_and_powersgd_ranks_2_and_4_together():
     runs = campaign.plan(["lstm"], [None], ["powersgd", "topk"], powersgd_ranks=(2,), seeds=(0, 1, 2))
     assert [(r.label, r.seed) for r in runs if r.seed == 1] == [("powersgd-r2", 1), ("powersgd-r4", 1),
-                                                                ("topk@0.005", 1)]
+                                                                ("topk@0.001", 1)]
     assert len(runs) == 9 and campaign.SEEDS == (0, 1, 2)
     paths = {campaign.record_path("out", r) for r in runs}
     assert len(paths) == 9  # one record per seed
@@ -104,7 +104,7 @@ def test_low_density_stage_takes_the_fastest_sparse_methods_of_the_first_stage(t
     assert [(r.method, r.density) for r in runs] == [("spardl", 0.001), ("topka", 0.001)]
     assert campaign.best_sparse(out, "lstm", "1gbit", 0.01)[-1] == "cltk"  # never reached: last
     # without a density, each method's first-stage run is looked up at its recipe density:
-    # topk and topka (0.005 on the word LSTM) have none there
+    # topk and topka (0.001 on the word LSTM) have none there
     assert campaign.best_sparse(out, "lstm", "1gbit") == ["spardl", "cltk"]
 
 
@@ -224,7 +224,7 @@ def test_demo_pieces_train_and_report_on_a_tiny_config(tmp_path):
     workload = campaign.Workload(**{**workload.__dict__, "evals_per_epoch": 2,
                                     "data_options": {**workload.data_options, "max_vocab": 300, "test_size": 8}})
     report = run_demo(workload, ["nosync", "ddp", "topka"], None, str(tmp_path), workers=2)
-    assert [r["method"] for r in report["rows"]] == ["nosync", "ddp", "topka@0.005"]  # the recipe's density
+    assert [r["method"] for r in report["rows"]] == ["nosync", "ddp", "topka@0.001"]  # the recipe's density
     assert [r["x floor"] for r in report["rows"]][0] == pytest.approx(1.0)
     assert all(isinstance(r["x floor"], float) for r in report["rows"])
     with open(report["markdown"]) as handle:

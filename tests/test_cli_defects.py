@@ -73,8 +73,8 @@ def test_train_help_shows_defaults(capsys):
     for option, default in (("--workers", "4"), ("--momentum", "0.9"),
                             ("--lr-schedule", "cosine"), ("--runs-dir", "runs")):
         assert re.search(re.escape(option) + r" .*?\(default: " + re.escape(default) + r"\)", out), option
-    assert re.search(r"--density .*?default: the recipe's \(training.sparse_recipe: 0.005 for TopkA-like methods "
-                     r"on word-lstm and vgg-fc under momentum correction, else 0.01\)", out)
+    assert re.search(r"--density .*?default: the recipe's \(training.sparse_recipe: for TopkA-like methods under "
+                     r"momentum correction 0.001 on word-lstm, 0.005 on vgg-fc; else 0.01\)", out)
 
 
 def test_every_command_help_shows_defaults():

@@ -24,6 +24,7 @@ import sys
 
 from ...cli.table import markdown_table
 from .. import campaign
+from ..training import recipe_densities_text
 from .common import parse_networks
 
 HELP = "time to a target accuracy/perplexity: DDP vs PowerSGD vs every sparse method (resumable campaign)"
@@ -48,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=None,
                         help="comma-separated subset: ddp, powersgd, sparse method names (default: all)")
     parser.add_argument("--density", type=float, default=None,
-                        help="density of every sparse run (default: each method's recipe density, "
-                        "training.sparse_recipe: 0.005 for TopkA-like methods on word-lstm and vgg-fc, else 0.01)")
+                        help=f"density of every sparse run (default: each method's recipe density, "
+                        f"{recipe_densities_text()})")
     parser.add_argument("--low-density", default="0.001",
                         help="densities for the best sparse methods after the first stage ('' for none; default 0.001)")
     parser.add_argument("--best", type=int, default=4, help="how many sparse methods run at --low-density (default 4)")

@@ -26,6 +26,7 @@ import time
 from ...cli.table import markdown_table
 from ...launch.netemu import emulated_net, unavailable_reason
 from .. import campaign
+from ..training import recipe_densities_text
 
 HELP = "train the communication-heavy LSTM with DDP, PowerSGD and the best sparse methods; report the speed-up"
 
@@ -48,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=None,
                         help=f"comma-separated (default nosync,ddp,powersgd,{','.join(DEMO_SPARSE)})")
     parser.add_argument("--density", type=float, default=None,
-                        help="density of the sparse methods (default: each method's recipe density, "
-                        "training.sparse_recipe: 0.005 for TopkA on word-lstm and vgg-fc, else 0.01)")
+                        help=f"density of the sparse methods (default: each method's recipe density, "
+                        f"{recipe_densities_text()})")
     parser.add_argument("--train-size", type=int, default=1920,
                         help="training samples (sequences or images) per run (default 1920: 60 steps at P=4)")
     parser.add_argument("--epochs", type=int, default=1, help="epochs per run (default 1)")

@@ -19,7 +19,7 @@ from ...launch.netemu import emulated_net
 from ..data import DatasetUnavailable, available_datasets
 from ..models import MODEL_DATA, available_models
 from ..progress import Progress
-from ..training import BASELINES, TrainConfig, save_record, train
+from ..training import BASELINES, TrainConfig, recipe_densities_text, save_record, train
 
 HELP = "train a model with sparse gradient synchronization and write a run record under runs/"
 
@@ -34,8 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a sparsecomm method (sparsecomm.available_methods()) or a torch baseline: "
                              f"{', '.join(BASELINES)}")
     parser.add_argument("--density", type=float, default=None,
-                        help="default: the recipe's (training.sparse_recipe: 0.005 for TopkA-like methods on "
-                        "word-lstm and vgg-fc under momentum correction, else 0.01)")
+                        help=f"default: the recipe's ({recipe_densities_text()})")
     parser.add_argument("--net", default=None, help="emulated network: a tc rate in bits per second such as 1gbit "
                         "or 100mbit, or NODESxLOCAL:RATE, or loopback (the default)")
     parser.add_argument("--epochs", type=int, default=None, help="default: the model's tuned value (MODEL_DEFAULTS)")
