@@ -223,8 +223,10 @@ def test_demo_pieces_train_and_report_on_a_tiny_config(tmp_path):
     workload = demo_workload("lstm", train_size=64, epochs=1, embed_dim=8, hidden=8)
     workload = campaign.Workload(**{**workload.__dict__, "evals_per_epoch": 2,
                                     "data_options": {**workload.data_options, "max_vocab": 300, "test_size": 8}})
-    report = run_demo(workload, ["nosync", "ddp", "topka"], None, str(tmp_path), workers=2)
+    quiet = campaign.QuietPolicy(cores=2, loadavg=lambda: 0.25, sleep=lambda _: None)
+    report = run_demo(workload, ["nosync", "ddp", "topka"], None, str(tmp_path), workers=2, quiet=quiet)
     assert [r["method"] for r in report["rows"]] == ["nosync", "ddp", "topka@0.001"]  # the recipe's density
+    assert [r["load before"] for r in report["rows"]] == [0.25] * 3  # recorded as in the campaign
     assert [r["x floor"] for r in report["rows"]][0] == pytest.approx(1.0)
     assert all(isinstance(r["x floor"], float) for r in report["rows"])
     with open(report["markdown"]) as handle:

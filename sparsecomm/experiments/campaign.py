@@ -50,7 +50,8 @@ from .training import DEFAULT_DENSITY, FLOOR, TrainConfig, recipe_density, save_
 
 __all__ = ["Workload", "WORKLOADS", "RunSpec", "RECIPES", "plan", "plan_low_density", "plan_recipes", "best_sparse",
            "run_campaign", "campaign_rows", "write_campaign_report", "speedups", "load_campaign", "metric_of",
-           "safe_name", "aggregate_rows", "QuietPolicy", "SEEDS", "POWERSGD_RANKS"]
+           "safe_name", "aggregate_rows", "QuietPolicy", "add_quiet_arguments", "quiet_policy", "SEEDS",
+           "POWERSGD_RANKS"]
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +299,25 @@ class QuietPolicy:
             waited += step
             load = self.loadavg()
         return load, waited
+
+
+def add_quiet_arguments(parser: Any) -> None:
+    """The quiet-machine options of the commands that time training runs (``bench time_to_accuracy``
+    and ``demo``): ``--max-load-per-core``, ``--max-wait``, ``--redo`` (:func:`quiet_policy` reads them)."""
+    parser.add_argument("--max-load-per-core", type=float, default=0.75,
+                        help="quiet machine: the 1-minute load average before a run at most this times the "
+                        "cores (default %(default)s: 1.5 on 2 cores); 0 disables the check")
+    parser.add_argument("--max-wait", type=float, default=300.0,
+                        help="seconds to wait for a quiet machine before a run (default %(default)s)")
+    parser.add_argument("--redo", type=int, default=2,
+                        help="times a run started above the load threshold is redone (default %(default)s)")
+
+
+def quiet_policy(args: Any) -> QuietPolicy | None:
+    """The :class:`QuietPolicy` of :func:`add_quiet_arguments`'s options (``None``: the check is off)."""
+    if args.max_load_per_core == 0:
+        return None
+    return QuietPolicy(max_load_per_core=args.max_load_per_core, max_wait_s=args.max_wait, redo=args.redo)
 
 
 def _train_quietly(config: TrainConfig, trainer: Callable[[TrainConfig], dict[str, Any]],

@@ -60,13 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="epoch budget of every run (default: the workload's, 3)")
     parser.add_argument("--seeds", default=",".join(map(str, campaign.SEEDS)),
                         help="comma-separated seeds; every run is made for each (default %(default)s)")
-    parser.add_argument("--max-load-per-core", type=float, default=0.75,
-                        help="quiet machine: the 1-minute load average before a run at most this times the "
-                        "cores (default %(default)s: 1.5 on 2 cores); 0 disables the check")
-    parser.add_argument("--max-wait", type=float, default=300.0,
-                        help="seconds to wait for a quiet machine before a run (default %(default)s)")
-    parser.add_argument("--redo", type=int, default=2,
-                        help="times a run started above the load threshold is redone (default %(default)s)")
+    campaign.add_quiet_arguments(parser)
     parser.add_argument("--out", default="runs/campaign", help="run records; existing ones are skipped "
                         "(default runs/campaign)")
     parser.add_argument("--report", default=None, help="write campaign.md and the plots into this folder "
@@ -90,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
         if not all(s.strip().isdigit() for s in args.seeds.split(",") if s.strip()):
             raise ValueError(f"--seeds {args.seeds!r} must be comma-separated integers >= 0, e.g. 0,1,2")
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        quiet = None if args.max_load_per_core == 0 else campaign.QuietPolicy(
-            max_load_per_core=args.max_load_per_core, max_wait_s=args.max_wait, redo=args.redo)
+        quiet = campaign.quiet_policy(args)
         if args.recipe:
             first = campaign.plan_recipes(workloads, nets, args.recipe, density=args.density, seeds=seeds)
             low = []

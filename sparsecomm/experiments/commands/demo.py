@@ -9,8 +9,9 @@ bucket) and the sparse methods that reached the target first in the campaign
 The sparse methods run the recommended recipe (``training.sparse_recipe``, docs/recipe.md): TopkA
 with DGC momentum correction at lr 3.0, HiTopK and CLT-k (which do not report the indices they sent)
 with the DDP hook. The report opens with the perplexity-against-time plot and the speed-up to the
-target; every row gives its step as a multiple of the floor's (``x floor``). The full comparison is
-``sparsecomm bench time_to_accuracy``.
+target; every row gives its step as a multiple of the floor's (``x floor``) and the load average
+before the run: like the campaign, the demo waits for a quiet machine (``--max-load-per-core``) and
+redoes a run started on a busy one. The full comparison is ``sparsecomm bench time_to_accuracy``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=1, help="epochs per run (default 1)")
     parser.add_argument("--out", default=None, help="output folder (default runs/demo-<time>)")
     parser.add_argument("--copy-to", default=None, help="also copy the report folder here (e.g. docs/demo)")
+    campaign.add_quiet_arguments(parser)
 
 
 def demo_workload(name: str, train_size: int, epochs: int, **model_options) -> campaign.Workload:
@@ -68,13 +70,15 @@ def demo_workload(name: str, train_size: int, epochs: int, **model_options) -> c
 
 
 def run_demo(workload: campaign.Workload, methods: list[str], net: str | None, out: str, workers: int,
-             density: float | None = None, command: str = "sparsecomm demo") -> dict:
+             density: float | None = None, command: str = "sparsecomm demo",
+             quiet: campaign.QuietPolicy | None = None) -> dict:
     """Train ``methods`` on ``workload`` and write the report into ``out/report``; returns the
     report's paths, rows and summary. ``density``: of every sparse method (``None``: each method's
-    recipe density)."""
+    recipe density); ``quiet``: the campaign's quiet-machine policy (the load before each run is
+    recorded and reported; a run started above it is redone), ``None`` for none."""
     specs = campaign.plan([workload.name], [net], methods, density=density, registry={workload.name: workload})
     campaign.run_campaign(specs, out, {"workers": workers}, workloads={workload.name: workload},
-                          echo=lambda line: print(line, flush=True))
+                          echo=lambda line: print(line, flush=True), quiet=quiet)
     records = campaign.load_campaign(out)
     return campaign.write_campaign_report(records, os.path.join(out, "report"), command=command,
                                           title="sparsecomm demo: time to target")
@@ -92,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
           f"P={args.workers}, net={net or 'loopback'}, methods: {', '.join(methods)}", flush=True)
     start = time.perf_counter()
     try:
-        report = run_demo(workload, methods, net, out, args.workers, args.density, command.strip())
+        report = run_demo(workload, methods, net, out, args.workers, args.density, command.strip(),
+                          campaign.quiet_policy(args))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
