@@ -119,3 +119,44 @@ def test_ranks_that_do_not_all_gather_disagree_on_every_rank(kind, text):
     for message in run_workers(3, _mixed, kind, timeout=60):
         assert text in message, message
         assert "rank 1" in message
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 6, 8])
+def test_spardl_sends_its_first_message_in_the_agreement_with_the_same_bits(P):
+    """SparDL's first Spar-Reduce-Scatter message goes to rank r + P/2, the agreement's last partner
+    when P is a power of two: it rides there (one message fewer per call); elsewhere nothing changes."""
+    folded = run_workers(P, _calls, "spardl", True, timeout=60)
+    apart = run_workers(P, _calls, "spardl", False, timeout=60)
+    rides = P >= 2 and P & (P - 1) == 0
+    for (outs, messages, rounds), (ref, ref_messages, ref_rounds) in zip(folded, apart, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True))
+        assert rounds == ref_rounds == 2 * (P - 1).bit_length()  # its own rounds (Table I) are unchanged
+        assert ref_messages - messages == (1 if rides else 0)
+
+
+def _spardl_beside(other: str):
+    rank = dist.get_rank()
+    method = make_method("spardl", density=0.05)
+    if rank == 1 and other == "gathers":
+        class AgreesFirst(Communicator):
+            gathers_in_agreement = False
+        method.comm.__class__ = AgreesFirst
+    elif rank == 1:
+        method = make_method(other) if other == "rabenseifner" else make_method(other, density=0.05)
+    grad = torch.randn(2000, generator=torch.Generator().manual_seed(rank))
+    try:
+        method(grad)
+        return "went on", None
+    except AgreementError as exc:
+        return str(exc), None if method.residual is None else bool((method.residual == 0).all())
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("other, text", [("topka", "method differs across ranks"),
+                                         ("rabenseifner", "method differs across ranks"),
+                                         ("gathers", "whether the first message rides on the agreement differs")])
+def test_a_rank_that_does_not_send_spardls_message_in_the_agreement_disagrees_on_every_rank(P, other, text):
+    for message, residual_untouched in run_workers(P, _spardl_beside, other, timeout=60):
+        assert text in message, message
+        assert "rank 1" in message
+        assert residual_untouched in (None, True)  # nothing was applied on the first call

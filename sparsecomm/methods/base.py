@@ -240,7 +240,8 @@ class Method:
         self.residual, self._spare = acc, self.residual
 
     def agree(self, grad: torch.Tensor, layout: Layout, nonfinite: int, *, gathers: bool = False,
-              block: Sequence[torch.Tensor] | None = None) -> tuple[list[torch.Tensor] | None, list[BlockStep]]:
+              block: Sequence[torch.Tensor] | None = None, exchanges: bool = False
+              ) -> tuple[list[torch.Tensor] | None, list[BlockStep]]:
         """The call's agreement (:func:`.agreement.check_call`), made by a method whose
         :attr:`agrees_in_reduce` is set, once per call, after its local work on ``grad`` and before
         it sends anything; ``nonfinite``: the NaN/Inf elements that work found in ``grad`` (0 when
@@ -256,13 +257,15 @@ class Method:
         and the payload moved per step, which the method books as its own traffic
         (:meth:`book_gathered`); ``(None, [])`` without ``gathers``. Such a call's
         ``stats.extra["gathered_in_agreement"]`` is 1 and its ``time_agreement`` 0 (its time is
-        ``time_comm``)."""
+        ``time_comm``). With ``exchanges`` as well, ``block`` goes to the agreement's last partner
+        only and the partner's comes back (:meth:`exchange_in_agreement`; the call's
+        ``stats.extra["exchanged_in_agreement"]`` is 1 instead)."""
         if self._agreement is not None:
             raise RuntimeError(f"{self.name}: agree() called twice in one call (a method bug)")
         mark, start = self.comm.meter.snapshot(), time.perf_counter()
         self._agreement_entered = True  # from here on, every rank learns of a failure in the agreement
         skip, gathered, steps = check_call_gathering(self, grad, layout, METHODS.names(), nonfinite=nonfinite,
-                                                     gathers=gathers, block=block)
+                                                     gathers=gathers, block=block, exchanges=exchanges)
         # an agreement that carried the method's all-gather is the method's communication: its time is
         # the method's (time_comm), not an agreement's of its own
         elapsed = 0.0 if gathers and skip is None else time.perf_counter() - start
@@ -271,7 +274,7 @@ class Method:
             raise _SkippedCall(skip)
         self._agreed = True
         if gathers:
-            self.stats.extra["gathered_in_agreement"] = 1
+            self.stats.extra["exchanged_in_agreement" if exchanges else "gathered_in_agreement"] = 1
         return gathered, steps
 
     def gather_in_agreement(self, grad: torch.Tensor, layout: Layout, nonfinite: int, acc: torch.Tensor,
@@ -286,6 +289,20 @@ class Method:
         self.commit_residual(acc)
         self.book_gathered(steps)
         return blocks
+
+    def exchange_in_agreement(self, grad: torch.Tensor, layout: Layout, nonfinite: int, acc: torch.Tensor,
+                              payload: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The call's agreement carrying its first message, ``payload``, to the agreement's last partner
+        (rank ``r ^ P/2``; :meth:`agree` with ``gathers`` and ``exchanges``, where
+        ``self.comm.exchanges_in_agreement(partner)``), after which ``acc`` becomes the residual and the
+        message is booked as this method's (one round). Returns the partner's tensors (``uint8``
+        views, valid until the communicator's next agreement); raises or skips the call as
+        :meth:`agree` does. Not timed here: the caller times it as its message."""
+        received, steps = self.agree(grad, layout, nonfinite, gathers=True, block=payload, exchanges=True)
+        assert received is not None  # the verdict lets a call go on only when both partners sent theirs
+        self.commit_residual(acc)
+        self.book_gathered(steps)
+        return received
 
     def book_gathered(self, steps: Sequence[BlockStep]) -> None:
         """Book the payload an all-gather inside the agreement moved (:meth:`agree` with ``gathers``)

@@ -22,7 +22,9 @@ A method whose first message is an all-gather can send it *in* the agreement
 (:func:`agree_gathering`, on gloo and MPI): the dissemination's messages carry the payload blocks
 too, so the call needs no messages of its own for the agreement. Every rank still reads every
 message, whatever method it called, because every agreement message on those backends has the same
-self-describing frame (:meth:`Communicator.agree_max_gathering`).
+self-describing frame (:meth:`Communicator.agree_max_gathering`). A method whose first message goes
+to one partner, the agreement's last partner (SparDL's first Spar-Reduce-Scatter step at P a power of
+two), sends it in that step (:func:`agree_exchanging`).
 
 Cost per call, per rank: ceil(log2 P) messages of 2 H int64 (16 H bytes each; on gloo and MPI 16 more
 bytes of frame), booked as header bytes in the meter, with no round; only after a disagreement a
@@ -39,7 +41,7 @@ from torch import Tensor
 
 from .comm import BlockStep, Communicator
 
-__all__ = ["AgreementError", "Agreement", "agree", "agree_gathering", "INT64_MIN"]
+__all__ = ["AgreementError", "Agreement", "agree", "agree_gathering", "agree_exchanging", "INT64_MIN"]
 
 INT64_MIN = -(2 ** 63)
 
@@ -133,14 +135,35 @@ def agree_gathering(comm: Communicator, header: Mapping[str, int], block: Sequen
         both = comm.agree_max(both_ways, device=device)
     else:
         both, gathered, steps = comm.agree_max_gathering(both_ways, block)
+    return _verdict(comm, names, values, both, zero, device), gathered, steps
+
+
+def agree_exchanging(comm: Communicator, header: Mapping[str, int], payload: Sequence[Tensor] | None, *,
+                     zero: Sequence[str] = ()) -> tuple[Agreement | None, list[Tensor] | None, BlockStep]:
+    """:func:`agree` whose last message also carries ``payload`` to this rank's partner in that step,
+    rank ``r ^ P/2``, and brings back the partner's (a method's first point-to-point message;
+    :meth:`Communicator.agree_max_exchanging`, where :meth:`Communicator.exchanges_in_agreement`).
+    Returns (the verdict, the partner's tensors as ``uint8``, the payload moved). The partner's
+    tensors are ``None`` when a rank passed none (its header then differs: the caller puts whether
+    it sends one in the header), so the verdict is never ``None`` without them."""
+    names = tuple(header)
+    values = [int(header[name]) for name in names]
+    both, received, moved = comm.agree_max_exchanging(values + [-v for v in values], payload)
+    return _verdict(comm, names, values, both, zero, None), received, moved
+
+
+def _verdict(comm: Communicator, names: tuple[str, ...], values: list[int], both: list[int],
+             zero: Sequence[str], device) -> Agreement | None:
+    """``None`` when the maxima and minima ``both`` of ``values`` are equal and the ``zero`` fields are
+    0; else every rank's header, gathered in a second exchange (the same :class:`Agreement` on every rank)."""
     hi, lo = both[:len(values)], [-v for v in both[len(values):]]
     equal = all(a == b for a, b in zip(hi, lo, strict=True))
     zero_ok = all(hi[names.index(name)] == 0 and lo[names.index(name)] == 0 for name in zero)
     if equal and zero_ok:
-        return None, gathered, steps
+        return None
     width = len(values)
     table = [INT64_MIN] * (comm.size * width)
     table[comm.rank * width:(comm.rank + 1) * width] = values
     rows_flat = comm.agree_max(table, device=device)
     rows = tuple(tuple(rows_flat[r * width:(r + 1) * width]) for r in range(comm.size))
-    return Agreement(names, rows), gathered, steps
+    return Agreement(names, rows)

@@ -51,7 +51,8 @@ def _padded(nbytes: int) -> int:
 
 
 class BlockStep(NamedTuple):
-    """The payload one step of :meth:`Communicator.agree_max_gathering` moved (bytes, unpadded)."""
+    """The payload one step of :meth:`Communicator.agree_max_gathering` (or the last step of
+    :meth:`Communicator.agree_max_exchanging`) moved (bytes, unpadded)."""
 
     dst: int
     sent: int
@@ -422,6 +423,53 @@ class Communicator:
             distance *= 2
         gathered = None if held is None else [held[q] for q in range(P)]
         return [int(v) for v in mine.tolist()], gathered, steps
+
+    def exchanges_in_agreement(self, partner: int) -> bool:
+        """Whether :meth:`agree_max_exchanging` can carry a message to and from local rank ``partner``:
+        on gloo and MPI, for P a power of two, where the agreement's last step pairs this rank with
+        rank ``r ^ P/2``."""
+        P = self.size
+        return self.gathers_in_agreement and P >= 2 and P & (P - 1) == 0 and partner == self.rank ^ (P // 2)
+
+    def agree_max_exchanging(self, values: Sequence[int], payload: Sequence[torch.Tensor] | None
+                             ) -> tuple[list[int], list[torch.Tensor] | None, BlockStep]:
+        """:meth:`agree_max` whose last message also carries ``payload`` (CPU tensors, each sent as one
+        block of raw bytes) to this rank's partner in that step, rank ``r ^ P/2``, and brings back
+        the partner's: a method's first point-to-point message riding on its agreement, one message
+        instead of two (:meth:`exchanges_in_agreement` says where it can).
+
+        The steps and frames are :meth:`agree_max_gathering`'s for P a power of two (step mask = 1,
+        2, ..., P/2 exchanges with rank ``r ^ mask``), with no blocks before the last step, so a rank
+        that calls :meth:`agree_max` or :meth:`agree_max_gathering` reads every message, and the
+        verdict (which the caller's header makes a disagreement) stops every rank before a misread
+        payload is used. Returns (the maxima, the partner's tensors as ``uint8`` views into this
+        communicator's receive buffer, valid until its next agreement, or ``None`` when this rank or
+        the partner passed none or another number of them, the payload moved). ``payload=None``: the
+        agreement alone (the caller's verdict then stops the call).
+
+        Cost per rank: log2 P messages of 8 (2 + m + V) bytes of header, the last one with the
+        payload (which the caller books as its own message)."""
+        P, me = self.size, self.rank
+        if not self.exchanges_in_agreement(me ^ (P // 2)):
+            raise ValueError(f"agree_max_exchanging needs gloo or MPI and a power-of-two size, not {P}")
+        mine = torch.tensor(list(values), dtype=_HEADER_DTYPE)
+        outgoing = [] if payload is None else [_as_bytes(t) for t in payload]
+        received: list[torch.Tensor] | None = None
+        moved = BlockStep(me, 0, me, 0)
+        distance, step = 1, 0
+        while distance < P:
+            partner = me ^ distance
+            last = 2 * distance == P
+            theirs, incoming = self._disseminate_step(mine, outgoing if last else [], partner, partner, step)
+            torch.maximum(mine, theirs, out=mine)
+            if last:
+                if payload is not None and len(incoming) == len(outgoing):
+                    received = incoming
+                moved = BlockStep(partner, sum(_nbytes(b) for b in outgoing), partner,
+                                  sum(_nbytes(b) for b in incoming))
+            distance *= 2
+            step += 1
+        return [int(v) for v in mine.tolist()], received, moved
 
     def _landing(self, step: int) -> torch.Tensor:
         """The receive buffer of step ``step`` of an agreement: :data:`EAGER_LIMIT_BYTES`, allocated once

@@ -6,8 +6,10 @@ section III. Per call, on every rank:
 1. G = gradient + residual (Algorithm 1, lines 1-3); instead of a copy of G, the changes made to G
    are journaled (:class:`.srs.Accumulator`) and undone where step 5 needs G back.
 2. The P ranks form d teams of m = P/d consecutive ranks. Inside each team, Spar-Reduce-Scatter
-   (:mod:`.spardl_srs`) leaves rank w with block w of its team's sum, top-(k/m) sparse.
-3. With d > 1, Spar-All-Gather between the teams (:mod:`.spardl_sag`): R-SAG when d is a power of 2,
+   (:mod:`.srs`) leaves rank w with block w of its team's sum, top-(k/m) sparse.
+   With one team and P a power of two, on gloo or MPI, the first SRS message travels inside the
+   call's agreement, whose last step pairs the same ranks (:meth:`SparDL._accumulate_and_agree`).
+3. With d > 1, Spar-All-Gather between the teams (:mod:`.sag`): R-SAG when d is a power of 2,
    B-SAG otherwise (``sag="auto"``), so that the ranks at one position of every team hold the same
    block of the global sum.
 4. A Bruck all-gather inside each team delivers every block to every rank; each block was reduced by
@@ -37,12 +39,12 @@ import torch
 from ...core.cost import Cost, ceil_log2, chunk_offsets, chunk_sizes, is_power_of_two, register_cost
 from ...core.validate import check_int, is_int, is_number
 from ...selection import make as make_selector
-from ...transport.chunk import pair_bytes
+from ...transport.chunk import index_dtype, pair_bytes
 from ...transport.comm import Communicator
 from ...transport.sparse_collectives import allgather_chunks, bruck_traffic
 from ..base import Layout, Method, register_method
 from .sag import HAdjuster, bruck_sag, bsag_traffic, recursive_sag, rsag_traffic
-from .srs import Accumulator, BlockSelector, spar_reduce_scatter, srs_traffic
+from .srs import Accumulator, BlockSelector, Exchange, spar_reduce_scatter, srs_traffic
 
 __all__ = ["SparDL", "table1_cost", "team_candidates"]
 
@@ -180,11 +182,34 @@ class SparDL(Method):
         return self._adjusters[key]
 
     # ------------------------------------------------------------------ the call
+    def _accumulate_and_agree(self, grad: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, Exchange | None]:
+        """G = gradient + residual (Algorithm 1, line 1), in one scan that also tells the agreement
+        whether the gradient is finite, and the call's agreement (:meth:`Method.accumulate_and_agree`);
+        nothing (the teams' split included) communicates before it.
+
+        Where the agreement's last message goes to Spar-Reduce-Scatter's first partner (one team,
+        P a power of two: rank r + P/2 = r ^ P/2; gloo or MPI and a CPU gradient,
+        :meth:`Communicator.exchanges_in_agreement`), the agreement is left to that first step
+        instead, which sends its message inside it (:meth:`Method.exchange_in_agreement`): one
+        message fewer per call. Returns (G, that step's exchange or ``None``)."""
+        P = self.comm.size
+        if self._agreed or self.teams != 1 or not self.comm.exchanges_in_agreement(self.comm.rank ^ (P // 2)):
+            return self.accumulate_and_agree(grad, layout)[0], None
+        acc, _, nonfinite = self.accumulate_to_spare(grad)
+        if nonfinite:  # no message to send: the verdict stops the call on every rank
+            self.agree(grad, layout, nonfinite, gathers=True, exchanges=True)
+            raise RuntimeError(f"{self.name}: the ranks agreed to go on with a non-finite gradient (a method bug)")
+        index_type = index_dtype(acc.numel())
+
+        def first_exchange(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            got_indices, got_values = self.exchange_in_agreement(grad, layout, 0, acc, [indices, values])
+            return got_indices.view(index_type), got_values.view(acc.dtype)
+
+        return acc, first_exchange
+
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         started = time.perf_counter()
-        # G = gradient + residual (Algorithm 1, line 1), in one scan that also tells the agreement
-        # whether the gradient is finite; nothing (the teams' split included) communicates before it
-        residual, _ = self.accumulate_and_agree(grad, layout)
+        residual, first_exchange = self._accumulate_and_agree(grad, layout)
         P, n = self.comm.size, grad.numel()
         k = self.k(n)
         d = self._teams_now(n, k, grad.element_size())
@@ -197,7 +222,7 @@ class SparDL(Method):
         # The accumulator is G itself, changed in place; its journal stands for G_copy (line 3)
         work = Accumulator(residual)
 
-        own, selected = spar_reduce_scatter(team, work, bounds, counts, self._blocks, self.timer)
+        own, selected = spar_reduce_scatter(team, work, bounds, counts, self._blocks, self.timer, first_exchange)
         if sag == "recursive":
             with self.timer("comm"):
                 own = recursive_sag(cross, own, counts[position], self._exact, work)

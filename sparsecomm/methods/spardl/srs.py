@@ -38,6 +38,7 @@ __all__ = ["SrsStep", "srs_schedule", "Accumulator", "BlockSelector", "spar_redu
 
 SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
 Timer = Callable[[str], contextlib.AbstractContextManager[None]]
+Exchange = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -163,28 +164,33 @@ def _no_timer(_: str) -> contextlib.AbstractContextManager[None]:
 
 
 def spar_reduce_scatter(comm: Communicator, work: Accumulator, bounds: Sequence[tuple[int, int]],
-                        counts: Sequence[int], blocks: BlockSelector,
-                        timer: Timer = _no_timer) -> tuple[SparseChunk, int]:
+                        counts: Sequence[int], blocks: BlockSelector, timer: Timer = _no_timer,
+                        first_exchange: Exchange | None = None) -> tuple[SparseChunk, int]:
     """SRS over ``comm`` (a team of m ranks): returns (this rank's reduced block, entries selected).
 
     ``work`` is the dense accumulator (gradient + residual), modified in place: afterwards it holds
     every value this rank discarded. ``bounds[j]`` = (start, size) of block j, ``counts[j]`` = k/m,
-    the entries block j may carry.
+    the entries block j may carry. ``first_exchange(indices, values)``: sends the first step's
+    message to its destination and returns (indices, values) from its source, in place of
+    ``comm.exchange_many`` (SparDL's message riding on the call's agreement).
     """
     m, w = comm.size, comm.rank
     selected = 0
     dense = work.tensor
     index_type = index_dtype(dense.numel())
-    for step in srs_schedule(m, w):
+    for number, step in enumerate(srs_schedule(m, w)):
         with timer("select"):
             chunks = [blocks.take(work, *bounds[j], counts[j]) for j in step.send_blocks]
             indices = torch.cat([c.indices for c in chunks])
             values = torch.cat([c.values for c in chunks])
             selected += indices.numel()
         with timer("comm"):
-            got_indices, got_values = comm.exchange_many(step.dst, [indices, values], step.src, count=2,
-                                                         dtypes=[index_type, dense.dtype],
-                                                         device=dense.device)
+            if number == 0 and first_exchange is not None:
+                got_indices, got_values = first_exchange(indices, values)
+            else:
+                got_indices, got_values = comm.exchange_many(step.dst, [indices, values], step.src, count=2,
+                                                             dtypes=[index_type, dense.dtype],
+                                                             device=dense.device)
         with timer("decompress"):
             work.index_add_(got_indices, got_values)
     with timer("select"):
