@@ -584,3 +584,35 @@ def test_rests_on_names_each_methods_decompression_unit():
     sparse = predict("topka", 8, 25_000_000, 0.01, profile=profile, alpha=50e-6, beta=0.8e-9)
     assert "decompression per gradient element" in dense.rests_on
     assert "decompression per entry touched" in sparse.rests_on
+
+
+def test_spardls_message_riding_on_the_agreement_leaves_it_the_rounds_it_agrees_apart():
+    """Where SparDL's first message rides on the agreement's last step (P a power of two, gloo) its
+    calibration times no agreement of its own (``agreement_ride`` "exchange"): it is costed at the
+    folded methods' rate per round, for the rounds it still sends apart at P (none at P = 2, one at
+    P = 4, two at P = 3, the whole agreement where P is not a power of two)."""
+    from sparsecomm.simulator.model import agreement_rounds, layout_options, work_seconds
+
+    assert [agreement_rounds(P, "exchange") for P in (1, 2, 3, 4, 6, 8)] == [0, 0, 2, 1, 3, 2]
+    assert [agreement_rounds(P, "gather") for P in (2, 3, 8)] == [0, 0, 0]
+    density, select, per_byte, round_s = 0.01, 2e-9, 0.1e-9, 0.4e-3
+    records = _split_records(2, [1_000_000], density, select, per_byte, agreement_round=round_s)
+    for run in records[0]["runs"]:  # the ranks' records share one list of runs
+        if run["method"] == "spardl":  # its agreement was its comm: no time of its own, not in its work
+            run["times"] = [t - round_s for t in run["times"]]
+            run["time_agreement"] = [0.0] * 3
+            run["agreement_ride"] = "exchange"
+    profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
+                                   selectors={}, recv_element_s=5e-9, meta={})
+    fit = profile.methods["spardl"]
+    assert fit["agreement_ride"] == "exchange" and fit["agreement_round_s"] == pytest.approx(round_s)
+    assert fit["s1"] == pytest.approx(select)  # the rounds were not taken out of its work
+    n = 5_000_000
+
+    def agreement_part(P):
+        options = layout_options("spardl", P, "1gbit", True)
+        alone = dict(fit, agreement_round_s=0.0)
+        return (work_seconds(fit, "spardl", P, n, density, options, {}, 0.0)[0]
+                - work_seconds(alone, "spardl", P, n, density, options, {}, 0.0)[0])
+
+    assert [agreement_part(P) for P in (2, 3, 4, 6)] == pytest.approx([0.0, 2 * round_s, round_s, 3 * round_s])

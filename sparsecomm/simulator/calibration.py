@@ -159,7 +159,17 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
             stats.append(method.stats)
     folded = bool(method.agrees_in_reduce) and work.device.type == "cpu"
     selector = getattr(getattr(method, "selector", None), "name", "")
-    return {"times": times, "stats": stats, "agreement_folded": folded, "selector": selector}
+    return {"times": times, "stats": stats, "agreement_folded": folded, "selector": selector,
+            "agreement_ride": agreement_ride(stats)}
+
+
+def agreement_ride(stats: Sequence[Any]) -> str:
+    """What of a method's own rode on its calls' agreement (:meth:`~sparsecomm.methods.base.Method.agree`):
+    ``"gather"`` (its all-gather), ``"exchange"`` (SparDL's first message) or ``""``."""
+    extras = [s.extra for s in stats]
+    if any(e.get("gathered_in_agreement") for e in extras):
+        return "gather"
+    return "exchange" if any(e.get("exchanged_in_agreement") for e in extras) else ""
 
 
 def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, repeat: int,
@@ -176,6 +186,7 @@ def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, re
                          "time_comm": [s.time_comm for s in stats],
                          "time_agreement": [s.extra.get("time_agreement", 0.0) for s in stats],
                          "agreement_folded": result["agreement_folded"], "selector": result["selector"],
+                         "agreement_ride": result["agreement_ride"],
                          "time_select": [s.time_select for s in stats],
                          "time_decompress": [s.time_decompress for s in stats],
                          "bytes_sent": max(s.bytes_sent for s in stats)})
@@ -245,7 +256,9 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
       rank that arrives last waits least, so its time is the messages' own), per agreement round
       (``agreement_round_s``; :func:`~.simulator.agreement_rounds` at this P). A method that agrees
       after its selection's scan (``agreement_folded``) spends it all on the rounds (none at all when
-      its all-gather rides on the agreement: its time is then the method's comm); one that agrees
+      its all-gather rides on the agreement: its time is then the method's comm; where SparDL's first
+      message rides on it, ``agreement_ride`` "exchange", the rounds it agrees apart at other P are
+      costed at the folded methods' median per round); one that agrees
       first also makes a pass over the gradient (its finiteness count), so its rounds are costed at
       the folded methods' median per round and the rest stays with the selection, per element;
     * selection: work less decompression and the agreement's rounds, fitted per gradient element
@@ -262,6 +275,7 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     decompress: dict[str, dict[int, tuple[float, float]]] = {}  # n -> (sweep bytes, seconds)
     agreement: dict[str, dict[int, float]] = {}
     folded: dict[str, bool] = {}
+    ride: dict[str, str] = {}  # what of the method's own rode on its agreement ("gather", "exchange", "")
     selectors = {run["method"]: run.get("selector", "") for run in records[0]["runs"]}
     for i, run in enumerate(records[0]["runs"]):
         name, n = run["method"], run["n"]
@@ -280,6 +294,7 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
             # wait for it is imbalance of the work before, which stays with that work)
             agreement.setdefault(name, {})[n] = min(work, min(min(r["runs"][i]["time_agreement"]) for r in records))
             folded[name] = bool(run.get("agreement_folded"))
+            ride[name] = run.get("agreement_ride", "")
         comm = (total - work) / contention
         sent = max(r["runs"][i]["bytes_sent"] for r in records)
         costs = [cost(name, P=P, n=n, k=k, rank=r, density=density, **layout) for r in range(P)]
@@ -302,17 +317,25 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
                      "P": P, "density": density, "sizes": sorted({s[0] for s in samples}),
                      "work_s": {str(s[0]): s[1] for s in samples}, "comm_s": {str(s[0]): s[4] for s in samples}}
         round_s = None
+        in_work = rounds  # the agreement's rounds timed apart from the comm at this P
         if name in agreement and rounds:
             measured = agreement[name]
-            if folded[name]:
+            if ride[name] == "exchange":
+                # SparDL's message rides on the agreement: the whole agreement is timed as its comm here, and
+                # at other P (not powers of two) it agrees apart: costed at the folded methods' rate per round
+                round_s = statistics.median(folded_rates) if folded_rates else None
+                in_work = 0
+            elif folded[name]:
                 round_s = statistics.mean(measured.values()) / rounds
             elif folded_rates:
                 round_s = min(statistics.median(folded_rates), min(measured.values()) / rounds)
         if round_s is not None:
             out[name]["agreement_round_s"] = round_s
+            if ride.get(name):
+                out[name]["agreement_ride"] = ride[name]
         if name in decompress:
             out[name].update(split_work([(n, w) for n, w, *_ in samples], decompress[name],
-                                        None if round_s is None else {n: round_s * rounds for n, *_ in samples},
+                                        None if round_s is None else {n: round_s * in_work for n, *_ in samples},
                                         unit="byte" if device == "cpu" else "entry",
                                         fixed=(selector_fixed or {}).get(selectors.get(name, ""), 0.0)))
     return out

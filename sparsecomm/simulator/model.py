@@ -232,10 +232,19 @@ def _received_elements(name: str, P: int, n: int, k: int, density: float, option
     return c.bytes_recv / pair
 
 
-def agreement_rounds(P: int) -> int:
-    """Messages each rank sends in a call's agreement (:meth:`~sparsecomm.transport.comm.Communicator.agree_max`,
-    a dissemination: ceil(log2 P) steps of one small header); 0 for one worker."""
-    return math.ceil(math.log2(P)) if P > 1 else 0
+def agreement_rounds(P: int, ride: str = "") -> int:
+    """Messages each rank sends in a call's agreement that are not the method's own
+    (:meth:`~sparsecomm.transport.comm.Communicator.agree_max`, a dissemination: ceil(log2 P) steps of
+    one small header; 0 for one worker). ``ride``: what of the method's rides on the agreement where
+    it agrees after its scan on gloo (the calibration's ``agreement_ride``): ``"gather"``, its
+    all-gather, every step (0 of its own); ``"exchange"``, SparDL's first message, the last step
+    where P is a power of two (log2 P - 1 of its own)."""
+    rounds = math.ceil(math.log2(P)) if P > 1 else 0
+    if ride == "gather":
+        return 0
+    if ride == "exchange" and P & (P - 1) == 0:
+        return max(0, rounds - 1)
+    return rounds
 
 
 def decompress_bytes(name: str, P: int, n: int, k: int, density: float, options: dict[str, Any]) -> float:
@@ -307,7 +316,7 @@ def work_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: floa
         units = (n if per == "element" else touched_entries(name, P, n, k, density, options) if per == "entry"
                  else decompress_bytes(name, P, n, k, density, options))
         decompress = calib["d1"] * units + calib["d0"]
-        agreement = calib.get("agreement_round_s", 0.0) * agreement_rounds(P)
+        agreement = calib.get("agreement_round_s", 0.0) * agreement_rounds(P, calib.get("agreement_ride", ""))
         return max(0.0, calib["s1"] * n + calib["s0"]) + max(0.0, decompress) + agreement, 0.0
     extra = recv_element_s * (_received_elements(name, P, n, k, density, options)
                               - _received_elements(name, calib["P"], n, k, density, calib_options))
