@@ -189,9 +189,12 @@ def test_quiet_policy_waits_for_the_load_and_redoes_a_run_started_on_a_busy_mach
         return {"history": [{"epoch": 1.0, "train_time": 1.0, "test_accuracy": 0.0, "test_loss": math.log(50.0)}],
                 "network": "loopback", "config": {}}
 
-    record = campaign._train_quietly(campaign.WORKLOADS["lstm"].config(seed=4), trainer, policy, lambda _: None)
+    echoed = []
+    record = campaign._train_quietly(campaign.WORKLOADS["lstm"].config(seed=4), trainer, policy, echoed.append)
     # first attempt: 3.0, waited 2 x 5 s to 2.0 > 1.5, run and redone; the second starts at 1.0
     assert slept == [5.0, 5.0] and calls == [4, 4]
+    assert echoed[0].startswith("    load average 3.00 > 1.5") and "waiting up to 10 s" in echoed[0]  # said, not silent
+    assert sum("waiting" in line for line in echoed) == 1 and "redone" in echoed[1]
     assert record["load"] == {"before": 1.0, "attempts": [2.0, 1.0], "threshold": 1.5, "quiet": True}
     with pytest.raises(ValueError, match="max_load_per_core"):
         campaign.QuietPolicy(max_load_per_core=0)

@@ -290,9 +290,12 @@ class QuietPolicy:
     def threshold(self) -> float:
         return self.max_load_per_core * self.cores
 
-    def wait(self) -> tuple[float, float]:
-        """(load average the run starts at, seconds waited for it)."""
+    def wait(self, announce: Callable[[float], None] | None = None) -> tuple[float, float]:
+        """(load average the run starts at, seconds waited for it); ``announce(load)`` is called once
+        when the wait begins, so that a long wait is never silent."""
         waited, load = 0.0, self.loadavg()
+        if announce is not None and load > self.threshold and self.max_wait_s > 0:
+            announce(load)
         while load > self.threshold and waited < self.max_wait_s:
             step = min(self.poll_s, self.max_wait_s - waited)
             self.sleep(step)
@@ -327,8 +330,12 @@ def _train_quietly(config: TrainConfig, trainer: Callable[[TrainConfig], dict[st
     if quiet is None:
         return trainer(config)
     loads: list[float] = []
+    def announce(load: float) -> None:
+        echo(f"    load average {load:.2f} > {quiet.threshold:g} ({quiet.max_load_per_core:g} x {quiet.cores} cores): "
+             f"waiting up to {quiet.max_wait_s:.0f} s for a quiet machine (--max-load-per-core 0 skips the wait)")
+
     for attempt in range(quiet.redo + 1):
-        load, waited = quiet.wait()
+        load, waited = quiet.wait(announce)
         loads.append(load)
         record = trainer(config)
         if load <= quiet.threshold:
