@@ -304,15 +304,16 @@ class QuietPolicy:
         return load, waited
 
 
-def add_quiet_arguments(parser: Any) -> None:
+def add_quiet_arguments(parser: Any, max_wait: float = 300.0, redo: int = 2) -> None:
     """The quiet-machine options of the commands that time training runs (``bench time_to_accuracy``
-    and ``demo``): ``--max-load-per-core``, ``--max-wait``, ``--redo`` (:func:`quiet_policy` reads them)."""
+    and ``demo``): ``--max-load-per-core``, ``--max-wait``, ``--redo`` (:func:`quiet_policy` reads
+    them), with the command's defaults for the last two."""
     parser.add_argument("--max-load-per-core", type=float, default=0.75,
                         help="quiet machine: the 1-minute load average before a run at most this times the "
                         "cores (default %(default)s: 1.5 on 2 cores); 0 disables the check")
-    parser.add_argument("--max-wait", type=float, default=300.0,
+    parser.add_argument("--max-wait", type=float, default=max_wait,
                         help="seconds to wait for a quiet machine before a run (default %(default)s)")
-    parser.add_argument("--redo", type=int, default=2,
+    parser.add_argument("--redo", type=int, default=redo,
                         help="times a run started above the load threshold is redone (default %(default)s)")
 
 
