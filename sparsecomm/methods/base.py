@@ -294,7 +294,7 @@ class Method:
                               payload: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
         """The call's agreement carrying its first message, ``payload``, to the agreement's last partner
         (rank ``r ^ P/2``; :meth:`agree` with ``gathers`` and ``exchanges``, where
-        ``self.comm.exchanges_in_agreement(partner)``), after which ``acc`` becomes the residual and the
+        ``self.comm.exchanges_in_agreement``), after which ``acc`` becomes the residual and the
         message is booked as this method's (one round). Returns the partner's tensors (``uint8``
         views, valid until the communicator's next agreement); raises or skips the call as
         :meth:`agree` does. Not timed here: the caller times it as its message."""

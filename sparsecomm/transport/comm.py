@@ -424,12 +424,12 @@ class Communicator:
         gathered = None if held is None else [held[q] for q in range(P)]
         return [int(v) for v in mine.tolist()], gathered, steps
 
-    def exchanges_in_agreement(self, partner: int) -> bool:
-        """Whether :meth:`agree_max_exchanging` can carry a message to and from local rank ``partner``:
-        on gloo and MPI, for P a power of two, where the agreement's last step pairs this rank with
-        rank ``r ^ P/2``."""
+    @property
+    def exchanges_in_agreement(self) -> bool:
+        """Whether :meth:`agree_max_exchanging` can carry a message to and from this rank's partner in
+        the agreement's last step, rank ``r ^ P/2``: on gloo and MPI, for P a power of two."""
         P = self.size
-        return self.gathers_in_agreement and P >= 2 and P & (P - 1) == 0 and partner == self.rank ^ (P // 2)
+        return self.gathers_in_agreement and P >= 2 and P & (P - 1) == 0
 
     def agree_max_exchanging(self, values: Sequence[int], payload: Sequence[torch.Tensor] | None
                              ) -> tuple[list[int], list[torch.Tensor] | None, BlockStep]:
@@ -450,7 +450,7 @@ class Communicator:
         Cost per rank: log2 P messages of 8 (2 + m + V) bytes of header, the last one with the
         payload (which the caller books as its own message)."""
         P, me = self.size, self.rank
-        if not self.exchanges_in_agreement(me ^ (P // 2)):
+        if not self.exchanges_in_agreement:
             raise ValueError(f"agree_max_exchanging needs gloo or MPI and a power-of-two size, not {P}")
         mine = torch.tensor(list(values), dtype=_HEADER_DTYPE)
         outgoing = [] if payload is None else [_as_bytes(t) for t in payload]

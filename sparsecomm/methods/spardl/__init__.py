@@ -39,7 +39,7 @@ import torch
 from ...core.cost import Cost, ceil_log2, chunk_offsets, chunk_sizes, is_power_of_two, register_cost
 from ...core.validate import check_int, is_int, is_number
 from ...selection import make as make_selector
-from ...transport.chunk import index_dtype, pair_bytes
+from ...transport.chunk import pair_bytes
 from ...transport.comm import Communicator
 from ...transport.sparse_collectives import allgather_chunks, bruck_traffic
 from ..base import Layout, Method, register_method
@@ -192,20 +192,13 @@ class SparDL(Method):
         :meth:`Communicator.exchanges_in_agreement`), the agreement is left to that first step
         instead, which sends its message inside it (:meth:`Method.exchange_in_agreement`): one
         message fewer per call. Returns (G, that step's exchange or ``None``)."""
-        P = self.comm.size
-        if self._agreed or self.teams != 1 or not self.comm.exchanges_in_agreement(self.comm.rank ^ (P // 2)):
+        if self._agreed or self.teams != 1 or not self.comm.exchanges_in_agreement:
             return self.accumulate_and_agree(grad, layout)[0], None
         acc, _, nonfinite = self.accumulate_to_spare(grad)
         if nonfinite:  # no message to send: the verdict stops the call on every rank
             self.agree(grad, layout, nonfinite, gathers=True, exchanges=True)
             raise RuntimeError(f"{self.name}: the ranks agreed to go on with a non-finite gradient (a method bug)")
-        index_type = index_dtype(acc.numel())
-
-        def first_exchange(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            got_indices, got_values = self.exchange_in_agreement(grad, layout, 0, acc, [indices, values])
-            return got_indices.view(index_type), got_values.view(acc.dtype)
-
-        return acc, first_exchange
+        return acc, lambda indices, values: self.exchange_in_agreement(grad, layout, 0, acc, [indices, values])
 
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         started = time.perf_counter()

@@ -38,7 +38,7 @@ __all__ = ["SrsStep", "srs_schedule", "Accumulator", "BlockSelector", "spar_redu
 
 SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
 Timer = Callable[[str], contextlib.AbstractContextManager[None]]
-Exchange = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Exchange = Callable[[torch.Tensor, torch.Tensor], Sequence[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -171,8 +171,8 @@ def spar_reduce_scatter(comm: Communicator, work: Accumulator, bounds: Sequence[
     ``work`` is the dense accumulator (gradient + residual), modified in place: afterwards it holds
     every value this rank discarded. ``bounds[j]`` = (start, size) of block j, ``counts[j]`` = k/m,
     the entries block j may carry. ``first_exchange(indices, values)``: sends the first step's
-    message to its destination and returns (indices, values) from its source, in place of
-    ``comm.exchange_many`` (SparDL's message riding on the call's agreement).
+    message to its destination and returns the indices and values from its source as bytes, in place
+    of ``comm.exchange_many`` (SparDL's message riding on the call's agreement).
     """
     m, w = comm.size, comm.rank
     selected = 0
@@ -186,7 +186,8 @@ def spar_reduce_scatter(comm: Communicator, work: Accumulator, bounds: Sequence[
             selected += indices.numel()
         with timer("comm"):
             if number == 0 and first_exchange is not None:
-                got_indices, got_values = first_exchange(indices, values)
+                got_bytes = first_exchange(indices, values)
+                got_indices, got_values = got_bytes[0].view(index_type), got_bytes[1].view(dense.dtype)
             else:
                 got_indices, got_values = comm.exchange_many(step.dst, [indices, values], step.src, count=2,
                                                              dtypes=[index_type, dense.dtype],
