@@ -272,9 +272,9 @@ def test_campaign_runs_take_the_recommended_recipe_unless_one_is_named(tmp_path)
     assert [s.recipe for s in campaign.plan_recipes(["lstm"], [None], "topka")] == list(campaign.RECIPES)
 
 
-def test_the_demo_waits_a_bounded_time_and_the_campaign_keeps_its_protocol():
-    """The demo keeps to its 10 minutes on a busy machine (at most 30 s a run, no redo); the campaign
-    waits up to 300 s and redoes a run started above the threshold twice."""
+def test_the_demo_records_the_load_without_waiting_and_the_campaign_keeps_its_protocol():
+    """The demo keeps to its 10 minutes (it records the load but neither waits nor redoes a run); the
+    campaign waits up to 300 s and redoes a run started above the threshold twice."""
     import argparse
 
     from sparsecomm.experiments.bench import time_to_accuracy
@@ -286,4 +286,4 @@ def test_the_demo_waits_a_bounded_time_and_the_campaign_keeps_its_protocol():
         module.add_arguments(parser)
         policy = campaign.quiet_policy(parser.parse_args([]))
         defaults[name] = (policy.threshold / policy.cores, policy.max_wait_s, policy.redo)
-    assert defaults == {"demo": (0.75, 30.0, 0), "campaign": (0.75, 300.0, 2)}
+    assert defaults == {"demo": (0.75, 0.0, 0), "campaign": (0.75, 300.0, 2)}
