@@ -247,3 +247,46 @@ def _resume(n, options):
 
 def test_checkpoint_resumes_bsag_exactly():
     assert all(run_workers(6, _resume, 1003, {"density": 0.1, "teams": 3}))
+
+
+def _calls_lean_or_reference(reference: bool, n: int, calls: int):
+    """Outputs and residuals of ``calls`` one-team SparDL calls. ``reference``: the path before the
+    first bag's selection joined the accumulating scan and the own block's selection left the
+    journal (it selects from G afterwards and journals every change); checks, on every call, that
+    outside the final gradient's indices the new residual is G = gradient + residual."""
+    import sparsecomm.methods.spardl as spardl_module
+
+    real_srs, real_fused = spardl_module.spar_reduce_scatter, spardl_module.SparDL._accumulate_selecting
+    if reference:
+        spardl_module.spar_reduce_scatter = lambda *args, **kwargs: real_srs(*args, **{**kwargs, "journal_own": True})
+        spardl_module.SparDL._accumulate_selecting = lambda *args, **kwargs: None
+    try:
+        method = make_method("spardl", density=0.05)
+        results = []
+        for call in range(calls):
+            grad = make_gradient(n, dist.get_rank(), call, seed=7)
+            G = grad + (0 if method.residual is None else method.residual)  # Algorithm 1, line 1
+            out = method(grad)
+            outside = out == 0  # outside the final gradient's indices the new residual is G (lines 13-15)
+            assert torch.equal(method.residual[outside], G[outside]), f"call {call}: residual is not G outside"
+            results.append((out, method.residual.clone()))
+        return results
+    finally:
+        spardl_module.spar_reduce_scatter = real_srs
+        spardl_module.SparDL._accumulate_selecting = real_fused
+
+
+@pytest.mark.parametrize("P, n", [(1, 1003), (2, 1003), (3, 1003), (5, 1003), (8, 1003),
+                                  (1, 300_000), (2, 300_000), (3, 300_000), (4, 300_000)])
+def test_first_selections_in_the_scan_and_a_lean_journal_change_no_bit(P, n):
+    """The blocks SRS selects before anything is added into G (the first step's bag; the own block
+    when P = 1) are selected in the scan that writes G, and with one team the own block's selection,
+    G's last change, is not journaled (at P = 1 nothing is and the residual collection is skipped):
+    outputs and residuals are the reference path's, bit for bit, call after call (n = 300000: blocks
+    large enough for the sampled scan), and outside the final gradient the residual is G, as
+    Algorithm 1 lines 13-15 say."""
+    lean = run_workers(P, _calls_lean_or_reference, False, n, 3, timeout=120)
+    reference = run_workers(P, _calls_lean_or_reference, True, n, 3, timeout=120)
+    for mine, theirs in zip(lean, reference, strict=True):
+        for (out, residual), (ref_out, ref_residual) in zip(mine, theirs, strict=True):
+            assert torch.equal(out, ref_out) and torch.equal(residual, ref_residual)

@@ -11,9 +11,12 @@ Every phase of the call (``stats.time_select``, ``time_residual`` from ``stats.e
 the figures are ratios measured side by side on the same loaded machine.
 
 A method's *non-communication* time is its whole call minus ``time_comm``: residual update,
-selection, decompression and bookkeeping. Its floor is about 2 passes (read the gradient and the
-residual once, write the residual once; the output is written only where it is non-zero). Figures are
-rank 0's medians; at P > 1 several processes share the CPU cores, so each pass and each phase is slower
+selection, decompression and bookkeeping. Error feedback alone has a floor, timed beside each call
+and reported as "EF floor": ``acc = residual + gradient`` written to a spare buffer by the same scan
+(:meth:`~sparsecomm.selection.scan.Scratch.scan` with ``addend`` and ``dest``; ``torch.add`` where the
+kernel is not built) reads two vectors and writes one, so it costs about 3 passes wherever writing
+memory is as fast as reading it; the output is written only where it is non-zero. Figures are rank
+0's medians; at P > 1 several processes share the CPU cores, so each pass and each phase is slower
 than at P = 1 and the ratio is what compares.
 """
 
@@ -57,6 +60,14 @@ def one_pass(x: torch.Tensor, scratch: scan.Scratch) -> tuple[float, float]:
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
+def accumulate_floor(residual: torch.Tensor, grad: torch.Tensor, spare: torch.Tensor, scratch: scan.Scratch) -> float:
+    """Wall seconds of error feedback's own work: ``spare = residual + grad`` in one scan that also
+    checks finiteness, as :meth:`~sparsecomm.methods.base.Method.accumulate_to_spare` does."""
+    wall = time.perf_counter()
+    scratch.scan(residual, math.inf, name="floor", check_finite=True, addend=grad, dest=spare)
+    return time.perf_counter() - wall
+
+
 def _worker(n: int, densities: list[float], methods: list[str], repeat: int, warmup: int) -> dict[str, Any]:
     """On each rank: per (method, density), the per-call phase times and the passes timed beside them."""
     import torch.distributed as dist
@@ -66,6 +77,7 @@ def _worker(n: int, densities: list[float], methods: list[str], repeat: int, war
     rank = dist.get_rank()
     base = torch.randn(n, generator=torch.Generator().manual_seed(17 + rank))
     grad, result = torch.empty_like(base), torch.empty_like(base)  # result: out=, as the hook does
+    residual, spare = base * 0.1, torch.empty_like(base)  # for the floor of error feedback
     scratch = scan.Scratch()
     results: dict[str, Any] = {}
     for density in densities:
@@ -76,13 +88,15 @@ def _worker(n: int, densities: list[float], methods: list[str], repeat: int, war
                 grad.copy_(base)
                 dist.barrier()
                 seconds, cpu_pass = one_pass(grad, scratch)
+                floor = accumulate_floor(residual, grad, spare, scratch)
                 dist.barrier()
                 cpu = time.thread_time()
                 method(grad, out=result)
                 cpu = time.thread_time() - cpu
                 if call >= warmup:
                     stats = method.stats
-                    rows.append({"pass": seconds, "cpu_pass": cpu_pass, "cpu": cpu, "select": stats.time_select,
+                    rows.append({"pass": seconds, "floor": floor, "cpu_pass": cpu_pass, "cpu": cpu,
+                                 "select": stats.time_select,
                                  "residual": stats.extra.get("time_residual", 0.0),
                                  "decompress": stats.time_decompress, "comm": stats.time_comm,
                                  "total": stats.time_total, "capped": stats.capped})
@@ -106,6 +120,7 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
         out[key] = statistics.median(r[key] for r in rows) / unit
     out["non_comm"] = statistics.median(r["total"] - r["comm"] for r in rows) / unit
     out["other"] = max(0.0, out["non_comm"] - out["select"] - out["residual"] - out["decompress"])
+    out["floor"] = statistics.median(r["floor"] for r in rows) / unit
 
     def cpu_passes(share) -> float:
         return statistics.median(r["cpu"] / r["cpu_pass"] * share(r) for r in rows)
@@ -138,13 +153,19 @@ def run(args: argparse.Namespace) -> int:
                              "select": round(s["cpu_select"], 1), "residual": round(s["cpu_residual"], 1),
                              "decompress": round(s["cpu_decompress"], 1),
                              "non-comm": round(s["cpu_non_comm"], 1), "whole call": round(s["cpu_total"], 1),
+                             "EF floor": round(s["floor"], 1),
                              "pass CPU ms": round(s["cpu_pass_ms"], 1),
                              "wall: non-comm": round(s["non_comm"], 1), "wall: whole": round(s["total"], 1),
                              "pass wall ms": round(s["pass_ms"], 1)})
     print(markdown_table(rows))
     print("\nselect, residual, decompress, non-comm, whole call: CPU time of the calling thread in passes "
-          "(phases split by their share of the call's wall time); wall: wall time over the pass's wall time")
+          "(phases split by their share of the call's wall time); wall: wall time over the pass's wall time; EF floor: "
+          "error feedback alone (residual + gradient into a spare buffer, in the methods' scan: two vectors read, "
+          "one written), wall time over the pass's")
     over = sorted({r["method"] for r in rows if r["P"] == 1 and r["non-comm"] > 4})
     if over:
         print(f"\nabove 4 passes outside communication at P = 1: {', '.join(over)}")
+    floors = [r["EF floor"] for r in rows if r["P"] == 1]
+    if floors:
+        print(f"error feedback alone at P = 1 (EF floor): {min(floors)}-{max(floors)} passes")
     return 0

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,12 +39,13 @@ import torch
 from ...core.cost import Cost, ceil_log2, chunk_offsets, chunk_sizes, is_power_of_two, register_cost
 from ...core.validate import check_int, is_int, is_number
 from ...selection import make as make_selector
+from ...selection.base import Selector
 from ...transport.chunk import pair_bytes
 from ...transport.comm import Communicator
 from ...transport.sparse_collectives import allgather_chunks, bruck_traffic
 from ..base import Layout, Method, register_method
 from .sag import HAdjuster, bruck_sag, bsag_traffic, recursive_sag, rsag_traffic
-from .srs import Accumulator, BlockSelector, Exchange, spar_reduce_scatter, srs_traffic
+from .srs import Accumulator, BlockSelector, Exchange, spar_reduce_scatter, srs_schedule, srs_traffic
 
 __all__ = ["SparDL", "table1_cost", "team_candidates"]
 
@@ -182,27 +183,61 @@ class SparDL(Method):
         return self._adjusters[key]
 
     # ------------------------------------------------------------------ the call
-    def _accumulate_and_agree(self, grad: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, Exchange | None]:
+    def _accumulate_and_agree(self, grad: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]],
+                              counts: Sequence[int], first: Sequence[int], one_team: bool
+                              ) -> tuple[torch.Tensor, dict[int, torch.Tensor], Exchange | None]:
         """G = gradient + residual (Algorithm 1, line 1), in one scan that also tells the agreement
         whether the gradient is finite, and the call's agreement (:meth:`Method.accumulate_and_agree`);
-        nothing (the teams' split included) communicates before it.
+        nothing (the teams' split included) communicates before it. The same scan selects the blocks
+        ``first`` (:meth:`_accumulate_selecting`).
 
         Where the agreement's last message goes to Spar-Reduce-Scatter's first partner (one team,
         P a power of two: rank r + P/2 = r ^ P/2; gloo or MPI and a CPU gradient,
         :meth:`Communicator.exchanges_in_agreement`), the agreement is left to that first step
         instead, which sends its message inside it (:meth:`Method.exchange_in_agreement`): one
-        message fewer per call. Returns (G, that step's exchange or ``None``)."""
-        if self._agreed or self.teams != 1 or not self.comm.exchanges_in_agreement:
-            return self.accumulate_and_agree(grad, layout)[0], None
-        acc, _, nonfinite = self.accumulate_to_spare(grad)
+        message fewer per call. Returns (G, the blocks selected, that step's exchange or ``None``)."""
+        accumulate = self._accumulate_selecting(grad, bounds, counts, first)
+        if self._agreed or not one_team or not self.comm.exchanges_in_agreement:
+            acc, picks = self.accumulate_and_agree(grad, layout, accumulate)
+            return acc, picks if isinstance(picks, dict) else {}, None
+        acc, picks, nonfinite = self.accumulate_to_spare(grad, accumulate)
         if nonfinite:  # no message to send: the verdict stops the call on every rank
             self.agree(grad, layout, nonfinite, gathers=True, exchanges=True)
             raise RuntimeError(f"{self.name}: the ranks agreed to go on with a non-finite gradient (a method bug)")
-        return acc, lambda indices, values: self.exchange_in_agreement(grad, layout, 0, acc, [indices, values])
+
+        def exchange(indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+            return self.exchange_in_agreement(grad, layout, 0, acc, [indices, values])
+        return acc, picks if isinstance(picks, dict) else {}, exchange
+
+    def _accumulate_selecting(self, grad: torch.Tensor, bounds: Sequence[tuple[int, int]], counts: Sequence[int],
+                              first: Sequence[int]) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any] | None:
+        """G = residual + gradient block by block, each block read once, with the blocks ``first``
+        (those Spar-Reduce-Scatter selects before anything is added into G) selected in the same scan
+        (``selector.accumulate``, the same entries as selecting from G afterwards), as
+        ``select(residual, grad, acc)`` for :meth:`Method.accumulate_and_agree`; it returns
+        {block: local indices}. ``None`` (one scan of the whole gradient, no selection) where the
+        scan kernel does not run or the SRS selector has no fused scan."""
+        selector = self._blocks.selector
+        if not isinstance(selector, Selector) or not self._scratch.uses_compiled(grad):
+            return None
+        chosen = set(first)
+
+        def accumulate(residual: torch.Tensor, gradient: torch.Tensor, acc: torch.Tensor) -> dict[int, torch.Tensor]:
+            if not self._scratch.uses_compiled(residual, gradient, acc):
+                raise RuntimeError(f"{self.name}: the scan kernel does not take these tensors (a method bug)")
+            picks = {}
+            for j, (start, size) in enumerate(bounds):
+                span = slice(start, start + size)
+                if j in chosen and 0 < counts[j] < size:
+                    picks[j] = selector.accumulate(residual[span], gradient[span], counts[j], dest=acc[span])
+                elif size:
+                    self._scratch.scan(residual[span], math.inf, name=self.name, check_finite=True,
+                                       addend=gradient[span], dest=acc[span])
+            return picks
+        return accumulate
 
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         started = time.perf_counter()
-        residual, first_exchange = self._accumulate_and_agree(grad, layout)
         P, n = self.comm.size, grad.numel()
         k = self.k(n)
         d = self._teams_now(n, k, grad.element_size())
@@ -211,11 +246,16 @@ class SparDL(Method):
         m, position = team.size, team.rank
         bounds = chunk_offsets(n, m)
         counts = chunk_sizes(k, m)
+        schedule = srs_schedule(m, position)
+        first = schedule[0].send_blocks if schedule else (position,)
+        residual, picks, first_exchange = self._accumulate_and_agree(grad, layout, bounds, counts, first, d == 1)
 
         # The accumulator is G itself, changed in place; its journal stands for G_copy (line 3)
         work = Accumulator(residual)
 
-        own, selected = spar_reduce_scatter(team, work, bounds, counts, self._blocks, self.timer, first_exchange)
+        # with one team nothing changes G after the own block's selection, which then needs no record
+        own, selected = spar_reduce_scatter(team, work, bounds, counts, self._blocks, self.timer, first_exchange,
+                                            journal_own=sag != "none", picks=picks)
         if sag == "recursive":
             with self.timer("comm"):
                 own = recursive_sag(cross, own, counts[position], self._exact, work)
@@ -233,11 +273,12 @@ class SparDL(Method):
         with self.timer("comm"):
             blocks = allgather_chunks(team, own, bruck=True)
 
-        with self.timer("residual"):
-            indices = torch.cat([b.indices for b in blocks]).long()
-            discarded = residual.index_select(0, indices)  # what this rank discarded there
-            work.restore()                        # G everywhere else (G_copy, line 3) ...
-            residual.index_copy_(0, indices, discarded)  # ... Algorithm 1, lines 13-15
+        indices = torch.cat([b.indices for b in blocks]).long()
+        if work.changed:  # else G is the new residual already: nothing recorded, nothing to bring back
+            with self.timer("residual"):
+                discarded = residual.index_select(0, indices)  # what this rank discarded there
+                work.restore()                        # G everywhere else (G_copy, line 3) ...
+                residual.index_copy_(0, indices, discarded)  # ... Algorithm 1, lines 13-15
         with self.timer("decompress"):
             # the blocks are disjoint and each sorted: one ordered sweep, divided on the way
             out = self.output_average(grad, [b.indices for b in blocks], [b.values for b in blocks], P)

@@ -23,7 +23,7 @@ non-zeros than k/m, so the bytes are an upper bound and the rounds exact.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +78,11 @@ class Accumulator:
     indices (lines 13-15). Here G lives in the residual's buffer itself and every change records the
     entries' values before it (the selections' zeroing, the received bags' additions, the shares of
     SAG's discards), so :meth:`restore` brings back G in O(entries changed) instead of a copy and a
-    zeroing of all n elements.
+    zeroing of all n elements. One change needs no record: the last selection of the rank's own
+    block when nothing changes G after it (one team, no SAG; :func:`spar_reduce_scatter`'s
+    ``journal_own``). Of the entries it zeroes, those in the final gradient keep what this rank
+    discarded there (zero) anyway, and the others held zero before it or are brought back to G by
+    an earlier record. With no record at all (P = 1) G is the new residual as it stands.
     """
 
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -94,6 +98,11 @@ class Accumulator:
         idx = indices.long()
         self.record(idx, self.tensor.index_select(0, idx))
         self.tensor.index_add_(0, idx, values)
+
+    @property
+    def changed(self) -> bool:
+        """Whether a change was recorded since the last :meth:`restore`."""
+        return bool(self._journal)
 
     def restore(self) -> None:
         """Every journaled entry back to its value before the first change (latest change undone first)."""
@@ -130,16 +139,20 @@ class BlockSelector:
         magnitude = torch.abs(x, out=scratch[:x.numel()])
         return torch.topk(magnitude, count, sorted=False).indices
 
-    def take(self, work: Accumulator, start: int, size: int, count: int) -> SparseChunk:
+    def take(self, work: Accumulator, start: int, size: int, count: int, *, journal: bool = True,
+             picked: torch.Tensor | None = None) -> SparseChunk:
         """Move the top-``count`` entries of ``work[start:start+size]`` out of ``work``, in index order.
 
         Returns them as a chunk with global indices (zeros dropped: they carry nothing); ``work``
-        keeps the rest, i.e. what this selection discarded.
+        keeps the rest, i.e. what this selection discarded. ``journal=False``: the change is not
+        recorded (see :class:`Accumulator`). ``picked``: the block's local indices when they were
+        selected already (in the scan that wrote the block, :meth:`SparDL._accumulate_selecting`).
         """
         block = work.tensor[start:start + size]
-        local = ascending(self.indices(block, count))  # sorted: receivers merge, not sort
+        local = ascending(self.indices(block, count) if picked is None else picked.long())  # sorted: receivers merge
         values = take_and_clear(block, local)
-        work.record(local + start, values)
+        if journal:
+            work.record(local + start, values)
         nonzero = values != 0
         if not bool(nonzero.all()):
             local, values = local[nonzero], values[nonzero]
@@ -165,22 +178,29 @@ def _no_timer(_: str) -> contextlib.AbstractContextManager[None]:
 
 def spar_reduce_scatter(comm: Communicator, work: Accumulator, bounds: Sequence[tuple[int, int]],
                         counts: Sequence[int], blocks: BlockSelector, timer: Timer = _no_timer,
-                        first_exchange: Exchange | None = None) -> tuple[SparseChunk, int]:
+                        first_exchange: Exchange | None = None, *, journal_own: bool = True,
+                        picks: Mapping[int, torch.Tensor] | None = None) -> tuple[SparseChunk, int]:
     """SRS over ``comm`` (a team of m ranks): returns (this rank's reduced block, entries selected).
 
     ``work`` is the dense accumulator (gradient + residual), modified in place: afterwards it holds
     every value this rank discarded. ``bounds[j]`` = (start, size) of block j, ``counts[j]`` = k/m,
     the entries block j may carry. ``first_exchange(indices, values)``: sends the first step's
     message to its destination and returns the indices and values from its source as bytes, in place
-    of ``comm.exchange_many`` (SparDL's message riding on the call's agreement).
+    of ``comm.exchange_many`` (SparDL's message riding on the call's agreement). ``journal_own=False``
+    leaves the selection of the own block out of ``work``'s journal, for a caller that changes
+    ``work`` no more before it restores it (:class:`Accumulator`). ``picks``: {block: local indices}
+    of blocks selected before any change to ``work`` (the first step's bag, or the own block of a
+    team of one), taken as they are.
     """
+    picks = picks or {}
     m, w = comm.size, comm.rank
     selected = 0
     dense = work.tensor
     index_type = index_dtype(dense.numel())
     for number, step in enumerate(srs_schedule(m, w)):
         with timer("select"):
-            chunks = [blocks.take(work, *bounds[j], counts[j]) for j in step.send_blocks]
+            chunks = [blocks.take(work, *bounds[j], counts[j], picked=picks.get(j) if number == 0 else None)
+                      for j in step.send_blocks]
             indices = torch.cat([c.indices for c in chunks])
             values = torch.cat([c.values for c in chunks])
             selected += indices.numel()
@@ -195,7 +215,7 @@ def spar_reduce_scatter(comm: Communicator, work: Accumulator, bounds: Sequence[
         with timer("decompress"):
             work.index_add_(got_indices, got_values)
     with timer("select"):
-        own = blocks.take(work, *bounds[w], counts[w])
+        own = blocks.take(work, *bounds[w], counts[w], journal=journal_own, picked=picks.get(w) if m == 1 else None)
         selected += own.nnz
     return own, selected
 
