@@ -1,5 +1,6 @@
 """The median (min-max) over several `sparsecomm bench step` outputs of the figures the per-step goal names: at
-P = 1 the passes outside communication ("non-comm"), at P = 4 and 8 the passes of decompression.
+P = 1 the passes outside communication ("non-comm") and, where the output has it, error feedback's own floor
+("EF floor"); at P = 4 and 8 the passes of decompression.
 
     python docs/step-runs/summarize.py docs/step-runs/step-*.md
 """
@@ -9,36 +10,41 @@ from __future__ import annotations
 import statistics
 import sys
 
-NON_COMM, DECOMPRESS = 6, 5  # columns of the table `bench step` prints
 
-
-def rows(paths: list[str]) -> dict[tuple[str, int, float], list[list[str]]]:
-    """(method, P, density) -> the table's cells, one list per output."""
-    found: dict[tuple[str, int, float], list[list[str]]] = {}
+def rows(paths: list[str]) -> dict[tuple[str, int, float], list[dict[str, str]]]:
+    """(method, P, density) -> the table's cells by column name, one dict per output."""
+    found: dict[tuple[str, int, float], list[dict[str, str]]] = {}
     for path in paths:
+        header: list[str] = []
         with open(path) as output:
             for line in output:
                 cells = [cell.strip() for cell in line.split("|")[1:-1]]
-                if len(cells) == 12 and cells[1].isdigit():
-                    found.setdefault((cells[0], int(cells[1]), float(cells[2])), []).append(cells)
+                if cells[:2] == ["method", "P"]:
+                    header = cells
+                elif header and len(cells) == len(header) and cells[1].isdigit():
+                    row = dict(zip(header, cells, strict=True))
+                    found.setdefault((row["method"], int(row["P"]), float(row["density"])), []).append(row)
     return found
 
 
-def figure(runs: list[list[str]], column: int) -> str:
-    values = [float(cells[column]) for cells in runs]
+def figure(runs: list[dict[str, str]], column: str) -> str:
+    values = [float(cells[column]) for cells in runs if column in cells]
+    if not values:
+        return "-"
     return f"{statistics.median(values):g} ({min(values):g}-{max(values):g})"
 
 
 def main(paths: list[str]) -> None:
     found = rows(paths)
-    print(f"median (min-max) of {len(paths)} runs, in passes over the gradient (CPU time)\n")
-    print("| method | density | P = 1: outside communication | P = 4: decompression | P = 8: decompression |")
-    print("| --- | --- | --- | --- | --- |")
+    print(f"median (min-max) of {len(paths)} runs, in passes over the gradient (CPU time; EF floor: wall time)\n")
+    print("| method | density | P = 1: outside communication | P = 1: EF floor | P = 4: decompression "
+          "| P = 8: decompression |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, P, density in sorted(found, key=lambda key: (-key[2], key[0])):
         if P == 1:
-            decompress = [figure(found[(name, workers, density)], DECOMPRESS) for workers in (4, 8)]
-            print(f"| {name} | {density:g} | {figure(found[(name, 1, density)], NON_COMM)} "
-                  f"| {decompress[0]} | {decompress[1]} |")
+            decompress = [figure(found.get((name, workers, density), []), "decompress") for workers in (4, 8)]
+            print(f"| {name} | {density:g} | {figure(found[(name, 1, density)], 'non-comm')} "
+                  f"| {figure(found[(name, 1, density)], 'EF floor')} | {decompress[0]} | {decompress[1]} |")
 
 
 if __name__ == "__main__":
