@@ -290,3 +290,19 @@ def test_first_selections_in_the_scan_and_a_lean_journal_change_no_bit(P, n):
     for mine, theirs in zip(lean, reference, strict=True):
         for (out, residual), (ref_out, ref_residual) in zip(mine, theirs, strict=True):
             assert torch.equal(out, ref_out) and torch.equal(residual, ref_residual)
+
+
+def _fuses(selector: str) -> bool:
+    method = make_method("spardl", density=0.05, selector=selector)
+    grad = torch.randn(300_000)
+    return method._accumulate_selecting(grad, [(0, 300_000)], [15_000], [0]) is not None
+
+
+@pytest.mark.parametrize("selector, fused", [("exact_topk", True), ("dgc_sampled", False), ("mstopk", False)])
+def test_only_a_stateless_selector_selects_in_the_accumulating_scan(selector, fused):
+    """The first cuts happen before the agreement: a selector that keeps state between calls (which a
+    refused or skipped call must leave as it was) selects after it, as before."""
+    from sparsecomm.selection.scan import Scratch
+
+    expected = fused and Scratch.uses_compiled(torch.empty(300_000))
+    assert run_workers(1, _fuses, selector, timeout=60) == [expected]

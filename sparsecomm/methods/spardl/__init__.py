@@ -216,9 +216,10 @@ class SparDL(Method):
         (``selector.accumulate``, the same entries as selecting from G afterwards), as
         ``select(residual, grad, acc)`` for :meth:`Method.accumulate_and_agree`; it returns
         {block: local indices}. ``None`` (one scan of the whole gradient, no selection) where the
-        scan kernel does not run or the SRS selector has no fused scan."""
+        scan kernel does not run, or the SRS selector is not a stateless ``Selector`` (a selection
+        made before the agreement must change nothing the agreement may refuse)."""
         selector = self._blocks.selector
-        if not isinstance(selector, Selector) or not self._scratch.uses_compiled(grad):
+        if not isinstance(selector, Selector) or not selector.stateless or not self._scratch.uses_compiled(grad):
             return None
         chosen = set(first)
 
