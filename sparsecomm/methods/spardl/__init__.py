@@ -274,16 +274,16 @@ class SparDL(Method):
         with self.timer("comm"):
             blocks = allgather_chunks(team, own, bruck=True)
 
-        indices = torch.cat([b.indices for b in blocks]).long()
         if work.changed:  # else G is the new residual already: nothing recorded, nothing to bring back
             with self.timer("residual"):
+                indices = torch.cat([b.indices for b in blocks]).long()
                 discarded = residual.index_select(0, indices)  # what this rank discarded there
                 work.restore()                        # G everywhere else (G_copy, line 3) ...
                 residual.index_copy_(0, indices, discarded)  # ... Algorithm 1, lines 13-15
         with self.timer("decompress"):
             # the blocks are disjoint and each sorted: one ordered sweep, divided on the way
             out = self.output_average(grad, [b.indices for b in blocks], [b.values for b in blocks], P)
-        self.stats.update(selected=selected, nnz_out=int(indices.numel()), teams=d, sag=sag, k=k)
+        self.stats.update(selected=selected, nnz_out=sum(b.nnz for b in blocks), teams=d, sag=sag, k=k)
         if self.teams is None:
             self._record_trial(d, time.perf_counter() - started)
         return out
