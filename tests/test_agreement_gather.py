@@ -160,3 +160,65 @@ def test_a_rank_that_does_not_send_spardls_message_in_the_agreement_disagrees_on
         assert text in message, message
         assert "rank 1" in message
         assert residual_untouched in (None, True)  # nothing was applied on the first call
+
+
+def _preposted_agreements(big: bool, twice: bool):
+    """Receives posted before the local work carry the agreement; posting again before it posts
+    nothing more; none is left afterwards, and the next exchange gets its own message."""
+    import time
+
+    comm = Communicator()
+    rank, P = comm.rank, comm.size
+    comm.prepost_agreement()
+    if twice:  # a leftover from a call that failed before its agreement: the next one uses it
+        comm.prepost_agreement()
+    posted = len(comm._preposted)
+    time.sleep(0.002 * rank)  # the peers' messages arrive while this rank still works
+    maxima, gathered, _ = comm.agree_max_gathering([rank, -rank, 7], _block_of(rank, big))
+    expected = [torch.cat([t.contiguous().view(torch.uint8) for t in _block_of(q, big)]) for q in range(P)]
+    same = gathered is not None and all(torch.equal(a, b) for a, b in zip(gathered, expected, strict=True))
+    left = len(comm._preposted)
+    after = comm.exchange((rank + 1) % P, torch.full((3,), float(rank)), (rank - 1) % P)
+    return maxima, same, posted, left, after.tolist() == [float((rank - 1) % P)] * 3
+
+
+@pytest.mark.parametrize("twice", [False, True])
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_receives_posted_before_the_local_work_carry_the_agreement_and_nothing_else(P, twice):
+    for maxima, same, posted, left, exchanged in run_workers(P, _preposted_agreements, False, twice, timeout=60):
+        assert maxima == [P - 1, 0, 7] and same
+        assert posted == (P - 1).bit_length() and left == 0  # one receive per step, all used
+        assert exchanged  # the next message went to its own receive, not to a leftover one
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_preposted_agreement_takes_a_block_past_the_eager_limit(P):
+    for maxima, same, _, left, _ in run_workers(P, _preposted_agreements, True, False, timeout=60):
+        assert maxima == [P - 1, 0, 7] and same and left == 0
+
+
+def _method_preposts(name: str):
+    method = make_method(name) if name == "rabenseifner" else make_method(name, density=0.02)
+    comm = method.comm
+    posts = []
+    real = comm.prepost_agreement
+
+    def spy():
+        real()
+        posts.append(len(comm._preposted))
+
+    comm.prepost_agreement = spy
+    outputs = [method(torch.randn(3000, generator=torch.Generator().manual_seed(10 * comm.rank + c)))
+               for c in range(3)]
+    return posts, len(comm._preposted), outputs
+
+
+@pytest.mark.parametrize("name", ["topka", "spardl", "cltk", "rabenseifner"])
+@pytest.mark.parametrize("P", [1, 3, 4])
+def test_a_method_that_agrees_after_its_local_work_posts_its_receives_first(P, name):
+    results = run_workers(P, _method_preposts, name, timeout=60)
+    steps = (P - 1).bit_length()
+    for posts, left, outputs in results:
+        # a method that agrees first (rabenseifner) has no local work to hide the wait behind
+        assert posts == ([] if name == "rabenseifner" else [steps] * 3) and left == 0
+        assert all(torch.equal(a, b) for a, b in zip(outputs, results[0][2], strict=True))

@@ -449,6 +449,8 @@ class Method:
         # checks; anything else (or a local problem, which the agreement tells every rank) agrees first
         deferred = (self.agrees_in_reduce and isinstance(grad, torch.Tensor) and grad.device.type == "cpu"
                     and grad.numel() > 0 and local_problem(grad, layout, self.name, self.residual) is None)
+        if deferred:  # its agreement comes after the local work: let the peers' messages find their receives
+            self.comm.prepost_agreement()
         skip = None if deferred else self._validate(grad, layout)
         self._agreed = skip is None and not deferred
         agreed = time.perf_counter()

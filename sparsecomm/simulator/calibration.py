@@ -127,10 +127,10 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
                           grad_fn=None, device: str = "cpu") -> dict[str, Any]:
     """Worker function: build the method, run warm-up and timed calls on a fixed gradient.
 
-    Returns this rank's per-call wall times (each call starts after a barrier), its CPU times
-    (``time.process_time``: this process's threads, the backend's included), the calls' stats and
+    Returns this rank's per-call wall times (each call starts after a barrier), the calls' stats,
     whether the method agreed after its selection's scan (``agreement_folded``: no pass of its own),
-    and the name of its selector (``selector``, "" when it has none of its own).
+    what of its own rode on the agreement (``agreement_ride``) and the name of its selector
+    (``selector``, "" when it has none of its own).
     The gradient and result buffers are allocated once (the result goes ``out=``, as in the
     DDP hook and the synchronizer); each call gets a fresh copy of the gradient made before the clock
     starts. On a CUDA ``device`` the clock stops after the device has finished the call.
