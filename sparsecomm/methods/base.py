@@ -296,8 +296,8 @@ class Method:
         (rank ``r ^ P/2``; :meth:`agree` with ``gathers`` and ``exchanges``, where
         ``self.comm.exchanges_in_agreement``), after which ``acc`` becomes the residual and the
         message is booked as this method's (one round). Returns the partner's tensors (``uint8``
-        views, valid until the communicator's next agreement); raises or skips the call as
-        :meth:`agree` does. Not timed here: the caller times it as its message."""
+        views, valid until the communicator's next agreement or ``prepost_agreement``); raises or
+        skips the call as :meth:`agree` does. Not timed here: the caller times it as its message."""
         received, steps = self.agree(grad, layout, nonfinite, gathers=True, block=payload, exchanges=True)
         assert received is not None  # the verdict lets a call go on only when both partners sent theirs
         self.commit_residual(acc)

@@ -386,8 +386,8 @@ class Communicator:
         rank order or ``None``, the payload moved per step). The blocks come back only when every rank
         passed one; otherwise (a rank that only agrees: a disagreement its header will show) ``None``.
         The other ranks' blocks are views into this communicator's receive buffers (one of
-        :data:`EAGER_LIMIT_BYTES` per step, kept): they hold until its next agreement, so copy what
-        must outlive the call.
+        :data:`EAGER_LIMIT_BYTES` per step, kept): they hold until its next agreement or
+        :meth:`prepost_agreement`, whichever comes first, so copy what must outlive the call.
 
         The steps are those of :func:`~.sparse_collectives.allgatherv`, which an element-wise maximum
         can ride on as well: for P a power of two, recursive doubling (step mask = 1, 2, ... exchanges
@@ -449,9 +449,9 @@ class Communicator:
         that calls :meth:`agree_max` or :meth:`agree_max_gathering` reads every message, and the
         verdict (which the caller's header makes a disagreement) stops every rank before a misread
         payload is used. Returns (the maxima, the partner's tensors as ``uint8`` views into this
-        communicator's receive buffer, valid until its next agreement, or ``None`` when this rank or
-        the partner passed none or another number of them, the payload moved). ``payload=None``: the
-        agreement alone (the caller's verdict then stops the call).
+        communicator's receive buffer, valid until its next agreement or :meth:`prepost_agreement`,
+        or ``None`` when this rank or the partner passed none or another number of them, the payload
+        moved). ``payload=None``: the agreement alone (the caller's verdict then stops the call).
 
         Cost per rank: log2 P messages of 8 (2 + m + V) bytes of header, the last one with the
         payload (which the caller books as its own message)."""
