@@ -226,6 +226,20 @@ def test_non_finite_input_is_refused_by_default(name, bad, n):
     check_indices(idx, n)
 
 
+@pytest.mark.parametrize("k", [1, 7, 999])
+def test_exact_topk_checks_its_torch_path_on_the_values_it_selects(k):
+    """Below the sampled path, exact top-k checks the k values torch.topk returns (NaN and Inf rank
+    above every finite magnitude, so one anywhere in x is among them) instead of a pass over x; the
+    error still counts every bad element of x."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 1e30  # large, finite
+    x[[3, 500, 998]] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    with pytest.raises(NonFiniteInputError, match="holds 3 NaN/Inf"):
+        selectors.make("exact_topk", algorithm="torch")(x, k)
+    x[[3, 500, 998]] = 0.0
+    idx = selectors.make("exact_topk", algorithm="torch")(x, k)
+    assert torch.equal(x.abs()[idx].sort().values, torch.topk(x.abs(), k).values.sort().values)
+
+
 def test_large_finite_values_are_not_mistaken_for_inf():
     x = torch.full((1000,), 3e38)  # their sum overflows float32
     idx = selectors.make("trimmed")(x, 10)

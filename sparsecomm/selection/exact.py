@@ -57,9 +57,13 @@ class TopK(Selector):
             if view.n_candidates >= k:
                 return view.topk_at_or_above(floor, k)
             log.debug("topk: sample floor left %d < k=%d candidates; full torch.topk", view.n_candidates, k)
-        elif self.check_finite:
-            assert_finite(x, self.name)
-        return torch.topk(x.abs(), k, sorted=False).indices
+            return torch.topk(x.abs(), k, sorted=False).indices  # the scan checked x
+        top = torch.topk(x.abs(), k, sorted=False)
+        # torch.topk ranks NaN above +inf above every finite value, so a NaN or Inf anywhere in x shows
+        # among the k values it returns: checking them is the check of x, without a pass of its own
+        if self.check_finite and not bool(torch.isfinite(top.values).all()):
+            assert_finite(x, self.name)  # raises, counting the NaN/Inf elements of x
+        return top.indices
 
     def _fused_select(self, x: Tensor, addend: Tensor, k: int, dest: Tensor | None) -> Tensor | None:
         """On the sampled path the addition happens inside the scan (one read of ``x`` and ``addend``,
