@@ -493,14 +493,15 @@ class Communicator:
         """Post the receives of this communicator's next agreement now, each into its step's landing
         buffer, so that a peer's message finds its receive waiting: on gloo a message moves once both
         sides have posted, and a receive posted only when the step begins costs the sender a wait for
-        the receiver's notice (on two cores shared by four workers, about 1.5 ms of a 16 ms topka call
-        at n = 1M). A method that agrees after its local work (:attr:`~sparsecomm.methods.base.Method.agrees_in_reduce`)
-        calls it as the call begins; it then receives nothing before the agreement (no message of its
-        own goes out before it), so no other receive from those ranks can be posted in between and
-        match a peer's agreement message first. The next agreement's steps consume the receives; one
-        left over by a call that failed inside its agreement stays posted (torch cannot cancel a
-        receive) and is the next agreement's. Only where the agreement's messages fit a posted buffer
-        (gloo, MPI: :attr:`gathers_in_agreement`); elsewhere it does nothing."""
+        the receiver's notice (docs/baselines.md: 0.88x the time of a topka call at n = 1M with four
+        workers on two cores). A method that agrees after its local work
+        (:attr:`~sparsecomm.methods.base.Method.agrees_in_reduce`) calls it as the call begins; it then
+        receives nothing before the agreement (no message of its own goes out before it), so no other
+        receive from those ranks can be posted in between and match a peer's agreement message first.
+        The next agreement's steps consume the receives; one left over by a call that failed inside its
+        agreement stays posted (torch cannot cancel a receive) and is the next agreement's. Only where
+        the agreement's messages fit a posted buffer (gloo, MPI: :attr:`gathers_in_agreement`);
+        elsewhere it does nothing."""
         if not self._eager_headers or self.size == 1:
             return
         for step, src in enumerate(self._agreement_sources()):
