@@ -2,6 +2,7 @@
 tensor; a :class:`MethodSpec` resolves a method once; the grouping engine behind the synchronizer."""
 
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ def _fresh_and_out(name):
     kept = first.clone()
     second = fresh(_gradient(1))
     third = fresh(_gradient(2))
+    probe = weakref.ref(fresh(_gradient(3)))  # allocated as the call began: the method keeps no reference
     buf = torch.empty(N)
     returned = [reusing(_gradient(0), out=buf) is buf]
     out_first = buf.clone()
@@ -40,7 +42,8 @@ def _fresh_and_out(name):
     return {"first_kept": torch.equal(first, kept), "first_differs": not torch.equal(first, second),
             "distinct_storage": first.data_ptr() != second.data_ptr() != third.data_ptr(),
             "out_returned": all(returned), "out_first": torch.equal(out_first, first),
-            "out_second": torch.equal(out_second, second), "out_third": torch.equal(buf, third)}
+            "out_second": torch.equal(out_second, second), "out_third": torch.equal(buf, third),
+            "not_retained": probe() is None}
 
 
 @pytest.mark.parametrize("name", available_methods())
