@@ -383,7 +383,7 @@ class Method:
         :meth:`__call__` allocated as the call began, where it matches, else a new one. Allocated
         before the call's temporaries, a large output tends to get the pages the allocator still
         holds from the caller's last result; allocated after them, fresh pages that fault on the
-        first write (SparDL at n = 1M: its final sweep 3.2 ms a call instead of 0.5)."""
+        first write (docs/memory.md, "Output into out=")."""
         fresh, self._fresh_out = self._fresh_out, None
         if fresh is None or fresh.shape != like.shape or fresh.dtype != like.dtype or fresh.device != like.device:
             return torch.empty_like(like)
