@@ -26,6 +26,7 @@ shown beside it. The advised method's time is compared with the measured fastest
 
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 import time
@@ -187,9 +188,22 @@ def advise(methods: list[str], P: int, n: int, densities: list[float], slack: fl
     return Advice(best, dense, ranked, n, accuracy, passed_over)
 
 
+def dense_warmup(name: str) -> int:
+    """The dense all-reduce calls method ``name`` makes first with its default options (its
+    ``warmup_steps``: Ok-Topk's 512, as in its paper), 0 for a method without such an option. The
+    simulator predicts the calls after them."""
+    from ..methods import method_class
+
+    param = inspect.signature(method_class(name).__init__).parameters.get("warmup_steps")
+    default = None if param is None else param.default
+    return default if isinstance(default, int) and not isinstance(default, bool) else 0
+
+
 def _measure_worker(plan: list[tuple[str, float]], n: int, rounds: int, warmup: int) -> dict[str, list[float]]:
     """Every rank: each (method, density) of ``plan`` once per round, the order rotated by one each round,
-    a barrier before each call; this rank's call times after ``warmup`` untimed rounds."""
+    a barrier before each call; this rank's call times after ``warmup`` untimed rounds. A method with
+    a dense warm-up (:func:`dense_warmup`) is built without it: the calls measured are those the
+    prediction is of."""
     import torch
     import torch.distributed as dist
 
@@ -198,7 +212,8 @@ def _measure_worker(plan: list[tuple[str, float]], n: int, rounds: int, warmup: 
     gen = torch.Generator().manual_seed(7919 * dist.get_rank() + 1)
     base = torch.randn(n, generator=gen)
     work = torch.empty_like(base)
-    built = {name: MethodSpec.at_density(name, d).build() for name, d in plan}
+    built = {name: MethodSpec.at_density(name, d, **({"warmup_steps": 0} if dense_warmup(name) else {})).build()
+             for name, d in plan}
     times: dict[str, list[float]] = {name: [] for name, _ in plan}
     names = [name for name, _ in plan]
     for r in range(warmup + rounds):
@@ -271,6 +286,9 @@ def run(args) -> int:
     print(f"recommended: {best.method} ({density}, default options): predicted {1e3 * best.total_s:.1f} ms "
           f"per step vs DDP {1e3 * dense.total_s:.1f} ms ({dense.total_s / best.total_s:.2f}x)")
     print(f"rests on: {best.rests_on}")
+    if dense_warmup(best.method):
+        print(f"note: {best.method} makes its first {dense_warmup(best.method)} calls dense all-reduces "
+              f"(warmup_steps, as in its paper); the prediction is of the calls after them")
     if table is not None:
         verdict = result.accuracy[(best.method, best.density)]
         print(f"accuracy in the campaign ({table['source']}; tolerance {args.accuracy_tolerance:g} beyond "
@@ -307,8 +325,10 @@ def run(args) -> int:
                  "measured median (ms)": 1e3 * measured[p.method]["median"],
                  "recommendable": "yes" if p.method in ranked else "no (accuracy)"}
                 for p in sorted(result.ranked + extra, key=lambda p: fastest[p.method])]
+        warm = [p.method for p in result.ranked + extra if dense_warmup(p.method)]
         print(f"\nmeasured here: P={args.workers} forked workers on {args.net or 'loopback'}, {args.rounds} "
-              f"interleaved rounds; time of a round: the slowest rank's call")
+              f"interleaved rounds; time of a round: the slowest rank's call"
+              + (f"; {', '.join(warm)} without the dense warm-up (warmup_steps=0)" if warm else ""))
         print(markdown_table(rows, list(rows[0])))
         c = check_against(result, {name: t for name, t in fastest.items() if name in ranked})
         print(f"advised {c['advised']}: {1e3 * c['advised_s']:.1f} ms; measured fastest {c['fastest']}: "
