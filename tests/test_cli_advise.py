@@ -128,7 +128,7 @@ def test_a_dense_warm_up_is_named_and_left_out_of_the_measurement():
     """Ok-Topk's first 512 calls are dense all-reduces by default (its paper's warm-up): the advice
     predicts the calls after them, says so when it recommends it, and ``--measure`` builds it without
     the warm-up, so that what is measured is what was predicted."""
-    from sparsecomm.cli.advise import dense_warmup
+    from sparsecomm.methods import dense_warmup
 
     assert dense_warmup("oktopk") == 512
     assert dense_warmup("topka") == dense_warmup("spardl") == dense_warmup("dense") == 0

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import available_methods, make_method, run_workers
-from sparsecomm.methods import method_class
+from sparsecomm.methods import dense_warmup, method_class
 
 N = 5_000_000
 DENSITY = 0.01
@@ -45,6 +45,8 @@ def measure(name, n, calls=3):
     """Worker: (kept between calls, peak during calls), in units of one gradient (n elements)."""
     ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
     options = {"density": DENSITY} if method_class(name).sparse else {}
+    if dense_warmup(name):  # Ok-Topk: its own calls, not its 512 dense warm-up all-reduces
+        options["warmup_steps"] = 0
     warm = make_method(name, **options)  # libraries, communication buffers: not per-gradient memory
     for _ in range(2):
         warm(torch.randn(20_000))
@@ -80,13 +82,23 @@ def _row(name, n=N, P=2):
 OVER_PEAK = {
     "redsync": "sampled binary search gathers up to a quarter of n as candidates (12 bytes each) when it searches",
     "hitopk": "stage 1's ring reduce-scatter (transport layer) holds a full-length copy of the gradient",
+    "oktopk": "fed one gradient every call, the residual grows past the threshold Ok-Topk reuses between "
+              "estimations (adjusted 1.2% a call): 11-13x k selected, about 20% of n gathered as candidates",
+}
+
+
+#: methods known to keep more than 2.2 gradients between calls, why, and their ceiling (docs/memory.md)
+OVER_KEPT = {
+    "sidco": ("its two-stage fit gathers, in one scan, every element above a floor under the first stage's "
+              "threshold (density^(1/2) of n, 10% at 1%); the scan's buffers for them are kept", 2.5),
 }
 
 
 def _check(name, figures, n):
     if method_class(name).has_residual:
         # 2 buffers + index arrays and scratch: 20% of a gradient, plus 1 MiB that does not scale with n
-        assert figures["kept"] <= 2.2 + 2 ** 20 / (4 * n), (name, figures)
+        ceiling = OVER_KEPT[name][1] if name in OVER_KEPT else 2.2
+        assert figures["kept"] <= ceiling + 2 ** 20 / (4 * n), (name, figures)
     if name in OVER_PEAK:
         pytest.xfail(OVER_PEAK[name])
     assert figures["peak"] <= (5.2 if figures["spare"] else 4.2), (name, figures)

@@ -26,13 +26,13 @@ shown beside it. The advised method's time is compared with the measured fastest
 
 from __future__ import annotations
 
-import inspect
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..methods import dense_warmup
 from ..simulator.accuracy import TABLE_PATH, Assessment, assess, load_table
 from ..simulator.model import Prediction, UnknownMethodError, predict
 from .table import markdown_table
@@ -188,21 +188,10 @@ def advise(methods: list[str], P: int, n: int, densities: list[float], slack: fl
     return Advice(best, dense, ranked, n, accuracy, passed_over)
 
 
-def dense_warmup(name: str) -> int:
-    """The dense all-reduce calls method ``name`` makes first with its default options (its
-    ``warmup_steps``: Ok-Topk's 512, as in its paper), 0 for a method without such an option. The
-    simulator predicts the calls after them."""
-    from ..methods import method_class
-
-    param = inspect.signature(method_class(name).__init__).parameters.get("warmup_steps")
-    default = None if param is None else param.default
-    return default if isinstance(default, int) and not isinstance(default, bool) else 0
-
-
 def _measure_worker(plan: list[tuple[str, float]], n: int, rounds: int, warmup: int) -> dict[str, list[float]]:
     """Every rank: each (method, density) of ``plan`` once per round, the order rotated by one each round,
     a barrier before each call; this rank's call times after ``warmup`` untimed rounds. A method with
-    a dense warm-up (:func:`dense_warmup`) is built without it: the calls measured are those the
+    a dense warm-up (:func:`~sparsecomm.methods.dense_warmup`) is built without it: the calls measured are those the
     prediction is of."""
     import torch
     import torch.distributed as dist

@@ -28,7 +28,8 @@ from .spec import MethodSpec, method_spec
 from .stats import Stats
 
 __all__ = ["Method", "MethodSpec", "method_spec", "Layout", "Stats", "register_method", "make_method",
-           "available_methods", "sparse_methods", "is_sparse", "tracks_sent", "method_class", "check_method_options",
+           "available_methods", "sparse_methods", "is_sparse", "tracks_sent", "method_class", "dense_warmup",
+           "check_method_options",
            "cost",
            "available_costs", "collective_cost", "available_collective_costs", "load_all"]
 
@@ -67,6 +68,15 @@ def tracks_sent(name: str) -> bool:
     """Whether method ``name`` reports the indices each call sent (``last_sent``: what DGC's momentum
     factor masking needs)."""
     return method_class(name).tracks_sent
+
+
+def dense_warmup(name: str) -> int:
+    """The dense all-reduce calls method ``name`` makes first with its default options (its
+    ``warmup_steps``: Ok-Topk's 512, as in its paper), 0 for a method without such an option. The
+    simulator predicts, and a measurement of the method's own work should time, the calls after them."""
+    param = inspect.signature(method_class(name).__init__).parameters.get("warmup_steps")
+    default = None if param is None else param.default
+    return default if isinstance(default, int) and not isinstance(default, bool) else 0
 
 
 def method_class(name: str) -> type[Method]:
