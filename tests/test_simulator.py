@@ -213,22 +213,6 @@ def test_advise_rejects_bad_input_in_one_line(argv, message, capsys):
     assert message in err and "\n" not in err
 
 
-@pytest.mark.slow
-def test_advice_is_the_measured_fastest_or_within_10_percent_at_P4_loopback():
-    """One configuration measured here (P=4, loopback, n=1M, density 1%; workers share this machine)."""
-    from sparsecomm import run_workers
-    from sparsecomm.cli.advise import advise
-    from sparsecomm.experiments.bench.simvalidate import _validate_worker
-    from sparsecomm.simulator.calibration import calibrate, slowest_best
-
-    methods, n, density = ["cltk", "dense", "ring", "spardl", "topka"], 1_000_000, 0.01
-    profile = calibrate(2, methods, [n], density, repeat=5)
-    records = run_workers(4, _validate_worker, methods, [n], density, 5, timeout=600)
-    measured = {run["method"]: slowest_best(records, i) for i, run in enumerate(records[0]["runs"])}
-    best = advise(methods, 4, n, [density], profile=profile, colocated=True).best
-    assert measured[best.method] <= 1.10 * min(measured.values()), (best.method, measured)
-
-
 def test_refit_from_kept_records_reproduces_the_profile():
     from sparsecomm.simulator.calibration import refit
 
