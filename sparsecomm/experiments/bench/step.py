@@ -14,10 +14,10 @@ A method's *non-communication* time is its whole call minus ``time_comm``: resid
 selection, decompression and bookkeeping. Error feedback alone has a floor, timed beside each call
 and reported as "EF floor": ``acc = residual + gradient`` written to a spare buffer by the same scan
 (:meth:`~sparsecomm.selection.scan.Scratch.scan` with ``addend`` and ``dest``; ``torch.add`` where the
-kernel is not built) reads two vectors and writes one, so it costs about 3 passes wherever writing
-memory is as fast as reading it; the output is written only where it is non-zero. Figures are rank
-0's medians; at P > 1 several processes share the CPU cores, so each pass and each phase is slower
-than at P = 1 and the ratio is what compares.
+kernel is not built) reads two vectors and writes one, what every method with a residual must do;
+the column gives what that costs on this machine. The output is written only where it is non-zero.
+Figures are rank 0's medians; at P > 1 several processes share the CPU cores, so each pass and each
+phase is slower than at P = 1 and the ratio is what compares.
 """
 
 from __future__ import annotations

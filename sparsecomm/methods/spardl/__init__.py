@@ -197,16 +197,18 @@ class SparDL(Method):
         instead, which sends its message inside it (:meth:`Method.exchange_in_agreement`): one
         message fewer per call. Returns (G, the blocks selected, that step's exchange or ``None``)."""
         accumulate = self._accumulate_selecting(grad, bounds, counts, first)
+        exchange: Exchange | None = None
         if self._agreed or not one_team or not self.comm.exchanges_in_agreement:
             acc, picks = self.accumulate_and_agree(grad, layout, accumulate)
-            return acc, picks if isinstance(picks, dict) else {}, None
-        acc, picks, nonfinite = self.accumulate_to_spare(grad, accumulate)
-        if nonfinite:  # no message to send: the verdict stops the call on every rank
-            self.agree(grad, layout, nonfinite, gathers=True, exchanges=True)
-            raise RuntimeError(f"{self.name}: the ranks agreed to go on with a non-finite gradient (a method bug)")
+        else:
+            acc, picks, nonfinite = self.accumulate_to_spare(grad, accumulate)
+            if nonfinite:  # no message to send: the verdict stops the call on every rank
+                self.agree(grad, layout, nonfinite, gathers=True, exchanges=True)
+                raise RuntimeError(f"{self.name}: the ranks agreed to go on with a non-finite gradient (a method bug)")
 
-        def exchange(indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
-            return self.exchange_in_agreement(grad, layout, 0, acc, [indices, values])
+            def in_agreement(indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+                return self.exchange_in_agreement(grad, layout, 0, acc, [indices, values])
+            exchange = in_agreement
         return acc, picks if isinstance(picks, dict) else {}, exchange
 
     def _accumulate_selecting(self, grad: torch.Tensor, bounds: Sequence[tuple[int, int]], counts: Sequence[int],
