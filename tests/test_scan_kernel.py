@@ -92,6 +92,30 @@ def test_raw_kernel_counts_beyond_its_capacity(kernel, n):
 
 
 @needs_compiled
+@pytest.mark.parametrize("kernel", COMPILED)
+@pytest.mark.parametrize("fused", [False, True])
+def test_candidates_are_exact_where_their_density_changes_along_the_vector(kernel, fused):
+    """The kernels skip the stores of blocks without a candidate while candidates are sparse and store
+    every block once they are not, deciding every 65536 elements: regions of 0, 0.05%, 20% and again
+    0.05% candidates, with region edges off those boundaries, give exactly the reference's."""
+    g = torch.Generator().manual_seed(5)
+    edges = [0, 70_001, 200_000, 460_017, 700_003]
+    x = torch.rand(edges[-1], generator=g) * 0.5  # below the floor 1.0
+    for lo, hi, share in zip(edges[:-1], edges[1:], [0.0, 0.0005, 0.2, 0.0005], strict=True):
+        hits = lo + torch.randperm(hi - lo, generator=g)[: int(share * (hi - lo))]
+        x[hits] = 1.0 + torch.rand(hits.numel(), generator=g)
+    x[-1] = -1.0  # a candidate in the tail, and a negative one
+    addend = torch.zeros_like(x) if fused else None
+    dest = torch.empty_like(x) if fused else None
+    with scan.use_kernel(kernel):
+        result = scan.Scratch().scan(x.clone(), 1.0, name="t", check_finite=True, addend=addend, dest=dest,
+                                     expected=200_000)
+    assert_scan_matches(result, x, 1.0)
+    if fused:
+        assert torch.equal(dest, x)
+
+
+@needs_compiled
 def test_raw_kernel_refuses_bad_sizes():
     from sparsecomm.selection import _scan
 
