@@ -368,3 +368,17 @@ def test_block_energies_kernel_gives_the_bits_of_the_canonical_torch_sum(kernel,
     expected = (x if addend is None else x + addend).double().square()
     padded = torch.nn.functional.pad(expected, (0, -n % size)).view(-1, size).sum(1)
     assert torch.allclose(results[0][0].double(), padded, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("n, count", [(100_003, 7), (1_000_000, 1000), (3_000_017, 30_000)])
+def test_sample_floor_samples_the_same_elements_on_every_path(kernel, n, count):
+    """The C kernel's strided sample (lines prefetched ahead) gives the floor torch's strided slice
+    gives, with and without an addend."""
+    g = torch.Generator().manual_seed(n)
+    x, addend = torch.randn(n, generator=g), torch.randn(n, generator=g) * 3
+    with scan.use_kernel("torch"):
+        expected = scan.sample_floor(x, count), scan.sample_floor(x, count, addend=addend)
+    with scan.use_kernel(kernel):
+        assert (scan.sample_floor(x, count), scan.sample_floor(x, count, addend=addend)) == expected
+    assert expected[0] is not None and expected[1] is not None

@@ -323,10 +323,23 @@ def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 
     if count > n * _MAX_SAMPLE_FRACTION:
         return None
     stride = n // size
-    sample = (x[::stride] + addend[::stride] if addend is not None else x[::stride]).abs()
+    sample = _strided_magnitudes(x, stride, addend)
     hits = count * sample.numel() / n
     rank = min(sample.numel(), int(hits + sigmas * math.sqrt(hits)) + 2)
     return float(torch.topk(sample, rank, sorted=False).values.min())
+
+
+def _strided_magnitudes(x: Tensor, stride: int, addend: Tensor | None) -> Tensor:
+    """``|x[::stride] + addend[::stride]|`` (``|x[::stride]|`` without ``addend``): by the C kernel where it
+    takes the tensors (the sampled lines prefetched ahead, the same bits), else by torch."""
+    if x.dim() == 1 and _compiled_applies(x, torch.float32) and (
+            addend is None or (_compiled_applies(addend, torch.float32) and addend.shape == x.shape)):
+        count = -(-x.numel() // stride)
+        sample = torch.empty(count, dtype=torch.float32)
+        _compiled.sample_magnitudes(x.data_ptr(), 0 if addend is None else addend.data_ptr(), stride, count,
+                                    sample.data_ptr())
+        return sample
+    return (x[::stride] + addend[::stride] if addend is not None else x[::stride]).abs()
 
 
 class MagnitudeView:
