@@ -59,8 +59,8 @@
  * split_largest: the same top-k of (index, value) pairs by magnitude, kept and dropped both written
  * in one pass (gTop-k's and Ok-Topk's merges of received chunks).
  *
- * sample_magnitudes: the strided sample of scan.sample_floor, |x + add| at every stride-th element, the
- * lines prefetched ahead.
+ * sample_magnitudes: the sample of scan.sample_floor, |x + add| in runs of adjacent elements at a stride,
+ * the lines prefetched ahead.
  *
  * take_and_clear: values[j] = x[idx[j]] and then x[idx[j]] = 0 for the selected indices: the sent
  * message's values taken out of acc = residual + grad, which leaves the residual (error feedback).
@@ -621,33 +621,35 @@ static PyObject *take_and_clear(PyObject *self, PyObject *args) {
     return PyLong_FromLong(inside ? 0 : -1);
 }
 
-/* sample_magnitudes(x_ptr, add_ptr, stride, count, out_ptr): out[j] = |x[j stride] + add[j stride]| (of
- * x alone when add_ptr is 0) for j < count, float32; the caller checks that (count - 1) stride lies inside
- * x. The strided sample of sample_floor: each element a different cache line, most of them not cached
- * after the last call's passes, so the lines are prefetched SAMPLE_AHEAD elements ahead (a strided read
- * by torch waited for each in turn: 1.8 ms for 65536 elements of two 25M vectors). */
+/* sample_magnitudes(x_ptr, add_ptr, stride, runs, run, out_ptr): out[r run + j] = |x[r stride + j] +
+ * add[r stride + j]| (of x alone when add_ptr is 0) for r < runs and j < run, float32; the caller checks
+ * that the last run lies inside x. The sample of scan.sample_floor: each run on its own cache line or two,
+ * most of them not cached after the last call's passes, so they are prefetched SAMPLE_AHEAD runs ahead
+ * (a strided read by torch waited for each line in turn). */
 #define SAMPLE_AHEAD 32
 static PyObject *sample_magnitudes(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x_ptr, add_ptr, out_ptr;
-    long long stride, count;
-    if (!PyArg_ParseTuple(args, "KKLLK", &x_ptr, &add_ptr, &stride, &count, &out_ptr)) return NULL;
-    if (stride <= 0 || count < 0) {
-        PyErr_Format(PyExc_ValueError, "sample_magnitudes: needs stride > 0 and count >= 0, got stride=%lld "
-                     "count=%lld", stride, count);
+    long long stride, runs, run;
+    if (!PyArg_ParseTuple(args, "KKLLLK", &x_ptr, &add_ptr, &stride, &runs, &run, &out_ptr)) return NULL;
+    if (run <= 0 || stride < run || runs < 0) {
+        PyErr_Format(PyExc_ValueError, "sample_magnitudes: needs stride >= run > 0 and runs >= 0, got stride=%lld "
+                     "run=%lld runs=%lld", stride, run, runs);
         return NULL;
     }
     const float *x = (const float *)(uintptr_t)x_ptr, *add = (const float *)(uintptr_t)add_ptr;
     float *out = (float *)(uintptr_t)out_ptr;
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t j = 0; j < count; j++) {
-        if (j + SAMPLE_AHEAD < count) {
-            __builtin_prefetch(x + (j + SAMPLE_AHEAD) * stride, 0, 0);
-            if (add) __builtin_prefetch(add + (j + SAMPLE_AHEAD) * stride, 0, 0);
+    for (int64_t r = 0; r < runs; r++) {
+        if (r + SAMPLE_AHEAD < runs) {
+            __builtin_prefetch(x + (r + SAMPLE_AHEAD) * stride, 0, 0);
+            if (add) __builtin_prefetch(add + (r + SAMPLE_AHEAD) * stride, 0, 0);
         }
-        float v = x[j * stride];
-        if (add) v += add[j * stride];
-        out[j] = fabsf(v);
+        for (int64_t j = 0; j < run; j++) {
+            float v = x[r * stride + j];
+            if (add) v += add[r * stride + j];
+            out[r * run + j] = fabsf(v);
+        }
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -811,8 +813,9 @@ static PyMethodDef methods[] = {
      "dropped_val_ptr) -> int: the k (index, value) pairs of largest |value| and the rest, each in order, the "
      "first ties with the k-th kept; k, or -1 (nothing written) when a value is NaN (see scan.split_largest)."},
     {"sample_magnitudes", sample_magnitudes, METH_VARARGS,
-     "sample_magnitudes(x_ptr, add_ptr, stride, count, out_ptr): out[j] = |x[j stride] + add[j stride]| (x "
-     "alone when add_ptr is 0) for j < count, float32, the lines prefetched ahead (see scan.sample_floor)."},
+     "sample_magnitudes(x_ptr, add_ptr, stride, runs, run, out_ptr): out[r run + j] = |x[r stride + j] + "
+     "add[r stride + j]| (x alone when add_ptr is 0) for r < runs, j < run, float32, the lines prefetched ahead "
+     "(see scan.sample_floor)."},
     {"block_energies", block_energies, METH_VARARGS,
      "block_energies(x_ptr, n, size, add_ptr, dest_ptr, out_ptr, variant): out[b] = the canonical pairwise sum "
      "of the squares of block b of x (of dest = x + add, written in the same pass, where add_ptr is given; see "

@@ -72,6 +72,9 @@ _COMPILED_MAX_N = 1 << 31
 #: calls, so that a rare scan at a low threshold does not leave a gradient-sized buffer behind
 _KEEP_CAPACITY = 1 << 18
 
+#: sample_floor reads its sample in runs of this many adjacent elements
+_SAMPLE_RUN = 4
+
 #: a sample is at most this fraction of the input, and at most _MAX_SAMPLE elements
 _MAX_SAMPLE_FRACTION = 1 / 8
 _MAX_SAMPLE = 1 << 16
@@ -306,8 +309,12 @@ def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 
     (of ``|x + addend|`` with ``addend``: the sampled elements are added, nothing is written).
 
     Takes a strided sample of ``|x|`` large enough to hold about ``min_hits`` elements above the
-    ``count``-th largest value, and returns the sample's order statistic ``sigmas`` standard deviations
-    (binomial) below that. The sample holds at most ``_MAX_SAMPLE`` elements and 1/8 of ``x``: where
+    ``count``-th largest value, in runs of ``_SAMPLE_RUN`` adjacent elements (a cold cache line costs
+    the same for one element as for four, and most of the sampled lines are cold), and returns the
+    sample's order statistic ``sigmas`` standard deviations below that, the deviation that of a
+    binomial over the runs (``sqrt(_SAMPLE_RUN)`` times the elements': adjacent elements of a
+    gradient may have alike magnitudes, so a run is counted as one draw). The sample holds at most
+    ``_MAX_SAMPLE`` elements and 1/8 of ``x``: where
     ``count`` would need more, the floor is placed for the larger count such a sample resolves (more
     candidates than asked for, which the kernel gathers cheaply, instead of a large ``torch.topk``).
     Returns ``None`` when that count is not much below ``n`` (small inputs: the caller then scans ``x``
@@ -322,24 +329,29 @@ def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 
     count = max(count, math.ceil(min_hits * n / size))
     if count > n * _MAX_SAMPLE_FRACTION:
         return None
-    stride = n // size
-    sample = _strided_magnitudes(x, stride, addend)
+    runs = -(-size // _SAMPLE_RUN)
+    sample = _sampled_magnitudes(x, runs, n // runs, addend)
     hits = count * sample.numel() / n
-    rank = min(sample.numel(), int(hits + sigmas * math.sqrt(hits)) + 2)
+    rank = min(sample.numel(), int(hits + sigmas * math.sqrt(_SAMPLE_RUN * hits)) + 2)
     return float(torch.topk(sample, rank, sorted=False).values.min())
 
 
-def _strided_magnitudes(x: Tensor, stride: int, addend: Tensor | None) -> Tensor:
-    """``|x[::stride] + addend[::stride]|`` (``|x[::stride]|`` without ``addend``): by the C kernel where it
-    takes the tensors (the sampled lines prefetched ahead, the same bits), else by torch."""
+def _sampled_magnitudes(x: Tensor, runs: int, stride: int, addend: Tensor | None) -> Tensor:
+    """``|x + addend|`` (``|x|`` without ``addend``) at the ``_SAMPLE_RUN`` elements from ``r * stride`` on,
+    for ``r < runs`` (``stride >= _SAMPLE_RUN``, inside ``x``): by the C kernel where it takes the
+    tensors (the lines prefetched ahead, the same bits), else by torch."""
     if x.dim() == 1 and _compiled_applies(x, torch.float32) and (
             addend is None or (_compiled_applies(addend, torch.float32) and addend.shape == x.shape)):
-        count = -(-x.numel() // stride)
-        sample = torch.empty(count, dtype=torch.float32)
-        _compiled.sample_magnitudes(x.data_ptr(), 0 if addend is None else addend.data_ptr(), stride, count,
-                                    sample.data_ptr())
+        sample = torch.empty(runs * _SAMPLE_RUN, dtype=torch.float32)
+        _compiled.sample_magnitudes(x.data_ptr(), 0 if addend is None else addend.data_ptr(), stride, runs,
+                                    _SAMPLE_RUN, sample.data_ptr())
         return sample
-    return (x[::stride] + addend[::stride] if addend is not None else x[::stride]).abs()
+    positions = (torch.arange(runs, device=x.device) * stride).repeat_interleave(_SAMPLE_RUN)
+    positions += torch.arange(_SAMPLE_RUN, device=x.device).repeat(runs)
+    picked = x.reshape(-1).index_select(0, positions)
+    if addend is not None:
+        picked += addend.reshape(-1).index_select(0, positions)
+    return picked.abs_()
 
 
 class MagnitudeView:
