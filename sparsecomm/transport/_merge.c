@@ -148,7 +148,9 @@ MERGE_BODY(double)
  *
  *   in place (that bound at most DENSE_NUM/DENSE_DEN of the block's groups): the lines to touch are
  *       prefetched PREFETCH_BLOCKS blocks earlier (a cursor per chunk runs that far ahead, so that the
- *       few lines of several blocks are in flight at once), the stale groups zeroed, each run added in chunk order straight into the
+ *       few lines of several blocks are in flight at once; only where the whole sweep's entries and
+ *       stale groups would leave every block in place, so a denser sweep does not read its indices
+ *       twice), the stale groups zeroed, each run added in chunk order straight into the
  *       vector, and every touched entry divided once. Only the cache lines of a stale group or a
  *       received index are touched, each fetched once (the block stays in L1/L2 between the steps);
  *   dense (more to touch, or the vector's contents unknown): the runs added in chunk order into a
@@ -334,11 +336,19 @@ PREFETCH_BODY(double, int64_t)
         int64_t nz = 0, mask_words = ((n + GROUP - 1) / GROUP + 63) / 64;                                    \
         const int divide = divisor != 1.0, scale = is_power_of_two(divisor);                                \
         const T d = (T)divisor, inverse = (T)(1.0 / divisor), start = keep_sign ? -(T)0 : (T)0;             \
+        /* prefetching ahead (a second cursor over the indices) pays where the sweep is mostly in place: */ \
+        /* its entries and stale groups, spread evenly, would leave every block in place */                 \
+        int64_t to_touch = 0;                                                                               \
+        for (int c = 0; c < nchunks; c++) to_touch += len[c];                                               \
+        if (mode == MASK_STALE)                                                                             \
+            for (int64_t w = 0; w < mask_words; w++) to_touch += __builtin_popcountll(mask[w]);             \
+        const int prefetching = written_in_place(mode, to_touch, 0, n);                                     \
         for (int c = 0; c < nchunks; c++) pos[c] = m->ahead[c] = 0;                                         \
-        for (int64_t lo = 0; lo < PREFETCH_BLOCKS * BLOCK; lo += BLOCK)                                     \
+        for (int64_t lo = 0; prefetching && lo < PREFETCH_BLOCKS * BLOCK; lo += BLOCK)                      \
             prefetch_block_##T##_##I(m, dense, n, lo, mask, mask_words, mode);                              \
         for (int64_t lo = 0; lo < n; lo += BLOCK) {                                                         \
-            prefetch_block_##T##_##I(m, dense, n, lo + PREFETCH_BLOCKS * BLOCK, mask, mask_words, mode);     \
+            if (prefetching)                                                                                \
+                prefetch_block_##T##_##I(m, dense, n, lo + PREFETCH_BLOCKS * BLOCK, mask, mask_words, mode); \
             const int64_t hi = lo + BLOCK < n ? lo + BLOCK : n, size = hi - lo;                             \
             uint64_t *words = mask + lo / (GROUP * 64);                                                     \
             const int64_t nwords = mask_words - lo / (GROUP * 64) < MASK_WORDS_PER_BLOCK                   \
@@ -356,7 +366,7 @@ PREFETCH_BODY(double, int64_t)
                 for (int64_t w = 0; w < nwords; w++) stale += __builtin_popcountll(words[w]);               \
             if (mode != MASK_ALL && received + stale == 0) continue; /* nothing stale, nothing received */  \
             /* at most received + stale of its groups to touch: in place when that is a small share */      \
-            /* (an in-place block's lines were prefetched PREFETCH_BLOCKS blocks ago) */                    \
+            /* (where prefetching, an in-place block's lines were fetched PREFETCH_BLOCKS blocks ago) */      \
             const int in_place = written_in_place(mode, received, stale, size);                             \
             T *t = in_place ? dense + lo : scratch;                                                         \
             if (in_place && mode == MASK_STALE)                                                             \
