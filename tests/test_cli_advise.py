@@ -52,6 +52,29 @@ def test_density_is_the_largest_within_the_slack():
                   profile=synthetic_profile(8e-10, 20.0)).best.density == 0.1
 
 
+def test_a_method_the_profile_did_not_measure_is_not_ranked(tmp_path, capsys):
+    """Without measured work a method's prediction is its communication alone: it would beat every
+    measured method on a slow link. With a profile it is left out of the ranking and named; where the
+    profile measured none of the methods asked for, they are ranked on their formulas."""
+    profile = synthetic_profile(8e-8, 20.0)
+    result = advise([*METHODS, "oktopk"], 8, 25_000_000, [0.01], profile=profile)
+    assert result.unmeasured == ["oktopk"]
+    assert "oktopk" not in [p.method for p in result.ranked] and result.best.method in ("topka", "spardl", "cltk")
+    alone = advise(["oktopk"], 8, 25_000_000, [0.01], profile=profile)
+    assert alone.best.method == "oktopk" and alone.unmeasured == []
+    assert "no measured work for this method" in alone.best.rests_on
+
+
+def test_advise_names_the_methods_its_profile_did_not_measure(capsys):
+    assert main(["advise", "--params", "2M", "-P", "4", "--profile", "docs/advise/profile-100mbit-P4-2M.json",
+                 "--densities", "0.01", "--by-step-time"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("not ranked: "))
+    assert "oktopk" in line and "sparsecomm calibrate --methods" in line
+    recommended = re.search(r"^recommended: (\w+) ", out, re.M).group(1)
+    assert recommended != "oktopk" and f"| {recommended} |" in out
+
+
 def _prediction(name: str, seconds: float) -> Prediction:
     return Prediction(name, 4, 1000, 0.01, seconds, 0.0, 0.0, 1, 0.0, True, "")
 
