@@ -32,7 +32,11 @@ def test_torchrun_restart_after_kill_resumes_bit_identically(tmp_path):
     killed = _run(tmp_path / "killed", kill=True)
     assert "killed" in killed
     log = (tmp_path / "killed" / "out.log").read_text()
-    assert "exitcode: -9" in log and log.count("training mlp on digits") == 2  # it did restart
+    assert "exitcode: -9" in log, log
+    # the kill came while training: before the first attempt ended (else the restart only resumes a
+    # finished run, and the test checks nothing)
+    assert log.index("exitcode: -9") < log.index("final accuracy"), log
+    assert log.count("training mlp on digits") == 2, log  # it restarted once
     _run(tmp_path / "straight", kill=False)
     for rank in (0, 1):
         a = torch.load(tmp_path / "killed" / "ck" / f"rank{rank}.pt", weights_only=False)
