@@ -9,7 +9,9 @@ Measured as resident memory in a fresh forked worker per method (``run_workers``
 the method on a small gradient (libraries, communication buffers), independent of how torch
 allocates: the peak is Linux's ``VmHWM``, reset before the measured calls by writing 5 to
 ``/proc/self/clear_refs``; glibc's ``mmap`` threshold is pinned at 128 KiB (``mallopt``) so that a
-freed buffer goes back to the kernel at once instead of counting as kept. ``python tests/test_memory.py``
+freed buffer goes back to the kernel at once instead of counting as kept, and the heap is trimmed
+(``malloc_trim``) before each reading, so that memory freed into glibc's heap (a worker forked from a
+long pytest run inherits its heap) is not read as kept either. ``python tests/test_memory.py``
 prints the table of docs/memory.md.
 """
 
@@ -43,7 +45,8 @@ def _reset_peak():
 
 def measure(name, n, calls=3):
     """Worker: (kept between calls, peak during calls), in units of one gradient (n elements)."""
-    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
     options = {"density": DENSITY} if method_class(name).sparse else {}
     if dense_warmup(name):  # Ok-Topk: its own calls, not its 512 dense warm-up all-reduces
         options["warmup_steps"] = 0
@@ -55,10 +58,12 @@ def measure(name, n, calls=3):
     unit = 4 * n / 1024  # KiB of one float32 gradient
     gen = torch.Generator().manual_seed(dist.get_rank())
     dist.barrier()
+    libc.malloc_trim(0)
     base = _status_kib("VmRSS")
     grad = torch.randn(n, generator=gen)
     method(grad.clone())  # first call: buffers built, one-time checks
     dist.barrier()
+    libc.malloc_trim(0)
     before = _status_kib("VmRSS")  # the caller's gradient + what the method keeps
     _reset_peak()
     peak = 0
@@ -67,6 +72,7 @@ def measure(name, n, calls=3):
         peak = max(peak, _status_kib("VmHWM"))
         del out
     dist.barrier()
+    libc.malloc_trim(0)
     kept = _status_kib("VmRSS") - base - 4 * n / 1024  # less the caller's gradient
     return {"kept": kept / unit, "peak": (peak - base) / unit, "before": (before - base) / unit,
             "spare": method.agrees_in_reduce}
