@@ -148,9 +148,9 @@ MERGE_BODY(double)
  *
  *   in place (that bound at most DENSE_NUM/DENSE_DEN of the block's groups): the lines to touch are
  *       prefetched PREFETCH_BLOCKS blocks earlier (a cursor per chunk runs that far ahead, so that the
- *       few lines of several blocks are in flight at once; only where the whole sweep's entries and
- *       stale groups would leave every block in place, so a denser sweep does not read its indices
- *       twice), the stale groups zeroed, each run added in chunk order straight into the
+ *       few lines of several blocks are in flight at once) where the whole sweep's entries and stale
+ *       groups would leave every block in place, else just before the block (so that a denser sweep
+ *       does not read its indices twice), the stale groups zeroed, each run added in chunk order straight into the
  *       vector, and every touched entry divided once. Only the cache lines of a stale group or a
  *       received index are touched, each fetched once (the block stays in L1/L2 between the steps);
  *   dense (more to touch, or the vector's contents unknown): the runs added in chunk order into a
@@ -287,9 +287,25 @@ FINISH_PLAIN(double)
 #define STREAM_FENCE()
 #endif
 
+/* Prefetches (for writing) the lines an in-place block at `lo` touches: its stale groups (mask words
+ * `words[0:nwords]`) and each chunk's entries from[c] to to[c]. */
+#define PREFETCH_LINES_BODY(T, I)                                                                           \
+    static inline void prefetch_lines_##T##_##I(const merge_t *m, T *dense, int64_t lo, const uint64_t *words,  \
+                                                int64_t nwords, int mode, const int64_t *from,              \
+                                                const int64_t *to) {                                        \
+        if (mode == MASK_STALE)                                                                             \
+            for (int64_t w = 0; w < nwords; w++)                                                            \
+                for (uint64_t bits = words[w]; bits; bits &= bits - 1)                                      \
+                    __builtin_prefetch(dense + lo + (w * 64 + __builtin_ctzll(bits)) * GROUP, 1, 3);        \
+        for (int c = 0; c < m->nchunks; c++)                                                                \
+            for (int64_t p = from[c]; p < to[c]; p++)                                                       \
+                __builtin_prefetch(dense + ((const I *)m->idx[c])[p], 1, 3);                                \
+    }
+
 /* The block at `lo` (if below n): advances the chunks' `ahead` cursors past it and, when it will be written
- * in place, prefetches (for writing) the lines of its stale groups and received entries. */
+ * in place, prefetches its lines. */
 #define PREFETCH_BODY(T, I)                                                                                 \
+    PREFETCH_LINES_BODY(T, I)                                                                               \
     static void prefetch_block_##T##_##I(merge_t *m, T *dense, int64_t n, int64_t lo, const uint64_t *mask, \
                                          int64_t mask_words, int mode) {                                    \
         if (lo >= n || mode == MASK_ALL) return;                                                            \
@@ -308,14 +324,8 @@ FINISH_PLAIN(double)
         }                                                                                                   \
         if (mode == MASK_STALE)                                                                             \
             for (int64_t w = 0; w < nwords; w++) stale += __builtin_popcountll(words[w]);                   \
-        if (received + stale == 0 || !written_in_place(mode, received, stale, hi - lo)) return;             \
-        if (mode == MASK_STALE)                                                                             \
-            for (int64_t w = 0; w < nwords; w++)                                                            \
-                for (uint64_t bits = words[w]; bits; bits &= bits - 1)                                      \
-                    __builtin_prefetch(dense + lo + (w * 64 + __builtin_ctzll(bits)) * GROUP, 1, 3);        \
-        for (int c = 0; c < m->nchunks; c++)                                                                \
-            for (int64_t p = m->ahead_from[c]; p < m->ahead[c]; p++)                                        \
-                __builtin_prefetch(dense + ((const I *)m->idx[c])[p], 1, 3);                                \
+        if (received + stale > 0 && written_in_place(mode, received, stale, hi - lo))                       \
+            prefetch_lines_##T##_##I(m, dense, lo, words, nwords, mode, m->ahead_from, m->ahead);           \
     }
 
 PREFETCH_BODY(float, int32_t)
@@ -366,9 +376,10 @@ PREFETCH_BODY(double, int64_t)
                 for (int64_t w = 0; w < nwords; w++) stale += __builtin_popcountll(words[w]);               \
             if (mode != MASK_ALL && received + stale == 0) continue; /* nothing stale, nothing received */  \
             /* at most received + stale of its groups to touch: in place when that is a small share */      \
-            /* (where prefetching, an in-place block's lines were fetched PREFETCH_BLOCKS blocks ago) */      \
             const int in_place = written_in_place(mode, received, stale, size);                             \
             T *t = in_place ? dense + lo : scratch;                                                         \
+            if (in_place && !prefetching) /* (else its lines were fetched PREFETCH_BLOCKS blocks ago) */    \
+                prefetch_lines_##T##_##I(m, dense, lo, words, nwords, mode, pos, end);                      \
             if (in_place && mode == MASK_STALE)                                                             \
                 for (int64_t w = 0; w < nwords; w++)                                                        \
                     for (uint64_t bits = words[w]; bits; bits &= bits - 1) {                                \
