@@ -1,7 +1,5 @@
 """``python -m sparsecomm ...`` is the ``sparsecomm`` command (useful under torchrun)."""
 
-import sys
+from .cli import run
 
-from .cli import main
-
-sys.exit(main())
+run()
