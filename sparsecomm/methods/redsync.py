@@ -387,6 +387,8 @@ def _sparse_entries(out: Tensor, specs: Sequence[LayerSpec], parts: Sequence[Lay
     if not indices:
         return (torch.empty(0, dtype=index_dtype(out.numel()), device=out.device),
                 torch.empty(0, dtype=out.dtype, device=out.device))
+    if len(indices) == 1:  # one sparse layer: the message's own views, not a copy of them
+        return indices[0].contiguous(), values[0].contiguous()
     return torch.cat(indices), torch.cat(values)
 
 
