@@ -5,21 +5,24 @@
 * at peak during a call, counting the caller's gradient and the returned output: at most 4, and 5
   for a method that keeps the spare residual.
 
-Measured as resident memory in a fresh forked worker per method (``run_workers``), after a warm-up of
-the method on a small gradient (libraries, communication buffers), independent of how torch
-allocates: the peak is Linux's ``VmHWM``, reset before the measured calls by writing 5 to
+Measured as resident memory in forked workers (``run_workers``) of a fresh interpreter per method,
+after a warm-up of the method on a small gradient (libraries, communication buffers), independent of
+how torch allocates: the peak is Linux's ``VmHWM``, reset before the measured calls by writing 5 to
 ``/proc/self/clear_refs``; glibc's ``mmap`` threshold is pinned at 128 KiB (``mallopt``) so that a
 freed buffer goes back to the kernel at once instead of counting as kept, and the heap is trimmed
-(``malloc_trim``) before each reading, so that memory freed into glibc's heap (a worker forked from a
-long pytest run inherits its heap) is not read as kept either; and transparent huge pages are turned
-off for the worker (``PR_SET_THP_DISABLE``), so that where the kernel's setting is ``always`` a buffer
-the method touches only in part (the agreement's 4 MiB receive buffers) is not read in 2 MiB pages
-(a CI run read 5.44 gradients at peak for spardl at n = 1M, and 4.9 here with the setting ``always``,
-against 4.3-4.4 with it off). ``python tests/test_memory.py``
-prints the table of docs/memory.md.
+(``malloc_trim``) before each reading. The fresh interpreter (``python tests/test_memory.py --row``)
+matters: workers forked from a long pytest run inherit its heap, whose large free chunks glibc hands
+out before it maps anything, so a call's freed temporaries stayed resident and were read at peak
+(topka and spardl at n = 1M read 5.4-5.75 gradients, 7.3 once, in full `make test` runs here and
+in CI, against 4.3-4.5). Transparent huge pages are turned off for the workers
+(``PR_SET_THP_DISABLE``), so that where the kernel's setting is ``always`` a buffer the method
+touches only in part (the agreement's 4 MiB receive buffers) is not read in 2 MiB pages (spardl's
+peak read 4.9 with ``always``). ``python tests/test_memory.py`` prints the table of docs/memory.md.
 """
 
 import ctypes
+import json
+import subprocess
 import sys
 
 import pytest
@@ -85,10 +88,18 @@ def measure(name, n, calls=3):
             "spare": method.agrees_in_reduce}
 
 
-def _row(name, n=N, P=2):
+def _measured_row(name, n, P):
     per_rank = run_workers(P, measure, name, n, timeout=600)
     return {"kept": max(r["kept"] for r in per_rank), "peak": max(r["peak"] for r in per_rank),
             "spare": per_rank[0]["spare"]}
+
+
+def _row(name, n=N, P=2):
+    """:func:`_measured_row` in a fresh interpreter (see the module docstring), max over the ranks."""
+    proc = subprocess.run([sys.executable, __file__, "--row", name, str(n), str(P)], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 #: methods whose peak is known to exceed 4 gradients, and why (docs/memory.md)
@@ -129,7 +140,9 @@ def test_memory_at_five_million(name):
     _check(name, _row(name), N)
 
 
-if __name__ == "__main__":  # the table of docs/memory.md
+if __name__ == "__main__" and sys.argv[1:2] == ["--row"]:  # one method's row, for _row
+    print(json.dumps(_measured_row(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+elif __name__ == "__main__":  # the table of docs/memory.md
     P = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     print(f"n = {N}, density {DENSITY}, P = {P}; gradient-sized buffers (4n = {4 * N / 2 ** 20:.1f} MiB), "
           "max over ranks")
