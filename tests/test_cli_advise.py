@@ -52,7 +52,7 @@ def test_density_is_the_largest_within_the_slack():
                   profile=synthetic_profile(8e-10, 20.0)).best.density == 0.1
 
 
-def test_a_method_the_profile_did_not_measure_is_not_ranked(tmp_path, capsys):
+def test_a_method_the_profile_did_not_measure_is_not_ranked():
     """Without measured work a method's prediction is its communication alone: it would beat every
     measured method on a slow link. With a profile it is left out of the ranking and named; where the
     profile measured none of the methods asked for, they are ranked on their formulas."""
