@@ -30,3 +30,16 @@ def test_help_lists_bench_targets():
 def test_console_script_entry_point():
     proc = subprocess.run([sys.executable, "-m", "sparsecomm", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "bench" in proc.stdout
+
+
+def test_bench_step_times_the_sparse_step_of_every_method(capsys):
+    """`bench step` times Ok-Topk's sparse step, not its 512 dense warm-up calls (which select nothing)."""
+    from sparsecomm.experiments.bench import step
+    from sparsecomm.launch.launcher import run_workers
+
+    rows = run_workers(1, step._worker, 200_000, [0.01], ["oktopk", "topka"], 2, 1, timeout=120)[0]
+    assert all(call["select"] > 0 and call["total"] > 0 for name in ("oktopk@0.01", "topka@0.01")
+               for call in rows[name])
+    assert main(["bench", "step", "--n", "100k", "--P", "2", "--methods", "oktopk", "--repeat", "1",
+                 "--warmup", "0"]) == 0
+    assert "| oktopk | 2 | 0.01 |" in capsys.readouterr().out

@@ -142,8 +142,10 @@ def test_sidco_view_fits_on_the_candidates_of_one_scan_as_on_full_scans(stages, 
     selection at any threshold is that of a scan of x."""
     from sparsecomm.methods.sidco import sidco_view
     x = torch.randn(400_000, generator=torch.Generator().manual_seed(stages)) * torch.rand(400_000)
-    if misled:  # the strided sample sees only large elements: the floor lies above the first stage's threshold
-        x[:: x.numel() // (1 << 16)] = 50.0
+    if misled:  # the sample (runs of four at a stride) sees only large elements: the floor lies above the
+        runs = (1 << 16) // 4  # first stage's threshold
+        stride = x.numel() // runs
+        x[: runs * stride].view(runs, stride)[:, :4] = 50.0
     residual, dest = x - 0.25, torch.empty_like(x)
     threshold, view = sidco_view(residual, 0.01, "exponential", stages, check_finite=True,
                                  addend=torch.full_like(x, 0.25), dest=dest)

@@ -231,6 +231,36 @@ def test_sample_floor_gives_up_on_small_inputs():
     assert scan.sample_floor(torch.randn(5000), 0) is None
 
 
+@needs_compiled
+def test_a_scan_that_overflowed_its_buffer_keeps_room_for_its_count(monkeypatch):
+    """A caller whose expected count stays too low (RedSync's reused threshold) scans the vector again
+    once, on the first overflow, not at every call: the buffer keeps room for the last count (up to
+    1/32 of the input), above the 2^18 candidates kept for any caller."""
+    x = torch.randn(1 << 24, generator=torch.Generator().manual_seed(5))
+    floor = 2.25  # |x| >= 2.25: about 2.4% of x, 410k candidates (more than 2^18, fewer than n / 32)
+    lengths = []
+    compiled = scan._compiled
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(compiled, name)
+
+        def scan_ge(self, *args):
+            lengths.append(args[1])
+            return compiled.scan_ge(*args)
+
+    monkeypatch.setattr(scan, "_compiled", Counting())
+    scratch = scan.Scratch()
+    with scan.use_kernel(COMPILED[0]):
+        first = scratch.scan(x, floor, name="t", check_finite=False, expected=1000)
+        assert len(lengths) == 2  # the overflow scanned x again
+        for _ in range(2):
+            again = scratch.scan(x, floor, name="t", check_finite=False, expected=1000)
+            assert torch.equal(again.indices, first.indices) and torch.equal(again.values, first.values)
+    assert (1 << 18) < first.indices.numel() < x.numel() // 32
+    assert len(lengths) == 4  # one scan each: no overflow
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @settings(max_examples=25, deadline=None)
 @given(values=st.lists(st.floats(-1e6, 1e6, width=32), min_size=0, max_size=300),
@@ -368,6 +398,27 @@ def test_block_energies_kernel_gives_the_bits_of_the_canonical_torch_sum(kernel,
     expected = (x if addend is None else x + addend).double().square()
     padded = torch.nn.functional.pad(expected, (0, -n % size)).view(-1, size).sum(1)
     assert torch.allclose(results[0][0].double(), padded, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("n, rank", [(1000, 1), (65_536, 384), (65_536, 65_536), (100_003, 1024), (1_000_000, 1024),
+                                     (1_000_000, 200_000)])
+@pytest.mark.parametrize("data", ["normal", "ties", "zeros", "nonfinite"])
+def test_kth_largest_is_the_value_torch_topk_gives(kernel, n, rank, data):
+    """kth_largest (a scan above a sampled floor where the kernel takes the tensor) returns the value
+    torch.topk's smallest of the ``rank`` largest gives, ties, zeros and NaN/Inf included."""
+    g = torch.Generator().manual_seed(n + rank)
+    a = torch.randn(n, generator=g).abs_()
+    if data == "ties":  # few distinct magnitudes: many equal to the rank-th largest
+        a = (a * 4).floor_()
+    elif data == "zeros":
+        a[torch.rand(n, generator=g) < 0.999] = 0.0
+    elif data == "nonfinite":
+        a[torch.randint(0, n, (3,), generator=g)] = torch.tensor([math.nan, math.inf, math.inf])
+    expected = float(torch.topk(a, rank, sorted=False).values.min())
+    with scan.use_kernel(kernel):
+        got = scan.kth_largest(a, rank)
+    assert got == expected or (math.isnan(got) and math.isnan(expected))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -49,7 +49,7 @@ from torch import Tensor
 from ..core.cost import register_cost
 from ..core.validate import check_int
 from ..selection.metrics import SparsificationMetrics
-from ..selection.scan import MagnitudeView, Scratch, above_float32
+from ..selection.scan import MagnitudeView, Scratch, above_float32, sampled_magnitudes
 from ..selection.threshold import HardThreshold, ThresholdController, local_elasticity
 from .base import register_method
 from .fold import ThresholdFold
@@ -114,9 +114,11 @@ def _stage_threshold(a: Tensor, p: float, distribution: str) -> float:
 
 
 #: the floor of :func:`sidco_view` lies this far under the first stage's threshold estimated from its
-#: sample (the sample's mean misses the mean of |x| by about its coefficient of variation over 256)
+#: sample (the sample's mean misses the mean of |x| by about its coefficient of variation over 128: the
+#: sample's runs of adjacent elements counted as one draw each)
 _FLOOR_MARGIN = 0.95
-#: the strided sample of :func:`sidco_view` holds about this many elements
+#: the sample of :func:`sidco_view` (:func:`~sparsecomm.selection.scan.sampled_magnitudes`) holds about
+#: this many elements
 _FLOOR_SAMPLE = 1 << 16
 
 
@@ -148,8 +150,7 @@ def sidco_view(x: Tensor, density: float, distribution: str = "exponential", sta
     p = density ** (1 / stages)
     floor = None
     if distribution == "exponential" and n >= 2 * _FLOOR_SAMPLE:
-        stride = n // _FLOOR_SAMPLE
-        sample = (x[::stride] + addend[::stride] if addend is not None else x[::stride]).abs()
+        sample = sampled_magnitudes(x.reshape(-1), _FLOOR_SAMPLE, None if addend is None else addend.reshape(-1))
         floor = _FLOOR_MARGIN * min(1.0, lowest) * float(sample.mean()) * math.log(1 / p)
         if not math.isfinite(floor):  # NaN/Inf in the sample: the scan's check tells
             floor = None

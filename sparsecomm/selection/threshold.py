@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .base import Selector
 from .registry import register_selector
-from .scan import Scratch
+from .scan import Scratch, kth_largest
 
 __all__ = ["HardThreshold", "ScaledThreshold", "ThresholdController", "estimate_kth_magnitude", "cap_selection",
            "local_elasticity"]
@@ -185,7 +185,7 @@ def estimate_kth_magnitude(x: Tensor, k: int, shift: int = 0, addend: Tensor | N
     if sample.numel() == 0:
         return 0.0
     rank = min(sample.numel(), max(1, round(k * sample.numel() / n)))
-    return float(torch.topk(sample, rank, sorted=False).values.min())
+    return kth_largest(sample, rank)
 
 
 def cap_selection(x: Tensor, indices: Tensor, limit: int) -> Tensor:

@@ -1,7 +1,9 @@
 """``sparsecomm bench step``: a method's work outside communication, in passes over the gradient.
 
 For every sparse method, every density and every worker count P, each rank calls the method
-``--repeat`` times (after ``--warmup`` calls) on a copy of one normal gradient of ``n`` elements, and
+``--repeat`` times (after ``--warmup`` calls; Ok-Topk without its 512 dense warm-up calls, so that its
+sparse step is what is timed) on a fresh normal gradient of ``n`` elements (the same sequence of
+gradients for every method: rank r's call t draws from a generator seeded with (r, t)), and
 right before every call times one *pass* over the gradient, in wall time and in CPU time of the
 calling thread: the fused scan
 (:meth:`sparsecomm.selection.scan.Scratch.scan`: one read of ``x`` giving sum and max of
@@ -37,6 +39,13 @@ from ...selection import scan
 from .common import parse_count
 
 HELP = "per-step work of every sparse method outside communication, in passes over the gradient"
+
+#: options that make a method's timed calls its sparse step: Ok-Topk's first 512 calls are a dense
+#: all-reduce warm-up (its default, as its public code), which would be measured instead
+STEP_OPTIONS: dict[str, dict[str, Any]] = {"oktopk": {"warmup_steps": 0}}
+
+#: rank r's call t gets the normal gradient of the generator seeded with ``_GRADIENT_SEED * (r + 1) + t``
+_GRADIENT_SEED = 1_000_003
 
 #: the phases reported, with the stats field (or ``extra`` key) each comes from
 PHASES = (("select", "time_select"), ("residual", "time_residual"), ("decompress", "time_decompress"))
@@ -78,14 +87,18 @@ def _worker(n: int, densities: list[float], methods: list[str], repeat: int, war
     base = torch.randn(n, generator=torch.Generator().manual_seed(17 + rank))
     grad, result = torch.empty_like(base), torch.empty_like(base)  # result: out=, as the hook does
     residual, spare = base * 0.1, torch.empty_like(base)  # for the floor of error feedback
+    del base
     scratch = scan.Scratch()
     results: dict[str, Any] = {}
     for density in densities:
         for name in methods:
-            method = make_method(name, density=density)
+            method = make_method(name, density=density, **STEP_OPTIONS.get(name, {}))
             rows = []
             for call in range(warmup + repeat):
-                grad.copy_(base)
+                # a fresh gradient at every call, as in training: with one gradient repeated, the
+                # entries error feedback never sends grow by it at every call, and a threshold reused
+                # from an earlier call (Ok-Topk, RedSync, the controllers) then selects many times k
+                torch.randn(n, generator=torch.Generator().manual_seed(_GRADIENT_SEED * (rank + 1) + call), out=grad)
                 dist.barrier()
                 seconds, cpu_pass = one_pass(grad, scratch)
                 floor = accumulate_floor(residual, grad, spare, scratch)
