@@ -304,3 +304,26 @@ def test_methods_reusing_their_output_give_the_fresh_bits(name):
     the same sweep) returns the bits of fresh results, and the merge's count is the result's."""
     for checks in run_workers(3, _fresh_and_reused, name, 50_003, 4, timeout=120):
         assert checks == [(True, True)] * 4, f"{name}: {checks}"
+
+
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+@settings(max_examples=120, deadline=None)
+@given(a=st.lists(st.integers(-5, 60), max_size=80), b=st.lists(st.integers(-5, 60), max_size=80),
+       wide=st.sampled_from([(torch.int64, torch.int64), (torch.int32, torch.int64), (torch.int32, torch.int32)]),
+       reverse=st.booleans())
+def test_members_is_membership_on_every_path(path, a, b, wide, reverse):
+    """merge.members (the C walk over both sorted vectors, or torch's binary search) marks the entries
+    of the first found in the sorted second, repeats included; a first vector out of order (the C walk
+    refuses it) takes the torch path."""
+    if path == "compiled" and not merge.compiled():
+        pytest.skip("the C merge is not built")
+    a_t = torch.tensor(sorted(a, reverse=reverse), dtype=wide[0])
+    b_t = torch.tensor(sorted(b), dtype=wide[1])
+    expected = torch.tensor([x in set(b) for x in a_t.tolist()], dtype=torch.bool)
+    compiled = merge._compiled
+    try:
+        if path == "torch":
+            merge._compiled = None
+        assert torch.equal(merge.members(a_t, b_t), expected)
+    finally:
+        merge._compiled = compiled

@@ -61,6 +61,7 @@ from ..transport.alltoallv import alltoallv, alltoallv_traffic
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype, pair_bytes
 from ..transport.collectives import allreduce, allreduce_cost
 from ..transport.comm import Communicator
+from ..transport.merge import members
 from ..transport.sparse_collectives import allgatherv, allgatherv_traffic
 from .agreement import count_nonfinite
 from .base import Layout, Method, register_method
@@ -187,7 +188,10 @@ class OkTopk(Method):
         with self.timer("comm"):
             gathered = allgatherv(self.comm, candidates.parts())
         with self.timer("decompress"):
-            chosen = add_chunks([SparseChunk(i, v) for i, v in gathered])  # regions are disjoint: a concat
+            # the regions are disjoint and in rank order, each chunk sorted: their concatenation is the sum
+            # (the values are sums of the reduce-scatter's merge, which leaves no -0.0 that adding to
+            # +0.0 would change)
+            chosen = SparseChunk(torch.cat([i for i, _ in gathered]), torch.cat([v for _, v in gathered]))
             if exact:
                 self.global_threshold = 0.0
             elif estimate:
@@ -198,7 +202,7 @@ class OkTopk(Method):
             elif chosen.nnz > 5 * k / 4:
                 self.global_threshold = self.global_threshold * self.global_scale  # type: ignore[operator]
             out = self.output_average(grad, [chosen.indices], [chosen.values], P)  # sorted: one sweep
-            sent = idx[_members(idx, chosen.indices)]
+            sent = idx[members(idx, chosen.indices)]
             acc.index_fill_(0, sent, 0)        # the residual keeps what did not reach the result
         self.last_sent = sent
         self.stats.update(nnz_out=chosen.nnz)
@@ -260,16 +264,6 @@ class OkTopk(Method):
     def __repr__(self) -> str:
         return (f"OkTopk(P={self.comm.size}, density={self.density:g}, warmup_steps={self.warmup_steps}, "
                 f"threshold_interval={self.threshold_interval}, partition_interval={self.partition_interval})")
-
-
-def _members(sorted_indices: Tensor, sorted_set: Tensor) -> Tensor:
-    """Mask of the entries of ``sorted_indices`` found in ``sorted_set`` (both increasing): a binary
-    search per entry, no length-n mark vector."""
-    if sorted_set.numel() == 0:
-        return torch.zeros(sorted_indices.numel(), dtype=torch.bool, device=sorted_indices.device)
-    wanted = sorted_set.to(sorted_indices.dtype)
-    at = torch.searchsorted(wanted, sorted_indices).clamp_(max=wanted.numel() - 1)
-    return wanted[at] == sorted_indices
 
 
 @register_cost("oktopk")

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["merge_sum", "average_into", "average_blocks_into", "clear", "GroupMask", "Stale", "GROUP", "ascending",
-           "compiled", "IN_PLACE_SHARE", "sketch_insert", "sketch_query_blocks"]
+           "compiled", "IN_PLACE_SHARE", "sketch_insert", "sketch_query_blocks", "members"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,25 @@ def ascending(indices: Tensor) -> Tensor:
     if indices.numel() < 2 or bool((indices[1:] >= indices[:-1]).all()):
         return indices
     return torch.sort(indices).values
+
+
+def members(indices: Tensor, sorted_set: Tensor) -> Tensor:
+    """Bool mask of the entries of ``indices`` that occur in ``sorted_set`` (both 1-D integer tensors
+    in increasing order): on the CPU one walk over both in C (O(len + len), sequential), else (or
+    where one turns out unsorted) a binary search per entry (``torch.searchsorted``), the same mask;
+    no length-n mark vector either way."""
+    if sorted_set.numel() == 0 or indices.numel() == 0:
+        return torch.zeros(indices.numel(), dtype=torch.bool, device=indices.device)
+    if (_compiled is not None and all(t.device.type == "cpu" and t.dtype in _INDEX_TYPES and t.is_contiguous()
+                                      and t.dim() == 1 for t in (indices, sorted_set))):
+        mask = torch.empty(indices.numel(), dtype=torch.bool)
+        if _compiled.members(indices.data_ptr(), indices.numel(), indices.dtype == torch.int64,
+                             sorted_set.data_ptr(), sorted_set.numel(), sorted_set.dtype == torch.int64,
+                             mask.data_ptr()) == 0:
+            return mask
+    wanted = sorted_set.to(indices.dtype)
+    at = torch.searchsorted(wanted, indices).clamp_(max=wanted.numel() - 1)
+    return wanted[at] == indices
 
 
 def merge_sum(indices: Sequence[Tensor], values: Sequence[Tensor]) -> tuple[Tensor, Tensor] | None:
