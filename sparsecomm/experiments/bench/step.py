@@ -106,6 +106,7 @@ def _worker(n: int, densities: list[float], methods: list[str], repeat: int, war
                 cpu = time.thread_time()
                 method(grad, out=result)
                 cpu = time.thread_time() - cpu
+                dist.barrier()  # no rank draws its next gradient while another one's call still runs
                 if call >= warmup:
                     stats = method.stats
                     rows.append({"pass": seconds, "floor": floor, "cpu_pass": cpu_pass, "cpu": cpu,
