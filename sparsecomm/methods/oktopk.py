@@ -188,28 +188,32 @@ class OkTopk(Method):
         with self.timer("comm"):
             gathered = allgatherv(self.comm, candidates.parts())
         with self.timer("decompress"):
-            # the regions are disjoint and in rank order, each chunk sorted: their concatenation is the sum
-            # (the values are sums of the reduce-scatter's merge, which leaves no -0.0 that adding to
-            # +0.0 would change)
-            chosen = SparseChunk(torch.cat([i for i, _ in gathered]), torch.cat([v for _, v in gathered]))
+            # region q's share of the global selection, from rank q: the regions are disjoint and in rank
+            # order, each share sorted, so together they are the sorted global selection
+            parts = [SparseChunk(i, v) for i, v in gathered]
             if exact:
                 self.global_threshold = 0.0
             elif estimate:
-                chosen = largest_of_chunk(chosen, k)[0]
-                self.global_threshold = float(chosen.values.abs().min()) if chosen.nnz else 0.0
-            elif chosen.nnz < 3 * k / 4:
-                self.global_threshold = self.global_threshold / self.global_scale  # type: ignore[operator]
-            elif chosen.nnz > 5 * k / 4:
-                self.global_threshold = self.global_threshold * self.global_scale  # type: ignore[operator]
-            out = self.output_average(grad, [chosen.indices], [chosen.values], P)  # sorted: one sweep
-            sent = idx[members(idx, chosen.indices)]
+                parts = [largest_of_chunk(SparseChunk(torch.cat([p.indices for p in parts]),
+                                                      torch.cat([p.values for p in parts])), k)[0]]
+                self.global_threshold = float(parts[0].values.abs().min()) if parts[0].nnz else 0.0
+            global_count = sum(p.nnz for p in parts)
+            if not (exact or estimate):
+                assert self.global_threshold is not None
+                if global_count < 3 * k / 4:
+                    self.global_threshold = self.global_threshold / self.global_scale
+                elif global_count > 5 * k / 4:
+                    self.global_threshold = self.global_threshold * self.global_scale
+            # one sweep over the sorted shares, no concatenation of them
+            out = self.output_average(grad, [p.indices for p in parts], [p.values for p in parts], P)
+            sent = idx[self._reached_result(idx, parts, send_counts)]
             acc.index_fill_(0, sent, 0)        # the residual keeps what did not reach the result
         self.last_sent = sent
-        self.stats.update(nnz_out=chosen.nnz)
+        self.stats.update(nnz_out=global_count)
         self.stats.extra.update(
             local_threshold=threshold, global_threshold=self.global_threshold, estimated=estimate or exact,
             repartitioned=repartition, boundaries=list(self.boundaries or []), send_counts=send_counts,
-            gather_counts=[g[0].numel() for g in gathered], global_count=chosen.nnz)
+            gather_counts=[g[0].numel() for g in gathered], global_count=global_count)
         return out
 
     def _pre_adjust(self, view: MagnitudeView, threshold: float, k: int) -> float:
@@ -237,6 +241,19 @@ class OkTopk(Method):
         inner = torch.div(summed, P, rounding_mode="floor").clamp(0, n)
         inner = torch.cummax(inner, 0).values   # the average of sorted quantiles is sorted; keep it so
         return [0] + [int(b) for b in inner.tolist()] + [n]
+
+    @staticmethod
+    def _reached_result(idx: Tensor, parts: list[SparseChunk], send_counts: list[int]) -> Tensor:
+        """Mask of this rank's selected entries ``idx`` (sorted) that are in the global selection:
+        region by region where ``parts`` are the regions' shares (an entry of region q can only be in
+        share q; ``send_counts[q]`` of ``idx`` fall in region q), else against the one chunk."""
+        if len(parts) != len(send_counts):
+            return members(idx, parts[0].indices)
+        masks, start = [], 0
+        for part, count in zip(parts, send_counts, strict=True):
+            masks.append(members(idx[start:start + count], part.indices))
+            start += count
+        return torch.cat(masks)
 
     def _reduce_scatter(self, idx: Tensor, acc: Tensor, n: int) -> tuple[SparseChunk, list[int]]:
         """Send region q's selected pairs to rank q; returns this rank's region sum and the pairs sent
