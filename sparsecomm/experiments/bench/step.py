@@ -34,15 +34,11 @@ import torch
 
 from ...cli.table import markdown_table
 from ...launch.launcher import run_workers
-from ...methods import sparse_methods
+from ...methods import dense_warmup, sparse_methods
 from ...selection import scan
 from .common import parse_count
 
 HELP = "per-step work of every sparse method outside communication, in passes over the gradient"
-
-#: options that make a method's timed calls its sparse step: Ok-Topk's first 512 calls are a dense
-#: all-reduce warm-up (its default, as its public code), which would be measured instead
-STEP_OPTIONS: dict[str, dict[str, Any]] = {"oktopk": {"warmup_steps": 0}}
 
 #: rank r's call t gets the normal gradient of the generator seeded with ``_GRADIENT_SEED * (r + 1) + t``
 _GRADIENT_SEED = 1_000_003
@@ -92,7 +88,11 @@ def _worker(n: int, densities: list[float], methods: list[str], repeat: int, war
     results: dict[str, Any] = {}
     for density in densities:
         for name in methods:
-            method = make_method(name, density=density, **STEP_OPTIONS.get(name, {}))
+            # a method's own sparse step, not the dense all-reduces it starts with by default (Ok-Topk's 512)
+            options: dict[str, Any] = {"density": density}
+            if dense_warmup(name):
+                options["warmup_steps"] = 0
+            method = make_method(name, **options)
             rows = []
             for call in range(warmup + repeat):
                 # a fresh gradient at every call, as in training: with one gradient repeated, the
