@@ -93,8 +93,8 @@ def ascending(indices: Tensor) -> Tensor:
 def members(indices: Tensor, sorted_set: Tensor) -> Tensor:
     """Bool mask of the entries of ``indices`` that occur in ``sorted_set`` (both 1-D integer tensors
     in increasing order): on the CPU one walk over both in C (O(len + len), sequential), else (or
-    where one turns out unsorted) a binary search per entry (``torch.searchsorted``), the same mask;
-    no length-n mark vector either way."""
+    where ``indices`` turns out unsorted) a binary search per entry (``torch.searchsorted``), the same
+    mask; no length-n mark vector either way."""
     if sorted_set.numel() == 0 or indices.numel() == 0:
         return torch.zeros(indices.numel(), dtype=torch.bool, device=indices.device)
     if (_compiled is not None and all(t.device.type == "cpu" and t.dtype in _INDEX_TYPES and t.is_contiguous()
