@@ -401,18 +401,22 @@ def test_block_energies_kernel_gives_the_bits_of_the_canonical_torch_sum(kernel,
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("n, rank", [(1000, 1), (65_536, 384), (65_536, 65_536), (100_003, 1024), (1_000_000, 1024),
-                                     (1_000_000, 200_000)])
-@pytest.mark.parametrize("data", ["normal", "ties", "zeros", "nonfinite"])
+@pytest.mark.parametrize("n, rank", [(1, 1), (7, 7), (1000, 1), (25_600, 322), (65_536, 384), (65_536, 65_536),
+                                     (100_003, 1024), (1_000_000, 1024), (1_000_000, 200_000)])
+@pytest.mark.parametrize("data", ["normal", "ties", "zeros", "infinite", "nonfinite"])
 def test_kth_largest_is_the_value_torch_topk_gives(kernel, n, rank, data):
-    """kth_largest (a scan above a sampled floor where the kernel takes the tensor) returns the value
-    torch.topk's smallest of the ``rank`` largest gives, ties, zeros and NaN/Inf included."""
+    """kth_largest (the radix select where the kernel takes the tensor, of the candidates above a
+    sampled floor from 65536 elements on) returns the value torch.topk's smallest of the ``rank``
+    largest gives, ties, zeros, Inf (whose bits still order) and NaN (which the select leaves to
+    torch.topk) included."""
     g = torch.Generator().manual_seed(n + rank)
     a = torch.randn(n, generator=g).abs_()
     if data == "ties":  # few distinct magnitudes: many equal to the rank-th largest
         a = (a * 4).floor_()
     elif data == "zeros":
         a[torch.rand(n, generator=g) < 0.999] = 0.0
+    elif data == "infinite":
+        a[torch.randint(0, n, (2,), generator=g)] = math.inf
     elif data == "nonfinite":
         a[torch.randint(0, n, (3,), generator=g)] = torch.tensor([math.nan, math.inf, math.inf])
     expected = float(torch.topk(a, rank, sorted=False).values.min())

@@ -413,10 +413,10 @@ static PyObject *variants(PyObject *self, PyObject *unused) {
     return result;
 }
 
-/* The bin of the rank-th largest key counted in hist[0:bins], and in *rank that key's rank within its
- * bin (1 = the bin's largest). */
-static uint32_t bin_of_kth(const uint32_t *hist, uint32_t bins, int64_t *rank) {
-    uint32_t b = bins - 1;
+/* The bin of the rank-th largest key counted in hist[0:highest + 1] (the bins above highest empty), and
+ * in *rank that key's rank within its bin (1 = the bin's largest). */
+static uint32_t bin_of_kth(const uint32_t *hist, uint32_t highest, int64_t *rank) {
+    uint32_t b = highest;
     for (; b > 0 && hist[b] < *rank; b--) *rank -= hist[b];
     return b;
 }
@@ -424,39 +424,57 @@ static uint32_t bin_of_kth(const uint32_t *hist, uint32_t bins, int64_t *rank) {
 #define KEY_NOT_ORDERED -1 /* kth_largest_key's answers besides a key */
 #define KEY_NO_MEMORY -2
 
+/* The histogram of kth_largest_key, one per thread, allocated on first use and kept: all zero between
+ * calls (each call clears the bins it used). A fresh 256 KiB calloc per call costs its page faults,
+ * which dominate a select of a few thousand keys. */
+static _Thread_local uint32_t *key_hist;
+
+/* hist[bin(keys[i])]++ for the count keys (bin: the top or, with low, the bottom 16 bits); the lowest and
+ * highest bins used. */
+static void histogram(uint32_t *hist, const uint32_t *keys, int64_t count, int low, uint32_t *lowest,
+                      uint32_t *highest) {
+    uint32_t lo = 0xffff, hi = 0;
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t bin = low ? keys[i] & 0xffff : keys[i] >> 16;
+        hist[bin]++;
+        lo = bin < lo ? bin : lo;
+        hi = bin > hi ? bin : hi;
+    }
+    *lowest = lo;
+    *highest = hi;
+}
+
 /* Radix select: the k-th largest of the count uint32 keys (0 < k <= count < 2^32), found by a 65536-bin
  * histogram of the keys' top 16 bits, then one of the low 16 bits of the keys in the bin that holds
- * it (copied out first: a few percent of the keys for the candidates of a scan). Returns it, and in *ties how many keys equal to it are among the k largest; KEY_NOT_ORDERED
- * when a key is above 0x7f800000 (the bits of a NaN or of a negative float), KEY_NO_MEMORY. */
+ * it (copied out first: a few percent of the keys for the candidates of a scan). Returns it, and in
+ * *ties how many keys equal to it are among the k largest; KEY_NOT_ORDERED when a key is above
+ * 0x7f800000 (the bits of a NaN or of a negative float), KEY_NO_MEMORY. */
 static int64_t kth_largest_key(const uint32_t *keys, int64_t count, int64_t k, int64_t *ties) {
-    uint32_t *hist = calloc(1 << 16, sizeof *hist);
-    if (!hist) return KEY_NO_MEMORY;
-    for (int64_t i = 0; i < count; i++) hist[keys[i] >> 16]++;
-    int64_t beyond = 0; /* keys from 0x7f800000 (+Inf) up: checked one by one only when there are some */
-    for (uint32_t b = 0x7f80; b < 1 << 16; b++) beyond += hist[b];
-    for (int64_t i = 0; beyond && i < count; i++)
-        if (keys[i] > 0x7f800000u) {
-            free(hist);
-            return KEY_NOT_ORDERED;
-        }
+    if (!key_hist && !(key_hist = calloc(1 << 16, sizeof *key_hist))) return KEY_NO_MEMORY;
+    uint32_t *hist = key_hist;
+    uint32_t lowest, highest; /* the walks start from the highest bin in use; the clears span those used */
+    histogram(hist, keys, count, 0, &lowest, &highest);
+    if (highest >= 0x7f80) /* keys from 0x7f800000 (+Inf) up: checked one by one only when there are some */
+        for (int64_t i = 0; i < count; i++)
+            if (keys[i] > 0x7f800000u) {
+                memset(hist + lowest, 0, (highest - lowest + 1) * sizeof *hist);
+                return KEY_NOT_ORDERED;
+            }
     int64_t rank = k;
-    uint32_t top = bin_of_kth(hist, 1 << 16, &rank);
+    uint32_t top = bin_of_kth(hist, highest, &rank);
     /* the keys of that bin, copied without a branch (each key is written, the next may overwrite it) */
     uint32_t *in_top = malloc((hist[top] + 1) * sizeof *in_top);
-    if (!in_top) {
-        free(hist);
-        return KEY_NO_MEMORY;
-    }
+    memset(hist + lowest, 0, (highest - lowest + 1) * sizeof *hist);
+    if (!in_top) return KEY_NO_MEMORY;
     int64_t m = 0;
     for (int64_t i = 0; i < count; i++) {
         in_top[m] = keys[i];
         m += keys[i] >> 16 == top;
     }
-    memset(hist, 0, (1 << 16) * sizeof *hist);
-    for (int64_t i = 0; i < m; i++) hist[in_top[i] & 0xffff]++;
-    uint32_t low = bin_of_kth(hist, 1 << 16, &rank);
+    histogram(hist, in_top, m, 1, &lowest, &highest);
+    uint32_t low = bin_of_kth(hist, highest, &rank);
+    memset(hist + lowest, 0, (highest - lowest + 1) * sizeof *hist);
     free(in_top);
-    free(hist);
     *ties = rank;
     return (int64_t)(top << 16 | low);
 }
@@ -589,6 +607,27 @@ static PyObject *select_largest(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     if (kth == KEY_NO_MEMORY) return PyErr_NoMemory();
     return PyLong_FromLongLong((long long)p.written);
+}
+
+/* kth_largest(val_ptr, count, k) -> int: the bits of the k-th largest of the count float32 values
+ * (0 < k <= count), a radix select on their bit patterns; -1 when a value is NaN or negative (their bits
+ * do not order as the values do) or count is 2^32 or more. */
+static PyObject *kth_largest(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long val_ptr;
+    long long count, k;
+    if (!PyArg_ParseTuple(args, "KLL", &val_ptr, &count, &k)) return NULL;
+    if (k <= 0 || k > count) {
+        PyErr_Format(PyExc_ValueError, "kth_largest: needs 0 < k <= count, got k=%lld count=%lld", k, count);
+        return NULL;
+    }
+    if (count > (long long)UINT32_MAX) return PyLong_FromLong(-1); /* the histogram counts in 32 bits */
+    int64_t ties, kth;
+    Py_BEGIN_ALLOW_THREADS
+    kth = kth_largest_key((const uint32_t *)(uintptr_t)val_ptr, count, k, &ties);
+    Py_END_ALLOW_THREADS
+    if (kth == KEY_NO_MEMORY) return PyErr_NoMemory();
+    return PyLong_FromLongLong(kth >= 0 ? (long long)kth : -1);
 }
 
 /* take_and_clear(x_ptr, n, idx_ptr, count, out_ptr) -> int: out[j] = x[idx[j]], then x[idx[j]] = 0, for
@@ -805,6 +844,9 @@ static PyMethodDef methods[] = {
      "select_largest(idx_ptr, val_ptr, count, k, out_ptr, variant) -> int: out[0:k] = the int64 idx entries of "
      "the k largest float32 values, in idx order, the first ones among ties with the k-th; returns k, or -1 "
      "when a value is NaN or negative (see scan.largest_in_order)."},
+    {"kth_largest", kth_largest, METH_VARARGS,
+     "kth_largest(val_ptr, count, k) -> int: the bit pattern of the k-th largest of count float32 values (0 < k "
+     "<= count), or -1 when a value is NaN or negative (see scan.kth_largest)."},
     {"take_and_clear", take_and_clear, METH_VARARGS,
      "take_and_clear(x_ptr, n, idx_ptr, count, out_ptr) -> int: out[j] = x[idx[j]], then x[idx[j]] = 0 (float32 x, "
      "int64 idx); 0, or -1 (nothing written) when an index lies outside [0, n) (see scan.take_and_clear)."},
