@@ -52,14 +52,19 @@ class PhaseTraffic:
         return self.bytes_recv - self.inter_node_bytes_recv
 
     def add(self, other: PhaseTraffic) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def minus(self, other: PhaseTraffic) -> PhaseTraffic:
-        return PhaseTraffic(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+        return PhaseTraffic(**{name: getattr(self, name) - getattr(other, name) for name in _FIELDS})
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in _FIELDS}
+
+
+#: PhaseTraffic's counters (``dataclasses.fields`` once, not at every call: the meter is read several
+#: times in every method call)
+_FIELDS = tuple(f.name for f in fields(PhaseTraffic))
 
 
 class TrafficMeter:
@@ -70,6 +75,7 @@ class TrafficMeter:
     def __init__(self) -> None:
         self._phases: dict[str, PhaseTraffic] = {}
         self._stack: list[str] = []
+        self._total = PhaseTraffic()  # every phase's, kept as booked: a method call reads it several times
 
     @property
     def current_phase(self) -> str:
@@ -89,6 +95,7 @@ class TrafficMeter:
 
     def record_round(self) -> None:
         self._entry().rounds += 1
+        self._total.rounds += 1
 
     def record_send(self, nbytes: int, header: bool = False, inter_node: bool = False) -> None:
         """Book one sent message; ``inter_node``: its receiver is on another node."""
@@ -99,14 +106,14 @@ class TrafficMeter:
         self._book("recv", nbytes, header, inter_node)
 
     def _book(self, direction: str, nbytes: int, header: bool, inter_node: bool) -> None:
-        entry = self._entry()
-        if header:
-            _add(entry, f"header_bytes_{direction}", nbytes)
-            return
-        _add(entry, f"bytes_{direction}", nbytes)
-        _add(entry, f"messages_{direction}", 1)
-        if inter_node:
-            _add(entry, f"inter_node_bytes_{direction}", nbytes)
+        for entry in (self._entry(), self._total):
+            if header:
+                _add(entry, f"header_bytes_{direction}", nbytes)
+                continue
+            _add(entry, f"bytes_{direction}", nbytes)
+            _add(entry, f"messages_{direction}", 1)
+            if inter_node:
+                _add(entry, f"inter_node_bytes_{direction}", nbytes)
 
     def phases(self) -> dict[str, PhaseTraffic]:
         """A copy of the per-phase traffic."""
@@ -118,10 +125,9 @@ class TrafficMeter:
         return out
 
     def totals(self) -> PhaseTraffic:
-        """The traffic of all phases added up."""
+        """The traffic of all phases added up (a copy)."""
         total = PhaseTraffic()
-        for traffic in self._phases.values():
-            total.add(traffic)
+        total.add(self._total)
         return total
 
     def snapshot(self) -> PhaseTraffic:
@@ -133,6 +139,7 @@ class TrafficMeter:
 
     def reset(self) -> None:
         self._phases.clear()
+        self._total = PhaseTraffic()
 
 
 def _add(entry: PhaseTraffic, field: str, amount: int) -> None:
