@@ -78,6 +78,45 @@ def test_exchange_sends_the_header_inside_a_small_message(limit):
         assert t["messages_sent"] == (1 if r else 0) and t["rounds"] == 1
 
 
+def _ahead(limit):
+    """Receives posted ahead (post_receives) carry the next exchange_many message from each source: one
+    per source (named twice, it gets one), a frame past the eager limit included (its payload, sent
+    second, finds no other receive from that source before its own); the exchange after them posts its
+    own receive."""
+    import time
+
+    import sparsecomm.transport.comm as comm_module
+    comm_module.EAGER_LIMIT_BYTES = limit
+    comm = Communicator()
+    r, P = comm.rank, comm.size
+    taken = []
+    real_post = comm._post
+    comm._post = lambda *a, **kw: (taken.append(kw.get("posted") is not None), real_post(*a, **kw))[1]
+    first, second = (r - 1) % P, (r + 1) % P
+    comm.post_receives([first, second, first])
+    posted = len(comm._ahead)
+    time.sleep(0.003 * r)  # the peers' messages arrive while this rank is still away
+    got = []
+    for step in range(3):  # from r - 1, from r + 1, from r - 1 again; rank q sends 10 q + step entries
+        dst, src = ((r + 1) % P, first) if step != 1 else ((r - 1) % P, second)
+        n = 10 * r + step
+        parts = comm.exchange_many(dst, [torch.arange(n, dtype=torch.int64), torch.full((n,), float(r))], src, count=2)
+        got.append([p.tolist() for p in parts])
+    return got, posted, len(comm._ahead), taken
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("limit", [128, 4 << 20])
+def test_receives_posted_ahead_carry_the_next_exchange_from_each_source(P, limit):
+    for r, (got, posted, left, taken) in enumerate(run_workers(P, _ahead, limit, timeout=60)):
+        first, second = (r - 1) % P, (r + 1) % P
+        for step, src in enumerate((first, second, first)):
+            n = 10 * src + step
+            assert got[step] == [list(range(n)), [float(src)] * n]
+        assert posted == len({first, second}) and left == 0
+        assert sum(taken) == posted  # each posted receive was taken, by the first exchange from its source
+
+
 def _split(mode):
     comm = Communicator()
     team, cross = comm.split(2, mode)

@@ -306,3 +306,44 @@ def test_only_a_stateless_selector_selects_in_the_accumulating_scan(selector, fu
 
     expected = fused and Scratch.uses_compiled(torch.empty(300_000))
     assert run_workers(1, _fuses, selector, timeout=60) == [expected]
+
+
+def _calls_posting_ahead(post: bool, teams: int, calls: int):
+    """spardl's outputs with the receives after its agreement posted ahead (``post``) or as each step
+    comes, and, with them, how many the team communicator posted and held after each call."""
+    from sparsecomm.transport.comm import Communicator
+
+    real = Communicator.post_receives
+    posted = []
+
+    def counting(self, sources):
+        real(self, sources)
+        posted.append(len(self._ahead))
+
+    Communicator.post_receives = counting if post else (lambda self, sources: None)
+    try:
+        method = make_method("spardl", density=0.05, teams=teams)
+        outs, left = [], []
+        for call in range(calls):
+            outs.append(method(make_gradient(30_000, dist.get_rank(), call, seed=11)))
+            left.append(len(method._split(teams)[0]._ahead))
+        return outs, posted, left
+    finally:
+        Communicator.post_receives = real
+
+
+@pytest.mark.parametrize("P, teams", [(2, 1), (3, 1), (4, 1), (4, 2), (6, 2), (8, 1)])
+def test_receives_posted_after_the_agreement_change_no_bit(P, teams):
+    """Once the ranks agreed, SparDL posts the receives of the team's remaining messages (SRS, then
+    the Bruck all-gather) together; the messages find them and the outputs are the same bits as with
+    each receive posted at its step; no receive is left after a call."""
+    ahead = run_workers(P, _calls_posting_ahead, True, teams, 3, timeout=120)
+    plain = run_workers(P, _calls_posting_ahead, False, teams, 3, timeout=120)
+    m = P // teams
+    for rank, ((outs, posted, left), (ref_outs, _, _)) in enumerate(zip(ahead, plain, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs, strict=True))
+        position = rank % m
+        rides = teams == 1 and P & (P - 1) == 0  # SRS's first message rode on the agreement, before the posting
+        expected = {s.src for s in srs_schedule(m, position)[1 if rides else 0:]}
+        expected |= {(position + d) % m for d in (1, 2, 4) if d < m}
+        assert posted == [len(expected - {position})] * 3 and left == [0] * 3

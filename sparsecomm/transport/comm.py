@@ -112,6 +112,8 @@ class Communicator:
         self._landings: list[torch.Tensor] = []  # the agreement's receive buffers, one per step
         #: step -> (source, the receive already posted into that step's landing buffer): see prepost_agreement
         self._preposted: dict[int, tuple[int, dist.Work | None]] = {}
+        #: source -> the receive posted ahead for its next exchange_many message (buffer, work): see post_receives
+        self._ahead: dict[int, tuple[torch.Tensor, dist.Work | None]] = {}
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, ranks={self._ranks})"
@@ -243,6 +245,30 @@ class Communicator:
         self._post(send_payload, dst, recv_payload, src, header=False)
         return _split_payload(recv_payload, sizes, dtypes) if recv_payload is not None else []
 
+    def post_receives(self, sources: Sequence[int]) -> None:
+        """Post now the receive of this rank's next :meth:`exchange_many` message from each of
+        ``sources`` (a source named twice gets one: see below), into a buffer of
+        :data:`EAGER_LIMIT_BYTES`, so that the peer's message moves as soon as it is sent instead of
+        when this rank reaches that step (on gloo a message moves once both sides have posted, and a
+        receive posted late costs a notification's round trip on the call's path). Only on gloo and
+        MPI (:attr:`gathers_in_agreement`), where a receive may be longer than its message;
+        elsewhere it does nothing.
+
+        The next message from each source must be an :meth:`exchange_many` of unknown size (the
+        eager frame), which takes the receive. One per source: a frame past the limit sends its
+        payload as a second message, which must find no other receive from that source posted before
+        its own. For a method's messages after its agreement only (the ranks then follow one schedule
+        to its end): a receive posted for a message that never comes (a call that fails after it,
+        which leaves the method unusable, :class:`~sparsecomm.methods.base.ProtocolBroken`) would
+        take the next message from that peer on the process group."""
+        if not self._eager_headers:
+            return
+        for src in dict.fromkeys(sources):
+            if src == self.rank or src in self._ahead:
+                continue
+            landing = torch.empty(EAGER_LIMIT_BYTES, dtype=torch.uint8)
+            self._ahead[src] = (landing, dist.irecv(landing, src=self.global_rank(src), group=self.group))
+
     def _exchange_eager(self, dst: int | None, tensors: Sequence[torch.Tensor], src: int | None,
                         count: int, dtypes: Sequence[torch.dtype], device) -> list[torch.Tensor]:
         """:meth:`exchange_many` without a separate header message (gloo, MPI).
@@ -270,9 +296,15 @@ class Communicator:
             if payload_bytes:
                 self.meter.record_send(payload_bytes, inter_node=inter)
         receiving = src is not None and count > 0
-        landing = torch.empty(EAGER_LIMIT_BYTES, dtype=torch.uint8, device=buffer_device) \
-            if receiving else None
-        self._post(send_first, dst, landing, src, header=False, book=False)
+        ahead = self._ahead.pop(src, None) if receiving and src is not None else None
+        posted = None
+        landing: torch.Tensor | None
+        if ahead is not None:  # posted early (post_receives)
+            landing, posted = ahead
+        else:
+            landing = torch.empty(EAGER_LIMIT_BYTES, dtype=torch.uint8, device=buffer_device) \
+                if receiving else None
+        self._post(send_first, dst, landing, src, header=False, book=False, posted=posted)
 
         sizes: list[int] = []
         payload = None
@@ -298,7 +330,7 @@ class Communicator:
             return []
         if payload is None:  # nothing to receive: count == 0
             return []
-        if torch.device(device) != buffer_device:
+        if payload.device != torch.device(device):  # a staged receive, or one posted early (on the CPU)
             payload = payload.to(device)
         return _split_payload(payload, sizes, dtypes)
 

@@ -33,7 +33,7 @@ from .chunk import SparseChunk
 from .comm import Communicator
 
 __all__ = ["recursive_doubling_allgatherv", "bruck_allgatherv", "allgatherv", "allgather_chunks",
-           "allgatherv_traffic", "allgatherv_cost", "bruck_traffic"]
+           "allgatherv_traffic", "allgatherv_cost", "bruck_traffic", "bruck_sources"]
 
 Message = Sequence[Tensor]
 Numels = Sequence[Sequence[int]]  # numels[q]: the length of each part of rank q's message
@@ -127,6 +127,15 @@ def allgather_chunks(comm: Communicator, chunk: SparseChunk, *, bruck: bool = Fa
     numels = None if counts is None else [(int(c), int(c)) for c in counts]
     gathered = (bruck_allgatherv if bruck else allgatherv)(comm, chunk.parts(), numels)
     return [SparseChunk(indices, values) for indices, values in gathered]
+
+
+def bruck_sources(P: int, rank: int) -> list[int]:
+    """The rank each step of :func:`bruck_allgatherv` receives from, in step order: ``rank + 2^i``."""
+    sources, distance = [], 1
+    while distance < P:
+        sources.append((rank + distance) % P)
+        distance *= 2
+    return sources
 
 
 # ---------------------------------------------------------------------- traffic of the schedules

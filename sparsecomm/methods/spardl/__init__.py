@@ -42,7 +42,7 @@ from ...selection import make as make_selector
 from ...selection.base import Selector
 from ...transport.chunk import pair_bytes
 from ...transport.comm import Communicator
-from ...transport.sparse_collectives import allgather_chunks, bruck_traffic
+from ...transport.sparse_collectives import allgather_chunks, bruck_sources, bruck_traffic
 from ..base import Layout, Method, register_method
 from .sag import HAdjuster, bruck_sag, bsag_traffic, recursive_sag, rsag_traffic
 from .srs import Accumulator, BlockSelector, Exchange, spar_reduce_scatter, srs_schedule, srs_traffic
@@ -256,9 +256,15 @@ class SparDL(Method):
         # The accumulator is G itself, changed in place; its journal stands for G_copy (line 3)
         work = Accumulator(residual)
 
+        def post_receives() -> None:
+            # once the ranks agreed, the receives of the team's remaining messages (SRS, then the Bruck
+            # all-gather) are posted together: a peer's message then moves as soon as it is sent
+            team.post_receives([step.src for step in schedule[1 if first_exchange is not None else 0:]]
+                               + bruck_sources(m, position))
+
         # with one team nothing changes G after the own block's selection, which then needs no record
         own, selected = spar_reduce_scatter(team, work, bounds, counts, self._blocks, self.timer, first_exchange,
-                                            journal_own=sag != "none", picks=picks)
+                                            journal_own=sag != "none", picks=picks, agreed=post_receives)
         if sag == "recursive":
             with self.timer("comm"):
                 own = recursive_sag(cross, own, counts[position], self._exact, work)

@@ -179,7 +179,8 @@ def _no_timer(_: str) -> contextlib.AbstractContextManager[None]:
 def spar_reduce_scatter(comm: Communicator, work: Accumulator, bounds: Sequence[tuple[int, int]],
                         counts: Sequence[int], blocks: BlockSelector, timer: Timer = _no_timer,
                         first_exchange: Exchange | None = None, *, journal_own: bool = True,
-                        picks: Mapping[int, torch.Tensor] | None = None) -> tuple[SparseChunk, int]:
+                        picks: Mapping[int, torch.Tensor] | None = None,
+                        agreed: Callable[[], None] | None = None) -> tuple[SparseChunk, int]:
     """SRS over ``comm`` (a team of m ranks): returns (this rank's reduced block, entries selected).
 
     ``work`` is the dense accumulator (gradient + residual), modified in place: afterwards it holds
@@ -190,13 +191,16 @@ def spar_reduce_scatter(comm: Communicator, work: Accumulator, bounds: Sequence[
     leaves the selection of the own block out of ``work``'s journal, for a caller that changes
     ``work`` no more before it restores it (:class:`Accumulator`). ``picks``: {block: local indices}
     of blocks selected before any change to ``work`` (the first step's bag, or the own block of a
-    team of one), taken as they are.
+    team of one), taken as they are. ``agreed()``: called once the call's agreement is over, right
+    after ``first_exchange`` (which carries its last step), or first thing without it.
     """
     picks = picks or {}
     m, w = comm.size, comm.rank
     selected = 0
     dense = work.tensor
     index_type = index_dtype(dense.numel())
+    if agreed is not None and first_exchange is None:
+        agreed()
     for number, step in enumerate(srs_schedule(m, w)):
         with timer("select"):
             chunks = [blocks.take(work, *bounds[j], counts[j], picked=picks.get(j) if number == 0 else None)
@@ -208,6 +212,8 @@ def spar_reduce_scatter(comm: Communicator, work: Accumulator, bounds: Sequence[
             if number == 0 and first_exchange is not None:
                 got_bytes = first_exchange(indices, values)
                 got_indices, got_values = got_bytes[0].view(index_type), got_bytes[1].view(dense.dtype)
+                if agreed is not None:
+                    agreed()
             else:
                 got_indices, got_values = comm.exchange_many(step.dst, [indices, values], step.src, count=2,
                                                              dtypes=[index_type, dense.dtype],
