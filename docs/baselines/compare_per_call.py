@@ -10,7 +10,10 @@
 Every implementation gets the same gradients (rank r, call t: ``randn(n)`` from a generator seeded by
 (seed, r, t)), drawn before the clock. Each call is timed between a barrier and its return on every
 rank; a call's time is its slowest rank's, and the table gives the median of the timed calls (after
-the warm-up calls). Every output of every call is hashed (SHA-256 of its bytes) on every rank:
+the warm-up calls). A second barrier follows each call (``--no-settle`` leaves it out, the protocol
+before 2026-11-27): without it the ranks that returned first hash their output and draw the next
+gradient on the cores the others' calls still need, which lengthens the slowest rank's time of any
+implementation whose ranks finish apart. Every output of every call is hashed (SHA-256 of its bytes) on every rank:
 ``topka`` must equal GRACE's and ``spardl`` the official SparDL's, bit for bit, at every call on every
 rank (the error feedback makes later calls depend on earlier ones). "up to the sign of zero" is
 reported instead where only the hashes of ``out + 0.0`` agree.
@@ -77,9 +80,11 @@ def digests(out: torch.Tensor) -> tuple[str, str]:
 
 
 def measure(call: Callable[[torch.Tensor], torch.Tensor], barrier: Callable[[], Any], rank: int, n: int,
-            seed: int, warmup: int, calls: int) -> dict[str, list]:
+            seed: int, warmup: int, calls: int, settle: bool = True) -> dict[str, list]:
     """Run ``warmup + calls`` calls; per call: this rank's seconds, the output's two digests and its
-    number of non-zeros."""
+    number of non-zeros. ``settle``: a barrier after each call (its time taken before it), so that no
+    rank hashes its output or draws its next gradient while another one's call still runs on the
+    same cores."""
     seconds, raw, canonical, nonzeros = [], [], [], []
     for t in range(warmup + calls):
         grad = gradient(seed, rank, t, n)
@@ -87,6 +92,8 @@ def measure(call: Callable[[torch.Tensor], torch.Tensor], barrier: Callable[[], 
         start = time.perf_counter()
         out = call(grad)
         seconds.append(time.perf_counter() - start)
+        if settle:
+            barrier()
         if out.numel() != n:
             raise RuntimeError(f"call {t} on rank {rank} returned {out.numel()} elements, expected n={n}")
         r, c = digests(out)
@@ -110,7 +117,8 @@ def check_sizes(n: int, P: int, density: float) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- workers
-def ours_worker(method: str, n: int, density: float, seed: int, warmup: int, calls: int) -> dict[str, list]:
+def ours_worker(method: str, n: int, density: float, seed: int, warmup: int, calls: int,
+                settle: bool) -> dict[str, list]:
     """One sparsecomm worker (under ``sparsecomm.run_workers``, gloo)."""
     import torch.distributed as dist
 
@@ -118,10 +126,11 @@ def ours_worker(method: str, n: int, density: float, seed: int, warmup: int, cal
 
     options: dict[str, Any] = {"teams": 1} if method == "spardl" else {}
     reducer = make_method(method, density=density, **options)
-    return measure(reducer, dist.barrier, dist.get_rank(), n, seed, warmup, calls)
+    return measure(reducer, dist.barrier, dist.get_rank(), n, seed, warmup, calls, settle)
 
 
-def grace_worker(grace_dir: str, n: int, density: float, seed: int, warmup: int, calls: int) -> dict[str, list]:
+def grace_worker(grace_dir: str, n: int, density: float, seed: int, warmup: int, calls: int,
+                 settle: bool) -> dict[str, list]:
     """One GRACE worker: topk compressor (torch.topk), residual memory, allgather communicator, gloo."""
     import torch.distributed as dist
 
@@ -130,7 +139,8 @@ def grace_worker(grace_dir: str, n: int, density: float, seed: int, warmup: int,
 
     grc = grace_from_params({"compressor": "topk", "memory": "residual", "communicator": "allgather",
                              "compress_ratio": density, "world_size": dist.get_world_size()})
-    return measure(lambda grad: grc.step(grad, "grad"), dist.barrier, dist.get_rank(), n, seed, warmup, calls)
+    return measure(lambda grad: grc.step(grad, "grad"), dist.barrier, dist.get_rank(), n, seed, warmup, calls,
+                   settle)
 
 
 def adapt_torch_to_cpu() -> None:
@@ -141,7 +151,7 @@ def adapt_torch_to_cpu() -> None:
 
 
 def spardl_mpi_worker(spardl_dir: str, n: int, density: float, seed: int, warmup: int, calls: int,
-                      out_path: str) -> None:
+                      settle: bool, out_path: str) -> None:
     """One official SparDL worker (under mpirun): rank 0 writes every rank's measurements to ``out_path``."""
     torch.set_num_threads(1)
     import numpy
@@ -172,7 +182,7 @@ def spardl_mpi_worker(spardl_dir: str, n: int, density: float, seed: int, warmup
         reducer._msg_queue2.get_nowait()   # 'DONE'
         return reducer.get_result("grad").view(-1)[:n]
 
-    result = measure(call, comm.Barrier, comm.rank, n, seed, warmup, calls)
+    result = measure(call, comm.Barrier, comm.rank, n, seed, warmup, calls, settle)
     mpi_library = MPI.Get_library_version().split(",")[0]
     result["library"] = (f"{mpi_library}, numpy {numpy.__version__}, "
                          f"torch {torch.__version__} under mpirun")
@@ -187,14 +197,14 @@ def run_ours(method: str, args: argparse.Namespace, n: int) -> list[dict]:
     from sparsecomm import run_workers
 
     return run_workers(args.P, ours_worker, method, n, args.density, args.seed, args.warmup, args.calls,
-                       timeout=args.timeout)
+                       args.settle, timeout=args.timeout)
 
 
 def run_grace(args: argparse.Namespace, n: int) -> list[dict]:
     from sparsecomm import run_workers
 
     return run_workers(args.P, grace_worker, os.path.abspath(args.grace), n, args.density, args.seed,
-                       args.warmup, args.calls, timeout=args.timeout)
+                       args.warmup, args.calls, args.settle, timeout=args.timeout)
 
 
 def mpirun_command(args: argparse.Namespace) -> list[str]:
@@ -218,7 +228,7 @@ def run_spardl_official(args: argparse.Namespace, n: int) -> list[dict]:
         out_path = os.path.join(tmp, "result.json")
         command = [*mpirun_command(args), args.spardl_python, os.path.abspath(__file__), "_spardl-mpi-worker",
                    os.path.abspath(args.spardl), str(n), repr(args.density), str(args.seed), str(args.warmup),
-                   str(args.calls), out_path]
+                   str(args.calls), str(int(args.settle)), out_path]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if hasattr(os, "geteuid") and os.geteuid() == 0:   # Open MPI refuses root without these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -296,6 +306,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="Open MPI transport: tcp over loopback like gloo (default), or shared memory")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per implementation and size")
     parser.add_argument("--json", default=None, help="also write every measurement to this file")
+    parser.add_argument("--settle", action=argparse.BooleanOptionalAction, default=True,
+                        help="a barrier after each call, before the output's digests and the next gradient "
+                             "(default); --no-settle: the protocol before 2026-11-27, where the ranks that "
+                             "returned first hash and draw while the others' calls still run")
     args = parser.parse_args(argv)
     if args.baselines is not None:
         args.spardl = args.spardl or os.path.join(args.baselines, "SparDL")
@@ -332,8 +346,9 @@ def main(argv: list[str] | None = None) -> None:
     wall = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
 
     print(f"Per call at P = {args.P}, loopback, density {args.density}: median over {args.calls} calls "
-          f"(after {args.warmup} untimed) of the slowest rank's time; outputs compared at all "
-          f"{args.warmup + args.calls} calls on every rank.\n")
+          f"(after {args.warmup} untimed) of the slowest rank's time; "
+          f"{'a barrier after each call' if args.settle else 'no barrier after the calls (--no-settle)'}; "
+          f"outputs compared at all {args.warmup + args.calls} calls on every rank.\n")
     print("| n | ours | theirs | ours (ms) | theirs (ms) | ours / theirs | outputs |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for n, runs in records.items():
@@ -364,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_spardl-mpi-worker":
-        spardl_dir, n, density, seed, warmup, calls, out_path = sys.argv[2:9]
-        spardl_mpi_worker(spardl_dir, int(n), float(density), int(seed), int(warmup), int(calls), out_path)
+        spardl_dir, n, density, seed, warmup, calls, settle, out_path = sys.argv[2:10]
+        spardl_mpi_worker(spardl_dir, int(n), float(density), int(seed), int(warmup), int(calls), bool(int(settle)),
+                          out_path)
     else:
         main()
