@@ -114,6 +114,14 @@ class Communicator:
         self._preposted: dict[int, tuple[int, dist.Work | None]] = {}
         #: source -> the receive posted ahead for its next exchange_many message (buffer, work): see post_receives
         self._ahead: dict[int, tuple[torch.Tensor, dist.Work | None]] = {}
+        # point-to-point messages go to the process group itself (what dist.isend and dist.irecv call after
+        # their checks, which cost a few tens of microseconds of a call's CPU per message): the group and
+        # each local rank's rank in it
+        pg = dist.group.WORLD if group is None else group
+        assert pg is not None  # the default group exists: checked above
+        self._pg: dist.ProcessGroup = pg
+        self._pg_ranks = list(self._ranks) if group is None else \
+            [dist.get_group_rank(group, r) for r in self._ranks]
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, ranks={self._ranks})"
@@ -147,14 +155,13 @@ class Communicator:
             if self._host_staging and recv.is_cuda:
                 target = torch.empty(recv.shape, dtype=recv.dtype)
                 landing = (recv, target)
-            works.append(dist.irecv(_as_bytes(target) if target.dtype != torch.uint8 else target,
-                                    src=self.global_rank(src), group=self.group))
+            works.append(self._irecv(_as_bytes(target) if target.dtype != torch.uint8 else target, src))
             if book:
                 self.meter.record_recv(_nbytes(recv), header=header, inter_node=self.is_inter_node(src))
         if send is not None and send.numel() > 0:
             assert dst is not None, "a send needs its destination rank"
             payload = send.cpu() if self._host_staging and send.is_cuda else send
-            works.append(dist.isend(_as_bytes(payload), dst=self.global_rank(dst), group=self.group))
+            works.append(self._isend(_as_bytes(payload), dst))
             if book:
                 self.meter.record_send(_nbytes(send), header=header, inter_node=self.is_inter_node(dst))
         for work in works:
@@ -162,6 +169,14 @@ class Communicator:
                 work.wait()
         if landing is not None:
             landing[0].copy_(landing[1])
+
+    def _isend(self, tensor: torch.Tensor, dst: int) -> dist.Work:
+        """``dist.isend`` of a plain 1-D tensor to local rank ``dst``, straight to the process group."""
+        return self._pg.send([tensor], self._pg_ranks[dst], 0)
+
+    def _irecv(self, tensor: torch.Tensor, src: int) -> dist.Work:
+        """``dist.irecv`` into a plain 1-D tensor from local rank ``src``, straight to the process group."""
+        return self._pg.recv([tensor], self._pg_ranks[src], 0)
 
     def sendrecv(self, send: torch.Tensor | None, dst: int | None,
                  recv: torch.Tensor | None, src: int | None) -> None:
@@ -267,7 +282,7 @@ class Communicator:
             if src == self.rank or src in self._ahead:
                 continue
             landing = torch.empty(EAGER_LIMIT_BYTES, dtype=torch.uint8)
-            self._ahead[src] = (landing, dist.irecv(landing, src=self.global_rank(src), group=self.group))
+            self._ahead[src] = (landing, self._irecv(landing, src))
 
     def _exchange_eager(self, dst: int | None, tensors: Sequence[torch.Tensor], src: int | None,
                         count: int, dtypes: Sequence[torch.dtype], device) -> list[torch.Tensor]:
@@ -538,7 +553,7 @@ class Communicator:
             return
         for step, src in enumerate(self._agreement_sources()):
             if step not in self._preposted:
-                work = dist.irecv(self._landing(step), src=self.global_rank(src), group=self.group)
+                work = self._irecv(self._landing(step), src)
                 self._preposted[step] = (src, work)
 
     def _landing(self, step: int) -> torch.Tensor:

@@ -91,29 +91,38 @@ class TrafficMeter:
             self._stack.pop()
 
     def _entry(self) -> PhaseTraffic:
-        return self._phases.setdefault(self.current_phase, PhaseTraffic())
+        name = self._stack[-1] if self._stack else self.DEFAULT_PHASE
+        entry = self._phases.get(name)
+        if entry is None:
+            entry = self._phases[name] = PhaseTraffic()
+        return entry
 
     def record_round(self) -> None:
         self._entry().rounds += 1
         self._total.rounds += 1
 
+    # record_send and record_recv spell their fields out: every message of every method books here
     def record_send(self, nbytes: int, header: bool = False, inter_node: bool = False) -> None:
         """Book one sent message; ``inter_node``: its receiver is on another node."""
-        self._book("sent", nbytes, header, inter_node)
+        for entry in (self._entry(), self._total):
+            if header:
+                entry.header_bytes_sent += nbytes
+                continue
+            entry.bytes_sent += nbytes
+            entry.messages_sent += 1
+            if inter_node:
+                entry.inter_node_bytes_sent += nbytes
 
     def record_recv(self, nbytes: int, header: bool = False, inter_node: bool = False) -> None:
         """Book one received message; ``inter_node``: its sender is on another node."""
-        self._book("recv", nbytes, header, inter_node)
-
-    def _book(self, direction: str, nbytes: int, header: bool, inter_node: bool) -> None:
         for entry in (self._entry(), self._total):
             if header:
-                _add(entry, f"header_bytes_{direction}", nbytes)
+                entry.header_bytes_recv += nbytes
                 continue
-            _add(entry, f"bytes_{direction}", nbytes)
-            _add(entry, f"messages_{direction}", 1)
+            entry.bytes_recv += nbytes
+            entry.messages_recv += 1
             if inter_node:
-                _add(entry, f"inter_node_bytes_{direction}", nbytes)
+                entry.inter_node_bytes_recv += nbytes
 
     def phases(self) -> dict[str, PhaseTraffic]:
         """A copy of the per-phase traffic."""
@@ -141,6 +150,3 @@ class TrafficMeter:
         self._phases.clear()
         self._total = PhaseTraffic()
 
-
-def _add(entry: PhaseTraffic, field: str, amount: int) -> None:
-    setattr(entry, field, getattr(entry, field) + amount)
