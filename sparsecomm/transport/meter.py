@@ -62,6 +62,10 @@ class PhaseTraffic:
         return {name: getattr(self, name) for name in _FIELDS}
 
 
+#: the fields a sent and a received message add to (header bytes, bytes, messages, inter-node bytes)
+_SENT = ("header_bytes_sent", "bytes_sent", "messages_sent", "inter_node_bytes_sent")
+_RECEIVED = ("header_bytes_recv", "bytes_recv", "messages_recv", "inter_node_bytes_recv")
+
 #: PhaseTraffic's counters (``dataclasses.fields`` once, not at every call: the meter is read several
 #: times in every method call)
 _FIELDS = tuple(f.name for f in fields(PhaseTraffic))
@@ -101,28 +105,26 @@ class TrafficMeter:
         self._entry().rounds += 1
         self._total.rounds += 1
 
-    # record_send and record_recv spell their fields out: every message of every method books here
     def record_send(self, nbytes: int, header: bool = False, inter_node: bool = False) -> None:
         """Book one sent message; ``inter_node``: its receiver is on another node."""
-        for entry in (self._entry(), self._total):
-            if header:
-                entry.header_bytes_sent += nbytes
-                continue
-            entry.bytes_sent += nbytes
-            entry.messages_sent += 1
-            if inter_node:
-                entry.inter_node_bytes_sent += nbytes
+        self._book(_SENT, nbytes, header, inter_node)
 
     def record_recv(self, nbytes: int, header: bool = False, inter_node: bool = False) -> None:
         """Book one received message; ``inter_node``: its sender is on another node."""
+        self._book(_RECEIVED, nbytes, header, inter_node)
+
+    def _book(self, names: tuple[str, str, str, str], nbytes: int, header: bool, inter_node: bool) -> None:
+        """Add one message to this phase's entry and to the total; ``names``: its direction's header
+        bytes, bytes, messages and inter-node bytes fields (every message of every method books here)."""
+        header_bytes, payload_bytes, messages, inter_node_bytes = names
         for entry in (self._entry(), self._total):
             if header:
-                entry.header_bytes_recv += nbytes
+                setattr(entry, header_bytes, getattr(entry, header_bytes) + nbytes)
                 continue
-            entry.bytes_recv += nbytes
-            entry.messages_recv += 1
+            setattr(entry, payload_bytes, getattr(entry, payload_bytes) + nbytes)
+            setattr(entry, messages, getattr(entry, messages) + 1)
             if inter_node:
-                entry.inter_node_bytes_recv += nbytes
+                setattr(entry, inter_node_bytes, getattr(entry, inter_node_bytes) + nbytes)
 
     def phases(self) -> dict[str, PhaseTraffic]:
         """A copy of the per-phase traffic."""
