@@ -40,6 +40,7 @@ import contextlib
 import logging
 import math
 import os
+import struct
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -370,7 +371,7 @@ def kth_largest(a: Tensor, rank: int) -> float:
                     a = candidates.values
         bits = _compiled.kth_largest(a.data_ptr(), a.numel(), rank)
         if bits >= 0:
-            return float(np.array(bits, dtype=np.uint32).view(np.float32))
+            return struct.unpack("<f", struct.pack("<I", bits))[0]  # the float32 of those bits
     return float(torch.topk(a, rank, sorted=False).values.min())
 
 
