@@ -107,3 +107,27 @@ def test_thresholds_and_boundaries_follow_the_schedule_on_a_drifting_stream():
 
     assert imbalance(64) < 1.5 and imbalance(128) < 1.5
     assert imbalance(63) > imbalance(64) and imbalance(127) > imbalance(128)
+
+
+def _warmup_step(_=None):
+    import torch.distributed as dist
+
+    counted = []
+    real = torch.count_nonzero
+    torch.count_nonzero = lambda *a, **kw: (counted.append(1), real(*a, **kw))[1]
+    try:
+        method = make_method("oktopk", density=0.05, warmup_steps=1)
+        grad = torch.randn(N, generator=torch.Generator().manual_seed(dist.get_rank()))
+        grad[::3] = 0.0  # zeros in the output: a count of the output would not give N
+        method(grad)
+    finally:
+        torch.count_nonzero = real
+    return method.stats.nnz_out, len(counted)
+
+
+@pytest.mark.parametrize("P", [1, 3])
+def test_the_dense_warmup_step_counts_as_dense_without_a_pass(P):
+    """A warm-up step is a dense all-reduce: its output counts as n non-zeros, as a dense method's
+    does, and no pass over it counts them."""
+    for nnz_out, counted in run_workers(P, _warmup_step, timeout=60):
+        assert nnz_out == N and counted == 0

@@ -134,7 +134,8 @@ class OkTopk(Method):
             self.agree(grad, layout, count_nonfinite(grad))
             with self.timer("comm"):
                 out = allreduce(self.comm, grad, "rabenseifner")
-            self.stats.update(warmup=True, dense_calls=1, selected=n)
+            # a dense step's output counts as n non-zeros, as a dense method's does (no pass counting them)
+            self.stats.update(warmup=True, dense_calls=1, selected=n, nnz_out=n)
             return out.div_(P) if P > 1 else out  # x / 1 is x
         k = self.k(n)
         exact = k >= n
