@@ -60,6 +60,7 @@ class PhaseTimer:
     def __exit__(self, *exc: object) -> None:
         self.times[self.phase] = self.times.get(self.phase, 0.0) + time.perf_counter() - self.start
 
+
 class Method:
     """Base class of every synchronization method.
 

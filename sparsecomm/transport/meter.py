@@ -151,4 +151,3 @@ class TrafficMeter:
     def reset(self) -> None:
         self._phases.clear()
         self._total = PhaseTraffic()
-

@@ -80,15 +80,14 @@ def bruck_allgatherv(comm: Communicator, parts: Message, numels: Numels | None =
     held: list[list[Tensor]] = [list(parts)]
     dtypes = [t.dtype for t in parts]
     device = parts[0].device if parts else None
-    distance = 1
-    while distance < P:
+    for step, src in enumerate(bruck_sources(P, r)):
+        distance = 1 << step
         count = min(distance, P - distance)
         outgoing = [t for block in held[:count] for t in block]
-        incoming = comm.exchange_many((r - distance) % P, outgoing, (r + distance) % P,
+        incoming = comm.exchange_many((r - distance) % P, outgoing, src,
                                       count=count * width, dtypes=dtypes * count, device=device,
-                                      recv_numels=_known(numels, ((r + distance + j) % P for j in range(count))))
+                                      recv_numels=_known(numels, ((src + j) % P for j in range(count))))
         held.extend(incoming[j * width:(j + 1) * width] for j in range(count))
-        distance *= 2
     return [held[(q - r) % P] for q in range(P)]
 
 
