@@ -101,9 +101,9 @@ def _counts_of_the_separate_pass(name):
         for call in range(3):
             method(gradient(dist.get_rank(), call))
         # a first message that rides on the agreement (the all-gather of SelectAllGather, RedSync and ExDyna,
-        # SparDL's first message at P = 2, on gloo) is timed as the comm
+        # SparDL's Spar-Reduce-Scatter at P = 2, on gloo) is timed as the comm
         extra = method.stats.extra
-        rides = extra.get("gathered_in_agreement") == 1 or extra.get("exchanged_in_agreement") == 1
+        rides = extra.get("gathered_in_agreement") == 1 or extra.get("rode_agreement") == 1
         assert rides == (isinstance(method, SelectAllGather | RedSync | ExDyna | SparDL) and method.agrees_in_reduce)
         agreement_s = extra["time_agreement"]
         timed = agreement_s == 0 and method.stats.time_comm > 0 if rides else agreement_s > 0
@@ -122,19 +122,20 @@ def test_the_non_finite_count_rides_on_the_selection_scan(name, folded):
         assert timed
 
 
-@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("P", [2, 4, 8])
 @pytest.mark.parametrize("policy", ["skip", "propagate"])
-def test_spardl_sending_its_first_message_in_the_agreement_skips_a_step_exactly(P, policy):
-    """At P a power of two SparDL's first message rides on the agreement (tests/test_agreement_gather.py):
-    a skipped step still leaves the residual bit for bit and the next step as without it."""
+def test_spardl_sending_its_messages_in_the_agreement_skips_a_step_exactly(P, policy):
+    """At P a power of two SparDL's Spar-Reduce-Scatter rides on the agreement
+    (tests/test_agreement_gather.py): a skipped step still leaves the residual bit for bit and the next
+    step as without it."""
     for unchanged, skipped, result, next_equal, residual_equal in run_workers(P, _skipped_step_changes_nothing,
                                                                              "spardl", policy, timeout=120):
         assert unchanged and skipped == 0
         assert result and next_equal and residual_equal
 
 
-@pytest.mark.parametrize("P", [2, 4])
-def test_spardl_sending_its_first_message_in_the_agreement_refuses_a_step_on_every_rank(P):
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_spardl_sending_its_messages_in_the_agreement_refuses_a_step_on_every_rank(P):
     for message, unchanged in run_workers(P, _refused_step, "spardl", {}, timeout=120):
         assert "NaN/Inf in the gradient of rank 0 (rank 0: 1 non-finite elements)" in message
         assert unchanged

@@ -122,16 +122,17 @@ def test_ranks_that_do_not_all_gather_disagree_on_every_rank(kind, text):
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 6, 8])
-def test_spardl_sends_its_first_message_in_the_agreement_with_the_same_bits(P):
-    """SparDL's first Spar-Reduce-Scatter message goes to rank r + P/2, the agreement's last partner
-    when P is a power of two: it rides there (one message fewer per call); elsewhere nothing changes."""
+def test_spardl_sends_its_spar_reduce_scatter_in_the_agreement_with_the_same_bits(P):
+    """SparDL's Spar-Reduce-Scatter step i sends to rank r + P/2^i and receives from r - P/2^i, the
+    agreement's own schedule when P is a power of two: its messages ride there (log2 P messages fewer
+    per call, the agreement's); elsewhere nothing changes."""
     folded = run_workers(P, _calls, "spardl", True, timeout=60)
     apart = run_workers(P, _calls, "spardl", False, timeout=60)
     rides = P >= 2 and P & (P - 1) == 0
     for (outs, messages, rounds), (ref, ref_messages, ref_rounds) in zip(folded, apart, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True))
         assert rounds == ref_rounds == 2 * (P - 1).bit_length()  # its own rounds (Table I) are unchanged
-        assert ref_messages - messages == (1 if rides else 0)
+        assert ref_messages - messages == ((P - 1).bit_length() if rides else 0)
 
 
 def _spardl_beside(other: str):
@@ -151,7 +152,7 @@ def _spardl_beside(other: str):
         return str(exc), None if method.residual is None else bool((method.residual == 0).all())
 
 
-@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("P", [2, 4, 8])
 @pytest.mark.parametrize("other, text", [("topka", "method differs across ranks"),
                                          ("rabenseifner", "method differs across ranks"),
                                          ("gathers", "whether the first message rides on the agreement differs")])
@@ -160,6 +161,64 @@ def test_a_rank_that_does_not_send_spardls_message_in_the_agreement_disagrees_on
         assert text in message, message
         assert "rank 1" in message
         assert residual_untouched in (None, True)  # nothing was applied on the first call
+
+
+def _riding(bad: int):
+    """Each rank's message is the set of ranks that shaped it (a bit mask); rank ``bad``'s header
+    differs. Returns (the maxima, the masks handed to ``produce``, the last step's mask or None)."""
+    comm = Communicator()
+    rank = comm.rank
+    value = 5 if rank == bad else 0
+    mine = [1 << rank]
+    handed: list[int] = []
+
+    def produce(step: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
+        handed.append(int(received[0].view(torch.int64)[0]))
+        mine[0] |= handed[-1]
+        return [torch.tensor([mine[0]], dtype=torch.int64)]
+
+    maxima, last, moved = comm.agree_max_riding([value, -value], [torch.tensor([mine[0]], dtype=torch.int64)],
+                                                produce, lambda both: both[0] == -both[1])
+    return maxima, handed, None if last is None else int(last[0].view(torch.int64)[0]), len(moved)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_riding_messages_reach_produce_only_from_ranks_that_agree_so_far(P):
+    """``agree_max_riding``: with every header equal each step's message is made from the previous
+    one's and the last one carries every rank; where rank P - 1's header differs, no message it shaped
+    is ever handed to ``produce`` (nor returned), and every rank still reaches the same maxima."""
+    steps = (P - 1).bit_length()
+    for rank, (maxima, handed, last, moved) in enumerate(run_workers(P, _riding, -1, timeout=60)):
+        assert maxima == [0, 0] and len(handed) == steps - 1 and moved == steps
+        shaped = 1 << rank
+        for mask in handed:
+            shaped |= mask
+        assert last is not None and shaped | last == (1 << P) - 1
+    for rank, (maxima, handed, last, moved) in enumerate(run_workers(P, _riding, P - 1, timeout=60)):
+        assert maxima == [5, 0] and moved == steps
+        assert all(not mask >> (P - 1) & 1 for mask in handed), (rank, handed)
+        assert last is None  # after the last step every rank has heard of rank P - 1
+
+
+def _spardl_with_another_n(odd: int):
+    rank = dist.get_rank()
+    method = make_method("spardl", density=0.05)
+    grad = torch.randn(3000 if rank == odd else 2000, generator=torch.Generator().manual_seed(rank))
+    try:
+        method(grad)
+        return "went on", None
+    except AgreementError as exc:
+        return str(exc), None if method.residual is None else bool((method.residual == 0).all())
+
+
+@pytest.mark.parametrize("P", [4, 8])
+def test_spardl_riding_the_agreement_reads_nothing_from_a_rank_with_another_n(P):
+    """SparDL makes its later messages before the verdict is complete: a rank with another n shapes
+    none of the messages its peers read (its indices would fall outside their gradient); every rank
+    raises the same error naming it, and nothing was applied."""
+    for message, residual_untouched in run_workers(P, _spardl_with_another_n, P - 1, timeout=60):
+        assert "gradient length differs across ranks" in message and f"rank {P - 1}" in message, message
+        assert residual_untouched in (None, True)
 
 
 def _preposted_agreements(big: bool, twice: bool):

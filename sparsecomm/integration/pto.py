@@ -9,7 +9,7 @@ all-gathers the results in order (eq. 14), so every rank ends with every result.
 * Partition: :func:`partition` -- contiguous shares minimizing the largest share's cost (binary
   search over the bound, greedy fill), the same on every rank because it depends only on the costs.
   Contiguous shares keep the gathered results in input order without an index.
-* All-gather: :func:`~sparsecomm.transport.sparse_collectives.allgatherv` (recursive doubling for
+* All-gather: :func:`~sparsecomm.transport.sparse_collectives.allgatherv` (halving distances for
   P a power of two, Bruck otherwise) of one packed message per rank: the results' raw bytes and a
   small int64 description of each (dtype code, number of dimensions, sizes), so results may have
   any shape and dtype. Shares may be empty and of uneven size (gloo's own all_gather rejects both).

@@ -15,9 +15,9 @@ selection's scan and agrees after it (:attr:`Method.agrees_in_reduce`). On gloo 
 can send its all-gather inside the agreement's messages (:func:`check_call_gathering`): every
 agreement message there has one self-describing frame, so a rank with another n, dtype or method is
 still read, and the header field ``gathers`` makes ranks that would not all do so disagree
-(docs/reliability.md, "The all-gather rides on the agreement"). A method whose first message goes to
-the agreement's last partner sends it in that message instead (``exchanges``: SparDL at P a power of
-two).
+(docs/reliability.md, "The all-gather rides on the agreement"). A method whose messages follow the
+agreement's own schedule sends each of them in the agreement's messages (``ride``: SparDL's
+Spar-Reduce-Scatter at P a power of two).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..selection import NonFiniteInputError
-from ..transport.agreement import Agreement, AgreementError, agree_exchanging, agree_gathering
+from ..transport.agreement import Agreement, AgreementError, agree_gathering, agree_riding
 from ..transport.comm import BlockStep
 from ..transport.disagreement import describe_options, gather_texts, options_text
 
@@ -59,7 +59,8 @@ def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[st
 
 def check_call_gathering(method: Any, grad: Any, layout: Layout, method_names: Iterable[str] = (), *,
                          nonfinite: int | None = None, failure: str | None = None, gathers: bool = False,
-                         block: Sequence[torch.Tensor] | None = None, exchanges: bool = False
+                         block: Sequence[torch.Tensor] | None = None,
+                         ride: Callable[[int, list[torch.Tensor]], Sequence[torch.Tensor]] | None = None
                          ) -> tuple[dict[str, Any] | None, list[torch.Tensor] | None, list[BlockStep]]:
     """Check ``grad`` locally, then agree with every rank of ``method.comm`` on the call (one header
     all-reduce). Raises the same error on every rank when a rank's input is unusable, the ranks
@@ -79,10 +80,11 @@ def check_call_gathering(method: Any, grad: Any, layout: Layout, method_names: I
     other. Returns (as :func:`check_call`, every rank's block in rank order, the payload moved per
     step); the blocks are there whenever the call goes on.
 
-    ``exchanges`` (with ``gathers``): ``block`` goes point to point instead, to this rank's partner in
-    the agreement's last step, rank ``r ^ P/2`` for P a power of two
-    (:func:`~sparsecomm.transport.agreement.agree_exchanging`); the partner's tensors come back
-    in place of every rank's block, and the one step that moved them."""
+    ``ride`` (with ``gathers``): the call's messages follow the agreement's own schedule (P a power
+    of two: step D = P/2, ..., 1 sends to rank r + D and receives from r - D) and each goes in the
+    agreement's step (:func:`~sparsecomm.transport.agreement.agree_riding`): ``block`` in the first,
+    then ``ride(step, received)``'s, called only while what was received comes from ranks that agree so
+    far; the last step's received tensors come back in place of every rank's block."""
     problem = local_problem(grad, layout, method.name, method.residual)
     if failure is not None:
         problem = (9, RuntimeError, f"{method.name}: {failure}")
@@ -93,10 +95,9 @@ def check_call_gathering(method: Any, grad: Any, layout: Layout, method_names: I
         problem = (9, RuntimeError, f"{method.name}: reading the gradient failed: {type(exc).__name__}: {exc}")
         header = _header(method, grad, layout, problem)
     with method.comm.meter.phase("agreement"):
-        if exchanges:
-            verdict, gathered, moved = agree_exchanging(method.comm, header, block if problem is None else None,
-                                                        zero=("input", "nonfinite"))
-            steps = [moved]
+        if ride is not None:
+            verdict, gathered, steps = agree_riding(method.comm, header, block if problem is None else None, ride,
+                                                    zero=("input", "nonfinite"))
         else:
             verdict, gathered, steps = agree_gathering(
                 method.comm, header, block if problem is None else None, zero=("input", "nonfinite"),

@@ -45,20 +45,35 @@ Layout = Sequence[tuple[int, int]] | None
 
 
 class PhaseTimer:
-    """``with method.timer(phase):``: adds the block's wall time to ``times[phase]``. A plain class, not
-    a ``contextlib.contextmanager`` generator: a call enters a dozen of them, and at n = 1M with four
-    workers on two cores every microsecond of a rank's CPU between messages delays its peers."""
+    """``with method.timer(phase):``: adds the block's wall time to ``times[phase]``. Nested blocks are
+    exclusive: while an inner block runs (SparDL's selections inside the agreement whose messages
+    carry them, timed as the comm), the outer one's clock stops, so every second is booked once.
+    A plain class, not a ``contextlib.contextmanager`` generator: a call enters a dozen of them, and
+    at n = 1M with four workers on two cores every microsecond of a rank's CPU between messages
+    delays its peers."""
 
-    __slots__ = ("times", "phase", "start")
+    __slots__ = ("times", "phase", "start", "running")
 
-    def __init__(self, times: dict[str, float], phase: str) -> None:
-        self.times, self.phase = times, phase
+    def __init__(self, times: dict[str, float], phase: str, running: list[PhaseTimer]) -> None:
+        self.times, self.phase, self.running = times, phase, running
 
     def __enter__(self) -> None:
-        self.start = time.perf_counter()
+        now = time.perf_counter()
+        if self.running:
+            self.running[-1].stop(now)
+        self.running.append(self)
+        self.start = now
 
     def __exit__(self, *exc: object) -> None:
-        self.times[self.phase] = self.times.get(self.phase, 0.0) + time.perf_counter() - self.start
+        now = time.perf_counter()
+        self.running.pop()
+        self.stop(now)
+        if self.running:
+            self.running[-1].start = now
+
+    def stop(self, now: float) -> None:
+        """Book the time since the block (re)started."""
+        self.times[self.phase] = self.times.get(self.phase, 0.0) + now - self.start
 
 
 class Method:
@@ -103,6 +118,7 @@ class Method:
         self.options: dict[str, Any] = {}
         self._nonfinite = "error"
         self._times: dict[str, float] = {}
+        self._running_timers: list[PhaseTimer] = []  # the timers entered and not left, innermost last
         self._call_out: torch.Tensor | None = None   # this call's out= tensor (None: a fresh result)
         #: without out=: the fresh result, allocated as the call begins (see :meth:`_fresh_output`)
         self._fresh_out: torch.Tensor | None = None
@@ -155,7 +171,7 @@ class Method:
 
     def timer(self, phase: str) -> PhaseTimer:
         """Add the wall time of the ``with`` block to ``stats.time_<phase>``."""
-        return PhaseTimer(self._times, phase)
+        return PhaseTimer(self._times, phase, self._running_timers)
 
     def residual_for(self, grad: torch.Tensor) -> torch.Tensor:
         """This rank's residual, created as zeros like ``grad`` on first use (or when n changes)."""
@@ -254,7 +270,8 @@ class Method:
         self.residual, self._spare = acc, self.residual
 
     def agree(self, grad: torch.Tensor, layout: Layout, nonfinite: int, *, gathers: bool = False,
-              block: Sequence[torch.Tensor] | None = None, exchanges: bool = False
+              block: Sequence[torch.Tensor] | None = None,
+              ride: Callable[[int, list[torch.Tensor]], Sequence[torch.Tensor]] | None = None
               ) -> tuple[list[torch.Tensor] | None, list[BlockStep]]:
         """The call's agreement (:func:`.agreement.check_call`), made by a method whose
         :attr:`agrees_in_reduce` is set, once per call, after its local work on ``grad`` and before
@@ -271,15 +288,15 @@ class Method:
         and the payload moved per step, which the method books as its own traffic
         (:meth:`book_gathered`); ``(None, [])`` without ``gathers``. Such a call's
         ``stats.extra["gathered_in_agreement"]`` is 1 and its ``time_agreement`` 0 (its time is
-        ``time_comm``). With ``exchanges`` as well, ``block`` goes to the agreement's last partner
-        only and the partner's comes back (:meth:`exchange_in_agreement`; the call's
-        ``stats.extra["exchanged_in_agreement"]`` is 1 instead)."""
+        ``time_comm``). With ``ride`` as well, the method's messages follow the agreement's schedule
+        and go in its steps, ``block`` first (:meth:`ride_in_agreement`; the call's
+        ``stats.extra["rode_agreement"]`` is 1 instead)."""
         if self._agreement is not None:
             raise RuntimeError(f"{self.name}: agree() called twice in one call (a method bug)")
         mark, start = self.comm.meter.snapshot(), time.perf_counter()
         self._agreement_entered = True  # from here on, every rank learns of a failure in the agreement
         skip, gathered, steps = check_call_gathering(self, grad, layout, METHODS.names(), nonfinite=nonfinite,
-                                                     gathers=gathers, block=block, exchanges=exchanges)
+                                                     gathers=gathers, block=block, ride=ride)
         # an agreement that carried the method's all-gather is the method's communication: its time is
         # the method's (time_comm), not an agreement's of its own
         elapsed = 0.0 if gathers and skip is None else time.perf_counter() - start
@@ -288,7 +305,7 @@ class Method:
             raise _SkippedCall(skip)
         self._agreed = True
         if gathers:
-            self.stats.extra["exchanged_in_agreement" if exchanges else "gathered_in_agreement"] = 1
+            self.stats.extra["rode_agreement" if ride is not None else "gathered_in_agreement"] = 1
         return gathered, steps
 
     def gather_in_agreement(self, grad: torch.Tensor, layout: Layout, nonfinite: int, acc: torch.Tensor,
@@ -304,16 +321,19 @@ class Method:
         self.book_gathered(steps)
         return blocks
 
-    def exchange_in_agreement(self, grad: torch.Tensor, layout: Layout, nonfinite: int, acc: torch.Tensor,
-                              payload: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        """The call's agreement carrying its first message, ``payload``, to the agreement's last partner
-        (rank ``r ^ P/2``; :meth:`agree` with ``gathers`` and ``exchanges``, where
-        ``self.comm.exchanges_in_agreement``), after which ``acc`` becomes the residual and the
-        message is booked as this method's (one round). Returns the partner's tensors (``uint8``
-        views, valid until the communicator's next agreement or ``prepost_agreement``); raises or
-        skips the call as :meth:`agree` does. Not timed here: the caller times it as its message."""
-        received, steps = self.agree(grad, layout, nonfinite, gathers=True, block=payload, exchanges=True)
-        assert received is not None  # the verdict lets a call go on only when both partners sent theirs
+    def ride_in_agreement(self, grad: torch.Tensor, layout: Layout, nonfinite: int, acc: torch.Tensor,
+                          payload: Sequence[torch.Tensor] | None,
+                          produce: Callable[[int, list[torch.Tensor]], Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """The call's agreement carrying the method's messages, whose schedule is the agreement's (P a
+        power of two, where ``self.comm.rides_in_agreement``: step D = P/2, ..., 1 sends to rank
+        r + D and receives from r - D): ``payload`` in the first step, then ``produce(step, received)``'s,
+        called only on messages from ranks that agree so far (:meth:`agree` with ``gathers`` and
+        ``ride``). Afterwards ``acc`` becomes the residual and each step is booked as this method's
+        message (one round each). Returns the last step's received tensors (``uint8`` views, valid
+        until the communicator's next agreement or ``prepost_agreement``); raises or skips the call
+        as :meth:`agree` does. Not timed here: the caller times the steps as its messages."""
+        received, steps = self.agree(grad, layout, nonfinite, gathers=True, block=payload, ride=produce)
+        assert received is not None  # the verdict lets a call go on only when every rank sent its messages
         self.commit_residual(acc)
         self.book_gathered(steps)
         return received

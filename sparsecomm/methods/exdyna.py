@@ -19,7 +19,7 @@ One step on rank r (Algorithm 1):
    residual buffer and gathers ``|acc| >= threshold`` over all of ``acc``, of which the rank keeps its
    partition's.
 4. All-gather of the selected indices. ``allgather="uneven"`` (default) uses the all-gather of
-   unknown sizes of :mod:`~sparsecomm.methods.topka` (recursive doubling for powers of two, Bruck
+   unknown sizes of :mod:`~sparsecomm.methods.topka` (halving distances for powers of two, Bruck
    otherwise), sending exactly the selected indices; ``allgather="padded"`` is the paper's
    all-gather: the counts first, then every rank's indices padded to the largest count m_t. Either
    way ``stats["padding_overhead"]`` holds f(t) = P m_t / k' (equation 5), the traffic factor

@@ -18,7 +18,7 @@ Per call (Algorithm 1, one bucket), on every rank:
    ``unquantized_layers`` (default: the last, the output layer) and dense layers are not quantized.
 3. The packed message (:func:`pack_message`): per-layer counts (int32, one per layer), the global
    indices of the sparse layers, then the values (dense layers' values, sparse layers' values, one mean
-   per quantized layer), all-gathered in one round per step (``allgatherv``: recursive doubling
+   per quantized layer), all-gathered in one round per step (``allgatherv``: halving distances
    for powers of two, Bruck otherwise; ceil(log2 P) rounds). On gloo and MPI the all-gather rides on
    the call's agreement (the compression is then made before it, into the spare buffer, the
    selectors' state put back if the ranks refuse the call): ceil(log2 P) messages per call in all

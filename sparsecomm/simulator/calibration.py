@@ -165,11 +165,11 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
 
 def agreement_ride(stats: Sequence[Any]) -> str:
     """What of a method's own rode on its calls' agreement (:meth:`~sparsecomm.methods.base.Method.agree`):
-    ``"gather"`` (its all-gather), ``"exchange"`` (SparDL's first message) or ``""``."""
+    ``"gather"`` (its all-gather), ``"ride"`` (SparDL's Spar-Reduce-Scatter) or ``""``."""
     extras = [s.extra for s in stats]
     if any(e.get("gathered_in_agreement") for e in extras):
         return "gather"
-    return "exchange" if any(e.get("exchanged_in_agreement") for e in extras) else ""
+    return "ride" if any(e.get("rode_agreement") for e in extras) else ""
 
 
 def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, repeat: int,
@@ -256,9 +256,9 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
       rank that arrives last waits least, so its time is the messages' own), per agreement round
       (``agreement_round_s``; :func:`~.simulator.agreement_rounds` at this P). A method that agrees
       after its selection's scan (``agreement_folded``) spends it all on the rounds (none at all when
-      its all-gather rides on the agreement: its time is then the method's comm; where SparDL's first
-      message rides on it, ``agreement_ride`` "exchange", the rounds it agrees apart at other P are
-      costed at the folded methods' median per round); one that agrees
+      its all-gather rides on the agreement: its time is then the method's comm; where SparDL's
+      Spar-Reduce-Scatter rides on it, ``agreement_ride`` "ride", the rounds it agrees apart at other P
+      are costed at the folded methods' median per round); one that agrees
       first also makes a pass over the gradient (its finiteness count), so its rounds are costed at
       the folded methods' median per round and the rest stays with the selection, per element;
     * selection: work less decompression and the agreement's rounds, fitted per gradient element
@@ -275,7 +275,7 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     decompress: dict[str, dict[int, tuple[float, float]]] = {}  # n -> (sweep bytes, seconds)
     agreement: dict[str, dict[int, float]] = {}
     folded: dict[str, bool] = {}
-    ride: dict[str, str] = {}  # what of the method's own rode on its agreement ("gather", "exchange", "")
+    ride: dict[str, str] = {}  # what of the method's own rode on its agreement ("gather", "ride", "")
     selectors = {run["method"]: run.get("selector", "") for run in records[0]["runs"]}
     for i, run in enumerate(records[0]["runs"]):
         name, n = run["method"], run["n"]
@@ -320,8 +320,8 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
         in_work = rounds  # the agreement's rounds timed apart from the comm at this P
         if name in agreement and rounds:
             measured = agreement[name]
-            if ride[name] == "exchange":
-                # SparDL's message rides on the agreement: the whole agreement is timed as its comm here, and
+            if ride[name] == "ride":
+                # SparDL's messages ride on the agreement: the whole agreement is timed as its comm here, and
                 # at other P (not powers of two) it agrees apart: costed at the folded methods' rate per round
                 round_s = statistics.median(folded_rates) if folded_rates else None
                 in_work = 0

@@ -237,14 +237,11 @@ def agreement_rounds(P: int, ride: str = "") -> int:
     (:meth:`~sparsecomm.transport.comm.Communicator.agree_max`, a dissemination: ceil(log2 P) steps of
     one small header; 0 for one worker). ``ride``: what of the method's rides on the agreement where
     it agrees after its scan on gloo (the calibration's ``agreement_ride``): ``"gather"``, its
-    all-gather, every step (0 of its own); ``"exchange"``, SparDL's first message, the last step
-    where P is a power of two (log2 P - 1 of its own)."""
-    rounds = math.ceil(math.log2(P)) if P > 1 else 0
-    if ride == "gather":
+    all-gather, every step (0 of its own); ``"ride"``, SparDL's Spar-Reduce-Scatter, every step where
+    P is a power of two (0 of its own; elsewhere it agrees apart)."""
+    if ride == "gather" or (ride == "ride" and P & (P - 1) == 0):
         return 0
-    if ride == "exchange" and P & (P - 1) == 0:
-        return max(0, rounds - 1)
-    return rounds
+    return math.ceil(math.log2(P)) if P > 1 else 0
 
 
 def decompress_bytes(name: str, P: int, n: int, k: int, density: float, options: dict[str, Any]) -> float:

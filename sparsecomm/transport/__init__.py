@@ -6,7 +6,7 @@
 * :mod:`.chunk`: :class:`SparseChunk`, the (indices, values) unit sparse methods send;
 * :mod:`.collectives`: dense collectives from point to point (ring, Rabenseifner, recursive
   doubling), any P, with their cost formulas;
-* :mod:`.sparse_collectives`: all-gathers of messages of unknown size (recursive doubling, Bruck)
+* :mod:`.sparse_collectives`: all-gathers of messages of unknown size (halving distances, Bruck)
   and their traffic replay.
 """
 

@@ -22,9 +22,9 @@ A method whose first message is an all-gather can send it *in* the agreement
 (:func:`agree_gathering`, on gloo and MPI): the dissemination's messages carry the payload blocks
 too, so the call needs no messages of its own for the agreement. Every rank still reads every
 message, whatever method it called, because every agreement message on those backends has the same
-self-describing frame (:meth:`Communicator.agree_max_gathering`). A method whose first message goes
-to one partner, the agreement's last partner (SparDL's first Spar-Reduce-Scatter step at P a power of
-two), sends it in that step (:func:`agree_exchanging`).
+self-describing frame (:meth:`Communicator.agree_max_gathering`). A method whose messages follow the
+agreement's schedule, step D = P/2, ..., 1 sending to rank r + D (SparDL's Spar-Reduce-Scatter at P a
+power of two), sends each of them in the agreement's step (:func:`agree_riding`).
 
 Cost per call, per rank: ceil(log2 P) messages of 2 H int64 (16 H bytes each; on gloo and MPI 16 more
 bytes of frame), booked as header bytes in the meter, with no round; only after a disagreement a
@@ -34,14 +34,14 @@ second exchange of ceil(log2 P) messages of 8 P H bytes.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from .comm import BlockStep, Communicator
 
-__all__ = ["AgreementError", "Agreement", "agree", "agree_gathering", "agree_exchanging", "INT64_MIN"]
+__all__ = ["AgreementError", "Agreement", "agree", "agree_gathering", "agree_riding", "INT64_MIN"]
 
 INT64_MIN = -(2 ** 63)
 
@@ -138,28 +138,40 @@ def agree_gathering(comm: Communicator, header: Mapping[str, int], block: Sequen
     return _verdict(comm, names, values, both, zero, device), gathered, steps
 
 
-def agree_exchanging(comm: Communicator, header: Mapping[str, int], payload: Sequence[Tensor] | None, *,
-                     zero: Sequence[str] = ()) -> tuple[Agreement | None, list[Tensor] | None, BlockStep]:
-    """:func:`agree` whose last message also carries ``payload`` to this rank's partner in that step,
-    rank ``r ^ P/2``, and brings back the partner's (a method's first point-to-point message;
-    :meth:`Communicator.agree_max_exchanging`, where :meth:`Communicator.exchanges_in_agreement`).
-    Returns (the verdict, the partner's tensors as ``uint8``, the payload moved). The partner's
-    tensors are ``None`` when a rank passed none (its header then differs: the caller puts whether
-    it sends one in the header), so the verdict is never ``None`` without them."""
+def agree_riding(comm: Communicator, header: Mapping[str, int], payload: Sequence[Tensor] | None,
+                 produce: Callable[[int, list[Tensor]], Sequence[Tensor]], *, zero: Sequence[str] = ()
+                 ) -> tuple[Agreement | None, list[Tensor] | None, list[BlockStep]]:
+    """:func:`agree` whose every message also carries one of a method's point-to-point messages
+    (:meth:`Communicator.agree_max_riding`, where :meth:`Communicator.rides_in_agreement`): the
+    first step's ``payload``, then ``produce(step, received)``'s. ``produce`` sees a message only while
+    every header that shaped it and this rank's agree and no ``zero`` field is set (the verdict on the
+    ranks seen so far), so it never reads a message of another collective. Returns (the verdict, the
+    last step's received tensors as ``uint8``, the payload moved per step). The tensors are ``None``
+    when a rank passed none (its header then differs: the caller puts whether it sends one in the
+    header), so the verdict is never ``None`` without them."""
     names = tuple(header)
     values = [int(header[name]) for name in names]
-    both, received, moved = comm.agree_max_exchanging(values + [-v for v in values], payload)
+
+    def settled(both: list[int]) -> bool:
+        return _settled(names, len(values), both, zero)
+
+    both, received, moved = comm.agree_max_riding(values + [-v for v in values], payload, produce, settled)
     return _verdict(comm, names, values, both, zero, None), received, moved
+
+
+def _settled(names: tuple[str, ...], width: int, both: list[int], zero: Sequence[str]) -> bool:
+    """Whether the maxima and minima ``both`` of ``width`` fields are equal and the ``zero`` fields 0."""
+    for j in range(width):
+        if both[j] != -both[width + j]:
+            return False
+    return all(both[names.index(name)] == 0 == both[width + names.index(name)] for name in zero)
 
 
 def _verdict(comm: Communicator, names: tuple[str, ...], values: list[int], both: list[int],
              zero: Sequence[str], device) -> Agreement | None:
     """``None`` when the maxima and minima ``both`` of ``values`` are equal and the ``zero`` fields are
     0; else every rank's header, gathered in a second exchange (the same :class:`Agreement` on every rank)."""
-    hi, lo = both[:len(values)], [-v for v in both[len(values):]]
-    equal = all(a == b for a, b in zip(hi, lo, strict=True))
-    zero_ok = all(hi[names.index(name)] == 0 and lo[names.index(name)] == 0 for name in zero)
-    if equal and zero_ok:
+    if _settled(names, len(values), both, zero):
         return None
     width = len(values)
     table = [INT64_MIN] * (comm.size * width)

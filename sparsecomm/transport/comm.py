@@ -11,7 +11,7 @@ tensors move unchanged even where a backend lacks the dtype.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -50,9 +50,23 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
 
 
+def halving_offsets(P: int) -> list[tuple[int, list[int]]]:
+    """The schedule of the agreement on gloo and MPI and of
+    :func:`~.sparse_collectives.halving_allgatherv`, for P a power of two: per step, (D, T), where the
+    step sends the blocks of ranks ``r - t`` for t in T (in that order) to rank ``r + D`` and
+    receives those of ranks ``r - D - t`` from rank ``r - D``. D = P/2, P/4, ..., 1; T starts as
+    [0] and becomes T followed by T + D after each step, so it ends as every offset 0 .. P-1 once."""
+    steps, offsets, distance = [], [0], P // 2
+    while distance >= 1:
+        steps.append((distance, list(offsets)))
+        offsets = offsets + [t + distance for t in offsets]
+        distance //= 2
+    return steps
+
+
 class BlockStep(NamedTuple):
-    """The payload one step of :meth:`Communicator.agree_max_gathering` (or the last step of
-    :meth:`Communicator.agree_max_exchanging`) moved (bytes, unpadded)."""
+    """The payload one step of :meth:`Communicator.agree_max_gathering` (or of
+    :meth:`Communicator.agree_max_riding`) moved (bytes, unpadded)."""
 
     dst: int
     sent: int
@@ -112,6 +126,7 @@ class Communicator:
         self._landings: list[torch.Tensor] = []  # the agreement's receive buffers, one per step
         #: step -> (source, the receive already posted into that step's landing buffer): see prepost_agreement
         self._preposted: dict[int, tuple[int, dist.Work | None]] = {}
+        self._schedule: list[tuple[int, int, list[int], list[int]]] | None = None  # _agreement_schedule
         #: source -> the receive posted ahead for its next exchange_many message (buffer, work): see post_receives
         self._ahead: dict[int, tuple[torch.Tensor, dist.Work | None]] = {}
         # point-to-point messages go to the process group itself (what dist.isend and dist.irecv call after
@@ -436,11 +451,12 @@ class Communicator:
         :data:`EAGER_LIMIT_BYTES` per step, kept): they hold until its next agreement or
         :meth:`prepost_agreement`, whichever comes first, so copy what must outlive the call.
 
-        The steps are those of :func:`~.sparse_collectives.allgatherv`, which an element-wise maximum
-        can ride on as well: for P a power of two, recursive doubling (step mask = 1, 2, ... exchanges
-        everything held with rank r ^ mask), otherwise Bruck's (step d = 1, 2, 4, ... sends the first
-        min(d, P - d) blocks held, those of ranks r, r+1, ..., to r - d and receives as many from
-        r + d); each message also carries the running maximum. Each message is ``[V, m, sizes of the
+        The steps are those of :func:`~.sparse_collectives.allgatherv` (:meth:`_agreement_schedule`),
+        which an element-wise maximum can ride on as well: for P a power of two, halving distances
+        (step D = P/2, P/4, ..., 1 sends everything held to rank r + D and receives from r - D), otherwise
+        Bruck's (step d = 1, 2, 4, ... sends the first min(d, P - d) blocks held, those of ranks r,
+        r+1, ..., to r - d and receives as many from r + d); each message also carries the running
+        maximum. Each message is ``[V, m, sizes of the
         m blocks, the V running maxima | the blocks, each padded to 8 bytes]`` (int64 prefix),
         received into a buffer of :data:`EAGER_LIMIT_BYTES`; past that limit the blocks follow as a
         second message, which both sides decide from the sizes alone. The prefix and the padding are
@@ -455,86 +471,99 @@ class Communicator:
         if block is not None:
             held = {me: torch.cat([_as_bytes(t) for t in block]) if len(block) != 1 else _as_bytes(block[0])}
         steps: list[BlockStep] = []
-        doubling = P & (P - 1) == 0
-        distance = 1
-        while distance < P:
-            if doubling:  # the partner's group: ranks first .. first + distance - 1
-                dst = src = me ^ distance
-                mine_first, first, count = me & ~(distance - 1), src & ~(distance - 1), distance
-            else:
-                dst, src = (me - distance) % P, (me + distance) % P
-                mine_first, first, count = me, src, min(distance, P - distance)
-            outgoing = [] if held is None else [held[(mine_first + j) % P] for j in range(count)]
-            theirs, incoming = self._disseminate_step(mine, outgoing, dst, src, len(steps))
+        for step, (dst, src, mine_held, their_held) in enumerate(self._agreement_schedule()):
+            outgoing = [] if held is None else [held[q] for q in mine_held]
+            theirs, incoming = self._disseminate_step(mine, outgoing, dst, src, step)
             torch.maximum(mine, theirs, out=mine)
             if held is not None:
-                if len(incoming) == count:
-                    held.update({(first + j) % P: b for j, b in enumerate(incoming)})
+                if len(incoming) == len(their_held):
+                    held.update(zip(their_held, incoming, strict=True))
                 else:  # a rank on the way passed no block: no rank's verdict will let these be used
                     held = None
             steps.append(BlockStep(dst, sum(_nbytes(b) for b in outgoing), src, sum(_nbytes(b) for b in incoming)))
-            distance *= 2
         gathered = None if held is None else [held[q] for q in range(P)]
         return [int(v) for v in mine.tolist()], gathered, steps
 
     @property
-    def exchanges_in_agreement(self) -> bool:
-        """Whether :meth:`agree_max_exchanging` can carry a message to and from this rank's partner in
-        the agreement's last step, rank ``r ^ P/2``: on gloo and MPI, for P a power of two."""
+    def rides_in_agreement(self) -> bool:
+        """Whether :meth:`agree_max_riding` can carry a method's messages: on gloo and MPI, for P a
+        power of two, where the agreement's step D = P/2, P/4, ..., 1 sends to rank r + D and receives
+        from r - D (the first step: to and from rank r ^ P/2)."""
         P = self.size
         return self.gathers_in_agreement and P >= 2 and P & (P - 1) == 0
 
-    def agree_max_exchanging(self, values: Sequence[int], payload: Sequence[torch.Tensor] | None
-                             ) -> tuple[list[int], list[torch.Tensor] | None, BlockStep]:
-        """:meth:`agree_max` whose last message also carries ``payload`` (CPU tensors, each sent as one
-        block of raw bytes) to this rank's partner in that step, rank ``r ^ P/2``, and brings back
-        the partner's: a method's first point-to-point message riding on its agreement, one message
-        instead of two (:meth:`exchanges_in_agreement` says where it can).
+    def agree_max_riding(self, values: Sequence[int], payload: Sequence[torch.Tensor] | None,
+                         produce: Callable[[int, list[torch.Tensor]], Sequence[torch.Tensor]],
+                         settled: Callable[[list[int]], bool]) -> tuple[list[int], list[torch.Tensor] | None,
+                                                                        list[BlockStep]]:
+        """:meth:`agree_max` whose every message also carries one of the caller's messages (CPU
+        tensors, each sent as one block of raw bytes): step D (D = P/2, ..., 1) sends to rank r + D
+        and receives from rank r - D, the schedule of SparDL's Spar-Reduce-Scatter, whose log2 P
+        messages then carry the agreement and cost no message of their own (:meth:`rides_in_agreement`
+        says where it can).
 
-        The steps and frames are :meth:`agree_max_gathering`'s for P a power of two (step mask = 1,
-        2, ..., P/2 exchanges with rank ``r ^ mask``), with no blocks before the last step, so a rank
-        that calls :meth:`agree_max` or :meth:`agree_max_gathering` reads every message, and the
-        verdict (which the caller's header makes a disagreement) stops every rank before a misread
-        payload is used. Returns (the maxima, the partner's tensors as ``uint8`` views into this
-        communicator's receive buffer, valid until its next agreement or :meth:`prepost_agreement`,
-        or ``None`` when this rank or the partner passed none or another number of them, the payload
-        moved). ``payload=None``: the agreement alone (the caller's verdict then stops the call).
+        ``payload``: the first step's message (``None``: this rank sends none, e.g. a non-finite
+        gradient). ``produce(step, received)`` makes the message of step 1, 2, ... from what the
+        previous step received (``uint8`` views into this communicator's receive buffers, valid until
+        its next agreement or :meth:`prepost_agreement`). It is called only while the received message
+        is usable: the sender passed as many tensors as this rank, and ``settled(maxima so far)``
+        holds for the running maxima of the ranks that shaped it and this rank's (the caller's
+        verdict, e.g. every header equal and no non-finite gradient, on the part of the ranks seen so
+        far). Once a step is not usable this rank sends no more tensors, and the caller's final
+        verdict stops every rank: a message from a rank in another collective is never handed to
+        ``produce``. The steps and frames are :meth:`agree_max_gathering`'s, so a rank that calls
+        :meth:`agree_max` or :meth:`agree_max_gathering` reads every message.
 
-        Cost per rank: log2 P messages of 8 (2 + m + V) bytes of header, the last one with the
-        payload (which the caller books as its own message)."""
-        P, me = self.size, self.rank
-        if not self.exchanges_in_agreement:
-            raise ValueError(f"agree_max_exchanging needs gloo or MPI and a power-of-two size, not {P}")
+        Returns (the maxima, the last step's received tensors or ``None`` when not usable, the
+        payload moved per step). Cost per rank: log2 P messages of 8 (2 + m + V) bytes of header
+        plus the caller's messages (which the caller books as its own)."""
+        P = self.size
+        if not self.rides_in_agreement:
+            raise ValueError(f"agree_max_riding needs gloo or MPI and a power-of-two size, not {P}")
         mine = torch.tensor(list(values), dtype=_HEADER_DTYPE)
-        outgoing = [] if payload is None else [_as_bytes(t) for t in payload]
+        outgoing = None if payload is None else [_as_bytes(t) for t in payload]
         received: list[torch.Tensor] | None = None
-        moved = BlockStep(me, 0, me, 0)
-        distance, step = 1, 0
-        while distance < P:
-            partner = me ^ distance
-            last = 2 * distance == P
-            theirs, incoming = self._disseminate_step(mine, outgoing if last else [], partner, partner, step)
+        moved: list[BlockStep] = []
+        for step, (dst, src, _, _) in enumerate(self._agreement_schedule()):
+            if step:
+                outgoing = None if received is None else [_as_bytes(t) for t in produce(step, received)]
+            blocks = outgoing or []
+            theirs, incoming = self._disseminate_step(mine, blocks, dst, src, step)
             torch.maximum(mine, theirs, out=mine)
-            if last:
-                if payload is not None and len(incoming) == len(outgoing):
-                    received = incoming
-                moved = BlockStep(partner, sum(_nbytes(b) for b in outgoing), partner,
-                                  sum(_nbytes(b) for b in incoming))
-            distance *= 2
-            step += 1
+            usable = outgoing is not None and len(incoming) == len(outgoing) and settled(mine.tolist())
+            received = incoming if usable else None
+            moved.append(BlockStep(dst, sum(_nbytes(b) for b in blocks), src, sum(_nbytes(b) for b in incoming)))
         return [int(v) for v in mine.tolist()], received, moved
 
+    def _agreement_schedule(self) -> list[tuple[int, int, list[int], list[int]]]:
+        """The steps of an agreement on gloo and MPI (:meth:`agree_max_gathering`, which
+        :meth:`agree_max_riding` and :meth:`agree_max` share): per step, (destination, source, the
+        ranks whose blocks this rank sends, those whose blocks it receives). For P a power of two,
+        halving distances (:func:`halving_offsets`: step D sends to r + D, receives from r - D);
+        otherwise Bruck's (step d = 1, 2, 4, ... sends the blocks of ranks r .. r + min(d, P - d) - 1
+        to r - d and receives as many from r + d). Made once: rank and size are fixed."""
+        if self._schedule is None:
+            me, P = self.rank, self.size
+            schedule = []
+            if P & (P - 1) == 0:
+                for distance, offsets in halving_offsets(P):
+                    src = (me - distance) % P
+                    schedule.append(((me + distance) % P, src, [(me - t) % P for t in offsets],
+                                     [(src - t) % P for t in offsets]))
+            else:
+                distance = 1
+                while distance < P:
+                    count = min(distance, P - distance)
+                    src = (me + distance) % P
+                    schedule.append(((me - distance) % P, src, [(me + j) % P for j in range(count)],
+                                     [(src + j) % P for j in range(count)]))
+                    distance *= 2
+            self._schedule = schedule
+        return self._schedule
+
     def _agreement_sources(self) -> list[int]:
-        """The rank each step of an agreement receives from (:meth:`agree_max_gathering`'s schedule,
-        which :meth:`agree_max_exchanging` and, on gloo and MPI, :meth:`agree_max` share): ``r ^ d`` for
-        P a power of two, else ``r + d``, for d = 1, 2, 4, ... below P."""
-        me, P = self.rank, self.size
-        doubling = P & (P - 1) == 0
-        sources, distance = [], 1
-        while distance < P:
-            sources.append(me ^ distance if doubling else (me + distance) % P)
-            distance *= 2
-        return sources
+        """The rank each step of an agreement receives from (:meth:`_agreement_schedule`)."""
+        return [src for _, src, _, _ in self._agreement_schedule()]
 
     def prepost_agreement(self) -> None:
         """Post the receives of this communicator's next agreement now, each into its step's landing

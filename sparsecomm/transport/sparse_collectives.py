@@ -12,8 +12,10 @@ front of the payload, in the same message, on NCCL as a message of its own: see
 :meth:`~.comm.Communicator.exchange_many`), unless every rank knows every message's lengths in advance
 (``numels=``: a method whose ranks all send exactly k entries), when the step is the payload alone.
 
-* :func:`recursive_doubling_allgatherv`: P a power of two; step mask = 1, 2, ..., P/2 exchanges
-  everything held with rank ``r ^ mask`` (RedSync, equation (1)).
+* :func:`halving_allgatherv`: P a power of two; step D = P/2, P/4, ..., 1 sends everything held to
+  rank r + D and receives everything rank r - D holds (a dissemination with halving distances: the
+  schedule of the per-call agreement and of SparDL's Spar-Reduce-Scatter, so that both can ride on
+  it; log2 P rounds and, with equal messages, the bytes of recursive doubling, RedSync's equation (1)).
 * :func:`bruck_allgatherv`: any P; step i sends the first min(2^i, P - 2^i) blocks held to
   rank r - 2^i (SparDL's Bruck all-gather, section III-C).
 * :func:`allgatherv`: the first for powers of two, the second otherwise.
@@ -30,41 +32,40 @@ from torch import Tensor
 
 from ..core.cost import Cost, ceil_log2, is_power_of_two, register_collective_cost
 from .chunk import SparseChunk
-from .comm import Communicator
+from .comm import Communicator, halving_offsets
 
-__all__ = ["recursive_doubling_allgatherv", "bruck_allgatherv", "allgatherv", "allgather_chunks",
+__all__ = ["halving_allgatherv", "bruck_allgatherv", "allgatherv", "allgather_chunks",
            "allgatherv_traffic", "allgatherv_cost", "bruck_traffic", "bruck_sources"]
 
 Message = Sequence[Tensor]
 Numels = Sequence[Sequence[int]]  # numels[q]: the length of each part of rank q's message
 
 
-def recursive_doubling_allgatherv(comm: Communicator, parts: Message,
-                                  numels: Numels | None = None) -> list[list[Tensor]]:
-    """Recursive-doubling all-gather; P must be a power of two. Returns ``result[q]`` = rank q's parts.
+def halving_allgatherv(comm: Communicator, parts: Message, numels: Numels | None = None) -> list[list[Tensor]]:
+    """All-gather by dissemination with halving distances; P must be a power of two. Returns
+    ``result[q]`` = rank q's parts.
 
-    Step mask = 1, 2, ..., P/2: exchange everything held (the blocks of the ``mask`` ranks of this
-    rank's current group) with rank ``r ^ mask``, in one packed message. ``numels``: see
-    :func:`allgatherv`.
+    Step D = P/2, P/4, ..., 1: send everything held (the blocks of ranks r - t, t in T, see
+    :func:`halving_offsets`) to rank r + D in one packed message, and receive everything rank r - D
+    holds. The agreement's schedule on gloo and MPI (:meth:`~.comm.Communicator.agree_max_gathering`),
+    so an all-gather that rides on it moves what this one does. ``numels``: see :func:`allgatherv`.
     """
     P, r = comm.size, comm.rank
     if not is_power_of_two(P):
-        raise ValueError(f"recursive_doubling_allgatherv needs a power-of-two size, got P={P}")
+        raise ValueError(f"halving_allgatherv needs a power-of-two size, got P={P}")
     width = len(parts)
     dtypes = [t.dtype for t in parts]
     device = parts[0].device if parts else None
     held: dict[int, list[Tensor]] = {r: list(parts)}
-    mask = 1
-    while mask < P:
-        partner = r ^ mask
-        outgoing = [t for q in sorted(held) for t in held[q]]
-        first = partner & ~(mask - 1)
-        incoming = comm.exchange_many(partner, outgoing, partner, count=mask * width,
-                                      dtypes=dtypes * mask, device=device,
-                                      recv_numels=_known(numels, range(first, first + mask)))
-        for j in range(mask):
-            held[first + j] = incoming[j * width:(j + 1) * width]
-        mask *= 2
+    for distance, offsets in halving_offsets(P):
+        src = (r - distance) % P
+        outgoing = [t for offset in offsets for t in held[(r - offset) % P]]
+        theirs = [(src - offset) % P for offset in offsets]
+        incoming = comm.exchange_many((r + distance) % P, outgoing, src, count=len(offsets) * width,
+                                      dtypes=dtypes * len(offsets), device=device,
+                                      recv_numels=_known(numels, theirs))
+        for j, q in enumerate(theirs):
+            held[q] = incoming[j * width:(j + 1) * width]
     return [held[q] for q in range(P)]
 
 
@@ -92,7 +93,7 @@ def bruck_allgatherv(comm: Communicator, parts: Message, numels: Numels | None =
 
 
 def allgatherv(comm: Communicator, parts: Message, numels: Numels | None = None) -> list[list[Tensor]]:
-    """All-gather of one packed message per rank: recursive doubling for powers of two, Bruck
+    """All-gather of one packed message per rank: halving distances for powers of two, Bruck
     otherwise; ceil(log2 P) rounds either way. ``result[q]`` = rank q's parts (this rank's included).
 
     ``numels``: when every rank knows every message's lengths in advance, ``numels[q]`` = the length
@@ -110,7 +111,7 @@ def allgatherv(comm: Communicator, parts: Message, numels: Numels | None = None)
     if comm.size == 1:
         return [list(parts)]
     if is_power_of_two(comm.size):
-        return recursive_doubling_allgatherv(comm, parts, numels)
+        return halving_allgatherv(comm, parts, numels)
     return bruck_allgatherv(comm, parts, numels)
 
 
@@ -153,16 +154,12 @@ def bruck_traffic(message_bytes: Sequence[int], rank: int) -> tuple[int, int, in
     return rounds, sent, recv
 
 
-def _recursive_doubling_traffic(message_bytes: Sequence[int], rank: int) -> tuple[int, int, int]:
+def _halving_traffic(message_bytes: Sequence[int], rank: int) -> tuple[int, int, int]:
     P = len(message_bytes)
     sent = recv = 0
-    mask = 1
-    while mask < P:
-        mine = rank & ~(mask - 1)
-        theirs = (rank ^ mask) & ~(mask - 1)
-        sent += sum(message_bytes[mine:mine + mask])
-        recv += sum(message_bytes[theirs:theirs + mask])
-        mask *= 2
+    for distance, offsets in halving_offsets(P):
+        sent += sum(message_bytes[(rank - t) % P] for t in offsets)
+        recv += sum(message_bytes[(rank - distance - t) % P] for t in offsets)
     return ceil_log2(P), sent, recv
 
 
@@ -172,7 +169,7 @@ def allgatherv_traffic(message_bytes: Sequence[int], rank: int) -> tuple[int, in
     if len(message_bytes) == 1:
         return 0, 0, 0
     if is_power_of_two(len(message_bytes)):
-        return _recursive_doubling_traffic(message_bytes, rank)
+        return _halving_traffic(message_bytes, rank)
     return bruck_traffic(message_bytes, rank)
 
 

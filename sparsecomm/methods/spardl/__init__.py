@@ -45,7 +45,7 @@ from ...transport.comm import Communicator
 from ...transport.sparse_collectives import allgather_chunks, bruck_sources, bruck_traffic
 from ..base import Layout, Method, register_method
 from .sag import HAdjuster, bruck_sag, bsag_traffic, recursive_sag, rsag_traffic
-from .srs import Accumulator, BlockSelector, Exchange, spar_reduce_scatter, srs_schedule, srs_traffic
+from .srs import Accumulator, BlockSelector, Ride, spar_reduce_scatter, srs_schedule, srs_traffic
 
 __all__ = ["SparDL", "table1_cost", "team_candidates"]
 
@@ -185,31 +185,30 @@ class SparDL(Method):
     # ------------------------------------------------------------------ the call
     def _accumulate_and_agree(self, grad: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]],
                               counts: Sequence[int], first: Sequence[int], one_team: bool
-                              ) -> tuple[torch.Tensor, dict[int, torch.Tensor], Exchange | None]:
+                              ) -> tuple[torch.Tensor, dict[int, torch.Tensor], Ride | None]:
         """G = gradient + residual (Algorithm 1, line 1), in one scan that also tells the agreement
         whether the gradient is finite, and the call's agreement (:meth:`Method.accumulate_and_agree`);
         nothing (the teams' split included) communicates before it. The same scan selects the blocks
         ``first`` (:meth:`_accumulate_selecting`).
 
-        Where the agreement's last message goes to Spar-Reduce-Scatter's first partner (one team,
-        P a power of two: rank r + P/2 = r ^ P/2; gloo or MPI and a CPU gradient,
-        :meth:`Communicator.exchanges_in_agreement`), the agreement is left to that first step
-        instead, which sends its message inside it (:meth:`Method.exchange_in_agreement`): one
-        message fewer per call. Returns (G, the blocks selected, that step's exchange or ``None``)."""
+        Where Spar-Reduce-Scatter's schedule is the agreement's (one team, P a power of two: step i
+        sends to rank r + P/2^i and receives from r - P/2^i; gloo or MPI and a CPU gradient,
+        :attr:`Communicator.rides_in_agreement`), the agreement is left to Spar-Reduce-Scatter,
+        whose messages carry it (:meth:`Method.ride_in_agreement`): the agreement costs no message of
+        its own. Returns (G, the blocks selected, that ride or ``None``)."""
         accumulate = self._accumulate_selecting(grad, bounds, counts, first)
-        exchange: Exchange | None = None
-        if self._agreed or not one_team or not self.comm.exchanges_in_agreement:
+        if self._agreed or not one_team or not self.comm.rides_in_agreement:
             acc, picks = self.accumulate_and_agree(grad, layout, accumulate)
-        else:
-            acc, picks, nonfinite = self.accumulate_to_spare(grad, accumulate)
-            if nonfinite:  # no message to send: the verdict stops the call on every rank
-                self.agree(grad, layout, nonfinite, gathers=True, exchanges=True)
-                raise RuntimeError(f"{self.name}: the ranks agreed to go on with a non-finite gradient (a method bug)")
+            return acc, picks if isinstance(picks, dict) else {}, None
+        acc, picks, nonfinite = self.accumulate_to_spare(grad, accumulate)
+        if nonfinite:  # no message to send: the verdict stops the call on every rank
+            self.agree(grad, layout, nonfinite, gathers=True, ride=_sends_nothing)
+            raise RuntimeError(f"{self.name}: the ranks agreed to go on with a non-finite gradient (a method bug)")
 
-            def in_agreement(indices: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
-                return self.exchange_in_agreement(grad, layout, 0, acc, [indices, values])
-            exchange = in_agreement
-        return acc, picks if isinstance(picks, dict) else {}, exchange
+        def ride(message: list[torch.Tensor], produce: Callable[[int, list[torch.Tensor]], list[torch.Tensor]]
+                 ) -> list[torch.Tensor]:
+            return self.ride_in_agreement(grad, layout, 0, acc, message, produce)
+        return acc, picks if isinstance(picks, dict) else {}, ride
 
     def _accumulate_selecting(self, grad: torch.Tensor, bounds: Sequence[tuple[int, int]], counts: Sequence[int],
                               first: Sequence[int]) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any] | None:
@@ -251,19 +250,20 @@ class SparDL(Method):
         counts = chunk_sizes(k, m)
         schedule = srs_schedule(m, position)
         first = schedule[0].send_blocks if schedule else (position,)
-        residual, picks, first_exchange = self._accumulate_and_agree(grad, layout, bounds, counts, first, d == 1)
+        residual, picks, ride = self._accumulate_and_agree(grad, layout, bounds, counts, first, d == 1)
 
         # The accumulator is G itself, changed in place; its journal stands for G_copy (line 3)
         work = Accumulator(residual)
 
         def post_receives() -> None:
-            # once the ranks agreed, the receives of the team's remaining messages (SRS, then the Bruck
-            # all-gather) are posted together: a peer's message then moves as soon as it is sent
-            team.post_receives([step.src for step in schedule[1 if first_exchange is not None else 0:]]
+            # once the ranks agreed, the receives of the team's remaining messages (SRS unless it rode on
+            # the agreement, then the Bruck all-gather) are posted together: a peer's message then moves
+            # as soon as it is sent
+            team.post_receives(([] if ride is not None else [step.src for step in schedule])
                                + bruck_sources(m, position))
 
         # with one team nothing changes G after the own block's selection, which then needs no record
-        own, selected = spar_reduce_scatter(team, work, bounds, counts, self._blocks, self.timer, first_exchange,
+        own, selected = spar_reduce_scatter(team, work, bounds, counts, self._blocks, self.timer, ride,
                                             journal_own=sag != "none", picks=picks, agreed=post_receives)
         if sag == "recursive":
             with self.timer("comm"):
@@ -316,6 +316,12 @@ class SparDL(Method):
     def __repr__(self) -> str:
         return (f"SparDL(P={self.comm.size}, density={self.density:g}, teams={self.teams or 'auto'}, "
                 f"sag={self.sag!r})")
+
+
+def _sends_nothing(step: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The later messages of a rank that sends none (a non-finite gradient): never called, since a
+    rank that sent nothing is handed nothing (:meth:`Communicator.agree_max_riding`)."""
+    raise RuntimeError("spardl: a rank that sent no message was handed one (a method bug)")
 
 
 # ---------------------------------------------------------------------- cost model

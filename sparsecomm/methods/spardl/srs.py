@@ -34,11 +34,12 @@ from ...transport.chunk import SparseChunk, index_dtype
 from ...transport.comm import Communicator
 from ...transport.merge import ascending
 
-__all__ = ["SrsStep", "srs_schedule", "Accumulator", "BlockSelector", "spar_reduce_scatter", "srs_traffic"]
+__all__ = ["SrsStep", "srs_schedule", "Accumulator", "BlockSelector", "spar_reduce_scatter", "srs_traffic", "Ride"]
 
 SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
 Timer = Callable[[str], contextlib.AbstractContextManager[None]]
-Exchange = Callable[[torch.Tensor, torch.Tensor], Sequence[torch.Tensor]]
+Produce = Callable[[int, list[torch.Tensor]], list[torch.Tensor]]
+Ride = Callable[[list[torch.Tensor], Produce], list[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -178,48 +179,67 @@ def _no_timer(_: str) -> contextlib.AbstractContextManager[None]:
 
 def spar_reduce_scatter(comm: Communicator, work: Accumulator, bounds: Sequence[tuple[int, int]],
                         counts: Sequence[int], blocks: BlockSelector, timer: Timer = _no_timer,
-                        first_exchange: Exchange | None = None, *, journal_own: bool = True,
+                        ride: Ride | None = None, *, journal_own: bool = True,
                         picks: Mapping[int, torch.Tensor] | None = None,
                         agreed: Callable[[], None] | None = None) -> tuple[SparseChunk, int]:
     """SRS over ``comm`` (a team of m ranks): returns (this rank's reduced block, entries selected).
 
     ``work`` is the dense accumulator (gradient + residual), modified in place: afterwards it holds
     every value this rank discarded. ``bounds[j]`` = (start, size) of block j, ``counts[j]`` = k/m,
-    the entries block j may carry. ``first_exchange(indices, values)``: sends the first step's
-    message to its destination and returns the indices and values from its source as bytes, in place
-    of ``comm.exchange_many`` (SparDL's message riding on the call's agreement). ``journal_own=False``
-    leaves the selection of the own block out of ``work``'s journal, for a caller that changes
-    ``work`` no more before it restores it (:class:`Accumulator`). ``picks``: {block: local indices}
-    of blocks selected before any change to ``work`` (the first step's bag, or the own block of a
-    team of one), taken as they are. ``agreed()``: called once the call's agreement is over, right
-    after ``first_exchange`` (which carries its last step), or first thing without it.
+    the entries block j may carry. ``ride(message, produce)``: the steps' messages go in the call's
+    agreement, whose schedule is SRS's at m a power of two (step i sends to rank w + 2^(l-i) and
+    receives from w - 2^(l-i)): ``message`` is the first step's (indices, values), ``produce(i,
+    received)`` adds what step i - 1 received (raw bytes) and returns step i's, and ``ride`` returns
+    the bytes the last step received (:meth:`~sparsecomm.methods.base.Method.ride_in_agreement`);
+    without it each step is a ``comm.exchange_many``. ``journal_own=False`` leaves the selection of
+    the own block out of ``work``'s journal, for a caller that changes ``work`` no more before it
+    restores it (:class:`Accumulator`). ``picks``: {block: local indices} of blocks selected before
+    any change to ``work`` (the first step's bag, or the own block of a team of one), taken as they
+    are. ``agreed()``: called once the call's agreement is over (after ``ride``, or first thing
+    without it).
     """
     picks = picks or {}
     m, w = comm.size, comm.rank
-    selected = 0
+    schedule = srs_schedule(m, w)
     dense = work.tensor
     index_type = index_dtype(dense.numel())
-    if agreed is not None and first_exchange is None:
-        agreed()
-    for number, step in enumerate(srs_schedule(m, w)):
+    selected = 0
+
+    def leaving(number: int) -> list[torch.Tensor]:
+        """Step ``number``'s message: the top entries of the blocks of its bag, taken out of ``work``."""
+        nonlocal selected
         with timer("select"):
             chunks = [blocks.take(work, *bounds[j], counts[j], picked=picks.get(j) if number == 0 else None)
-                      for j in step.send_blocks]
+                      for j in schedule[number].send_blocks]
             indices = torch.cat([c.indices for c in chunks])
             values = torch.cat([c.values for c in chunks])
             selected += indices.numel()
-        with timer("comm"):
-            if number == 0 and first_exchange is not None:
-                got_bytes = first_exchange(indices, values)
-                got_indices, got_values = got_bytes[0].view(index_type), got_bytes[1].view(dense.dtype)
-                if agreed is not None:
-                    agreed()
-            else:
-                got_indices, got_values = comm.exchange_many(step.dst, [indices, values], step.src, count=2,
-                                                             dtypes=[index_type, dense.dtype],
-                                                             device=dense.device)
+        return [indices, values]
+
+    def arrived(indices: torch.Tensor, values: torch.Tensor) -> None:
         with timer("decompress"):
-            work.index_add_(got_indices, got_values)
+            work.index_add_(indices, values)
+
+    if ride is not None and schedule:
+        def produce(number: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
+            arrived(received[0].view(index_type), received[1].view(dense.dtype))
+            return leaving(number)
+
+        first = leaving(0)
+        with timer("comm"):
+            last = ride(first, produce)
+        arrived(last[0].view(index_type), last[1].view(dense.dtype))
+        if agreed is not None:
+            agreed()
+    else:
+        if agreed is not None:
+            agreed()
+        for number, step in enumerate(schedule):
+            message = leaving(number)
+            with timer("comm"):
+                got_indices, got_values = comm.exchange_many(step.dst, message, step.src, count=2,
+                                                             dtypes=[index_type, dense.dtype], device=dense.device)
+            arrived(got_indices, got_values)
     with timer("select"):
         own = blocks.take(work, *bounds[w], counts[w], journal=journal_own, picked=picks.get(w) if m == 1 else None)
         selected += own.nnz
