@@ -1,6 +1,6 @@
 """The median (min-max) over several `sparsecomm bench step` outputs of the figures the per-step goal names: at
 P = 1 the passes outside communication ("non-comm") and, where the output has it, error feedback's own floor
-("EF floor"); at P = 4 and 8 the passes of decompression.
+("EF floor"); at P = 4 and 8 the passes of decompression and of the residual's update.
 
     python docs/step-runs/summarize.py docs/step-runs/step-*.md
 """
@@ -38,13 +38,14 @@ def main(paths: list[str]) -> None:
     found = rows(paths)
     print(f"median (min-max) of {len(paths)} runs, in passes over the gradient (CPU time; EF floor: wall time)\n")
     print("| method | density | P = 1: outside communication | P = 1: EF floor | P = 4: decompression "
-          "| P = 8: decompression |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for name, P, density in sorted(found, key=lambda key: (-key[2], key[0])):
-        if P == 1:
-            decompress = [figure(found.get((name, workers, density), []), "decompress") for workers in (4, 8)]
-            print(f"| {name} | {density:g} | {figure(found[(name, 1, density)], 'non-comm')} "
-                  f"| {figure(found[(name, 1, density)], 'EF floor')} | {decompress[0]} | {decompress[1]} |")
+          "| P = 8: decompression | P = 4: residual | P = 8: residual |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, density in sorted({(key[0], key[2]) for key in found}, key=lambda key: (-key[1], key[0])):
+        alone = found.get((name, 1, density), [])
+        at = {(workers, column): figure(found.get((name, workers, density), []), column)
+              for workers in (4, 8) for column in ("decompress", "residual")}
+        print(f"| {name} | {density:g} | {figure(alone, 'non-comm')} | {figure(alone, 'EF floor')} "
+              f"| {at[4, 'decompress']} | {at[8, 'decompress']} | {at[4, 'residual']} | {at[8, 'residual']} |")
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ class OkTopk(Method):
                 candidates = reduced.select(reduced.values.abs() > self.global_threshold)
         with self.timer("comm"):
             gathered = allgatherv(self.comm, candidates.parts())
-        with self.timer("decompress"):
+        with self.timer("select"):
             # region q's share of the global selection, from rank q: the regions are disjoint and in rank
             # order, each share sorted, so together they are the sorted global selection
             parts = [SparseChunk(i, v) for i, v in gathered]
@@ -205,8 +205,10 @@ class OkTopk(Method):
                     self.global_threshold = self.global_threshold / self.global_scale
                 elif global_count > 5 * k / 4:
                     self.global_threshold = self.global_threshold * self.global_scale
+        with self.timer("decompress"):
             # one sweep over the sorted shares, no concatenation of them
             out = self.output_average(grad, [p.indices for p in parts], [p.values for p in parts], P)
+        with self.timer("residual"):
             sent = idx[self._reached_result(idx, parts, send_counts)]
             acc.index_fill_(0, sent, 0)        # the residual keeps what did not reach the result
         self.last_sent = sent
