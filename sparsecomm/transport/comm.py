@@ -50,17 +50,37 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
 
 
-def halving_offsets(P: int) -> list[tuple[int, list[int]]]:
-    """The schedule of the agreement on gloo and MPI and of
-    :func:`~.sparse_collectives.halving_allgatherv`, for P a power of two: per step, (D, T), where the
-    step sends the blocks of ranks ``r - t`` for t in T (in that order) to rank ``r + D`` and
-    receives those of ranks ``r - D - t`` from rank ``r - D``. D = P/2, P/4, ..., 1; T starts as
-    [0] and becomes T followed by T + D after each step, so it ends as every offset 0 .. P-1 once."""
-    steps, offsets, distance = [], [0], P // 2
-    while distance >= 1:
-        steps.append((distance, list(offsets)))
-        offsets = offsets + [t + distance for t in offsets]
-        distance //= 2
+class AllgatherStep(NamedTuple):
+    """One step of an all-gather for one rank: send the blocks of ranks ``sends`` (in that order) to
+    ``dst``, receive those of ranks ``receives`` from ``src``."""
+
+    dst: int
+    src: int
+    sends: list[int]
+    receives: list[int]
+
+
+def allgather_steps(P: int, rank: int, bruck: bool = False) -> list[AllgatherStep]:
+    """The schedule of the all-gathers of :mod:`.sparse_collectives` and of the agreement on gloo and
+    MPI (:meth:`Communicator.agree_max_gathering`), ceil(log2 P) steps. For P a power of two (unless
+    ``bruck``), halving distances: step D = P/2, P/4, ..., 1 sends everything held to rank r + D and
+    receives everything rank r - D holds (SparDL's Spar-Reduce-Scatter follows the same partners).
+    Otherwise Bruck's: step d = 1, 2, 4, ... sends the blocks of ranks r .. r + min(d, P - d) - 1 to
+    rank r - d and receives as many from rank r + d."""
+    steps = []
+    if P & (P - 1) == 0 and not bruck:
+        held, distance = [rank], P // 2
+        while distance >= 1:
+            theirs = [(q - distance) % P for q in held]
+            steps.append(AllgatherStep((rank + distance) % P, (rank - distance) % P, held, theirs))
+            held, distance = held + theirs, distance // 2
+        return steps
+    distance = 1
+    while distance < P:
+        count, src = min(distance, P - distance), (rank + distance) % P
+        steps.append(AllgatherStep((rank - distance) % P, src, [(rank + j) % P for j in range(count)],
+                                   [(src + j) % P for j in range(count)]))
+        distance *= 2
     return steps
 
 
@@ -126,7 +146,7 @@ class Communicator:
         self._landings: list[torch.Tensor] = []  # the agreement's receive buffers, one per step
         #: step -> (source, the receive already posted into that step's landing buffer): see prepost_agreement
         self._preposted: dict[int, tuple[int, dist.Work | None]] = {}
-        self._schedule: list[tuple[int, int, list[int], list[int]]] | None = None  # _agreement_schedule
+        self._schedule = allgather_steps(self.size, self.rank)  # the agreement's steps (rank, size fixed)
         #: source -> the receive posted ahead for its next exchange_many message (buffer, work): see post_receives
         self._ahead: dict[int, tuple[torch.Tensor, dist.Work | None]] = {}
         # point-to-point messages go to the process group itself (what dist.isend and dist.irecv call after
@@ -451,7 +471,7 @@ class Communicator:
         :data:`EAGER_LIMIT_BYTES` per step, kept): they hold until its next agreement or
         :meth:`prepost_agreement`, whichever comes first, so copy what must outlive the call.
 
-        The steps are those of :func:`~.sparse_collectives.allgatherv` (:meth:`_agreement_schedule`),
+        The steps are those of :func:`~.sparse_collectives.allgatherv` (:func:`allgather_steps`),
         which an element-wise maximum can ride on as well: for P a power of two, halving distances
         (step D = P/2, P/4, ..., 1 sends everything held to rank r + D and receives from r - D), otherwise
         Bruck's (step d = 1, 2, 4, ... sends the first min(d, P - d) blocks held, those of ranks r,
@@ -471,16 +491,17 @@ class Communicator:
         if block is not None:
             held = {me: torch.cat([_as_bytes(t) for t in block]) if len(block) != 1 else _as_bytes(block[0])}
         steps: list[BlockStep] = []
-        for step, (dst, src, mine_held, their_held) in enumerate(self._agreement_schedule()):
-            outgoing = [] if held is None else [held[q] for q in mine_held]
-            theirs, incoming = self._disseminate_step(mine, outgoing, dst, src, step)
+        for number, step in enumerate(self._schedule):
+            outgoing = [] if held is None else [held[q] for q in step.sends]
+            theirs, incoming = self._disseminate_step(mine, outgoing, step.dst, step.src, number)
             torch.maximum(mine, theirs, out=mine)
             if held is not None:
-                if len(incoming) == len(their_held):
-                    held.update(zip(their_held, incoming, strict=True))
+                if len(incoming) == len(step.receives):
+                    held.update(zip(step.receives, incoming, strict=True))
                 else:  # a rank on the way passed no block: no rank's verdict will let these be used
                     held = None
-            steps.append(BlockStep(dst, sum(_nbytes(b) for b in outgoing), src, sum(_nbytes(b) for b in incoming)))
+            steps.append(BlockStep(step.dst, sum(_nbytes(b) for b in outgoing), step.src,
+                                   sum(_nbytes(b) for b in incoming)))
         gathered = None if held is None else [held[q] for q in range(P)]
         return [int(v) for v in mine.tolist()], gathered, steps
 
@@ -524,46 +545,17 @@ class Communicator:
         outgoing = None if payload is None else [_as_bytes(t) for t in payload]
         received: list[torch.Tensor] | None = None
         moved: list[BlockStep] = []
-        for step, (dst, src, _, _) in enumerate(self._agreement_schedule()):
-            if step:
-                outgoing = None if received is None else [_as_bytes(t) for t in produce(step, received)]
+        for number, step in enumerate(self._schedule):
+            if number:
+                outgoing = None if received is None else [_as_bytes(t) for t in produce(number, received)]
             blocks = outgoing or []
-            theirs, incoming = self._disseminate_step(mine, blocks, dst, src, step)
+            theirs, incoming = self._disseminate_step(mine, blocks, step.dst, step.src, number)
             torch.maximum(mine, theirs, out=mine)
             usable = outgoing is not None and len(incoming) == len(outgoing) and settled(mine.tolist())
             received = incoming if usable else None
-            moved.append(BlockStep(dst, sum(_nbytes(b) for b in blocks), src, sum(_nbytes(b) for b in incoming)))
+            moved.append(BlockStep(step.dst, sum(_nbytes(b) for b in blocks), step.src,
+                                   sum(_nbytes(b) for b in incoming)))
         return [int(v) for v in mine.tolist()], received, moved
-
-    def _agreement_schedule(self) -> list[tuple[int, int, list[int], list[int]]]:
-        """The steps of an agreement on gloo and MPI (:meth:`agree_max_gathering`, which
-        :meth:`agree_max_riding` and :meth:`agree_max` share): per step, (destination, source, the
-        ranks whose blocks this rank sends, those whose blocks it receives). For P a power of two,
-        halving distances (:func:`halving_offsets`: step D sends to r + D, receives from r - D);
-        otherwise Bruck's (step d = 1, 2, 4, ... sends the blocks of ranks r .. r + min(d, P - d) - 1
-        to r - d and receives as many from r + d). Made once: rank and size are fixed."""
-        if self._schedule is None:
-            me, P = self.rank, self.size
-            schedule = []
-            if P & (P - 1) == 0:
-                for distance, offsets in halving_offsets(P):
-                    src = (me - distance) % P
-                    schedule.append(((me + distance) % P, src, [(me - t) % P for t in offsets],
-                                     [(src - t) % P for t in offsets]))
-            else:
-                distance = 1
-                while distance < P:
-                    count = min(distance, P - distance)
-                    src = (me + distance) % P
-                    schedule.append(((me - distance) % P, src, [(me + j) % P for j in range(count)],
-                                     [(src + j) % P for j in range(count)]))
-                    distance *= 2
-            self._schedule = schedule
-        return self._schedule
-
-    def _agreement_sources(self) -> list[int]:
-        """The rank each step of an agreement receives from (:meth:`_agreement_schedule`)."""
-        return [src for _, src, _, _ in self._agreement_schedule()]
 
     def prepost_agreement(self) -> None:
         """Post the receives of this communicator's next agreement now, each into its step's landing
@@ -580,7 +572,7 @@ class Communicator:
         elsewhere it does nothing."""
         if not self._eager_headers or self.size == 1:
             return
-        for step, src in enumerate(self._agreement_sources()):
+        for step, src in enumerate(s.src for s in self._schedule):
             if step not in self._preposted:
                 work = self._irecv(self._landing(step), src)
                 self._preposted[step] = (src, work)

@@ -95,7 +95,7 @@ class TrafficMeter:
             self._stack.pop()
 
     def _entry(self) -> PhaseTraffic:
-        name = self._stack[-1] if self._stack else self.DEFAULT_PHASE
+        name = self.current_phase
         entry = self._phases.get(name)
         if entry is None:
             entry = self._phases[name] = PhaseTraffic()

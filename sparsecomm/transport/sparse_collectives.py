@@ -30,9 +30,9 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ..core.cost import Cost, ceil_log2, is_power_of_two, register_collective_cost
+from ..core.cost import Cost, is_power_of_two, register_collective_cost
 from .chunk import SparseChunk
-from .comm import Communicator, halving_offsets
+from .comm import AllgatherStep, Communicator, allgather_steps
 
 __all__ = ["halving_allgatherv", "bruck_allgatherv", "allgatherv", "allgather_chunks",
            "allgatherv_traffic", "allgatherv_cost", "bruck_traffic", "bruck_sources"]
@@ -45,28 +45,14 @@ def halving_allgatherv(comm: Communicator, parts: Message, numels: Numels | None
     """All-gather by dissemination with halving distances; P must be a power of two. Returns
     ``result[q]`` = rank q's parts.
 
-    Step D = P/2, P/4, ..., 1: send everything held (the blocks of ranks r - t, t in T, see
-    :func:`halving_offsets`) to rank r + D in one packed message, and receive everything rank r - D
-    holds. The agreement's schedule on gloo and MPI (:meth:`~.comm.Communicator.agree_max_gathering`),
-    so an all-gather that rides on it moves what this one does. ``numels``: see :func:`allgatherv`.
+    Step D = P/2, P/4, ..., 1: send everything held to rank r + D in one packed message, and receive
+    everything rank r - D holds (:func:`~.comm.allgather_steps`). The agreement's schedule on gloo and
+    MPI (:meth:`~.comm.Communicator.agree_max_gathering`), so an all-gather that rides on it moves what
+    this one does. ``numels``: see :func:`allgatherv`.
     """
-    P, r = comm.size, comm.rank
-    if not is_power_of_two(P):
-        raise ValueError(f"halving_allgatherv needs a power-of-two size, got P={P}")
-    width = len(parts)
-    dtypes = [t.dtype for t in parts]
-    device = parts[0].device if parts else None
-    held: dict[int, list[Tensor]] = {r: list(parts)}
-    for distance, offsets in halving_offsets(P):
-        src = (r - distance) % P
-        outgoing = [t for offset in offsets for t in held[(r - offset) % P]]
-        theirs = [(src - offset) % P for offset in offsets]
-        incoming = comm.exchange_many((r + distance) % P, outgoing, src, count=len(offsets) * width,
-                                      dtypes=dtypes * len(offsets), device=device,
-                                      recv_numels=_known(numels, theirs))
-        for j, q in enumerate(theirs):
-            held[q] = incoming[j * width:(j + 1) * width]
-    return [held[q] for q in range(P)]
+    if not is_power_of_two(comm.size):
+        raise ValueError(f"halving_allgatherv needs a power-of-two size, got P={comm.size}")
+    return _scheduled_allgatherv(comm, parts, numels, allgather_steps(comm.size, comm.rank))
 
 
 def bruck_allgatherv(comm: Communicator, parts: Message, numels: Numels | None = None) -> list[list[Tensor]]:
@@ -76,20 +62,24 @@ def bruck_allgatherv(comm: Communicator, parts: Message, numels: Numels | None =
     to rank r - 2^i and receive as many from rank r + 2^i, in one packed message. ``numels``: see
     :func:`allgatherv`.
     """
-    P, r = comm.size, comm.rank
+    return _scheduled_allgatherv(comm, parts, numels, allgather_steps(comm.size, comm.rank, bruck=True))
+
+
+def _scheduled_allgatherv(comm: Communicator, parts: Message, numels: Numels | None,
+                          steps: Sequence[AllgatherStep]) -> list[list[Tensor]]:
+    """Every rank's parts, in rank order, moved by ``steps``: one packed message each way per step."""
     width = len(parts)
-    held: list[list[Tensor]] = [list(parts)]
     dtypes = [t.dtype for t in parts]
     device = parts[0].device if parts else None
-    for step, src in enumerate(bruck_sources(P, r)):
-        distance = 1 << step
-        count = min(distance, P - distance)
-        outgoing = [t for block in held[:count] for t in block]
-        incoming = comm.exchange_many((r - distance) % P, outgoing, src,
+    held: dict[int, list[Tensor]] = {comm.rank: list(parts)}
+    for step in steps:
+        count = len(step.receives)
+        incoming = comm.exchange_many(step.dst, [t for q in step.sends for t in held[q]], step.src,
                                       count=count * width, dtypes=dtypes * count, device=device,
-                                      recv_numels=_known(numels, ((src + j) % P for j in range(count))))
-        held.extend(incoming[j * width:(j + 1) * width] for j in range(count))
-    return [held[(q - r) % P] for q in range(P)]
+                                      recv_numels=_known(numels, step.receives))
+        for j, q in enumerate(step.receives):
+            held[q] = incoming[j * width:(j + 1) * width]
+    return [held[q] for q in range(comm.size)]
 
 
 def allgatherv(comm: Communicator, parts: Message, numels: Numels | None = None) -> list[list[Tensor]]:
@@ -131,46 +121,27 @@ def allgather_chunks(comm: Communicator, chunk: SparseChunk, *, bruck: bool = Fa
 
 def bruck_sources(P: int, rank: int) -> list[int]:
     """The rank each step of :func:`bruck_allgatherv` receives from, in step order: ``rank + 2^i``."""
-    sources, distance = [], 1
-    while distance < P:
-        sources.append((rank + distance) % P)
-        distance *= 2
-    return sources
+    return [step.src for step in allgather_steps(P, rank, bruck=True)]
 
 
 # ---------------------------------------------------------------------- traffic of the schedules
+def _replay(steps: Sequence[AllgatherStep], message_bytes: Sequence[int]) -> tuple[int, int, int]:
+    """(rounds, bytes sent, bytes received) of one rank's ``steps`` when rank q's message has
+    ``message_bytes[q]`` payload bytes (size headers excluded)."""
+    return (len(steps), sum(message_bytes[q] for step in steps for q in step.sends),
+            sum(message_bytes[q] for step in steps for q in step.receives))
+
+
 def bruck_traffic(message_bytes: Sequence[int], rank: int) -> tuple[int, int, int]:
     """(rounds, bytes sent, bytes received) of ``rank`` in :func:`bruck_allgatherv` when rank q's
     message has ``message_bytes[q]`` payload bytes (size headers excluded)."""
-    P = len(message_bytes)
-    rounds = sent = recv = 0
-    distance = 1
-    while distance < P:
-        count = min(distance, P - distance)
-        sent += sum(message_bytes[(rank + j) % P] for j in range(count))
-        recv += sum(message_bytes[(rank + distance + j) % P] for j in range(count))
-        rounds += 1
-        distance *= 2
-    return rounds, sent, recv
-
-
-def _halving_traffic(message_bytes: Sequence[int], rank: int) -> tuple[int, int, int]:
-    P = len(message_bytes)
-    sent = recv = 0
-    for distance, offsets in halving_offsets(P):
-        sent += sum(message_bytes[(rank - t) % P] for t in offsets)
-        recv += sum(message_bytes[(rank - distance - t) % P] for t in offsets)
-    return ceil_log2(P), sent, recv
+    return _replay(allgather_steps(len(message_bytes), rank, bruck=True), message_bytes)
 
 
 def allgatherv_traffic(message_bytes: Sequence[int], rank: int) -> tuple[int, int, int]:
     """(rounds, bytes sent, bytes received) of ``rank`` in :func:`allgatherv` when rank q's message
     has ``message_bytes[q]`` payload bytes (size headers excluded). Replays the schedule."""
-    if len(message_bytes) == 1:
-        return 0, 0, 0
-    if is_power_of_two(len(message_bytes)):
-        return _halving_traffic(message_bytes, rank)
-    return bruck_traffic(message_bytes, rank)
+    return _replay(allgather_steps(len(message_bytes), rank), message_bytes)
 
 
 def allgatherv_cost(message_bytes: Sequence[int], P: int, rank: int, exact: bool = True) -> Cost:
