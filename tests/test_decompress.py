@@ -221,6 +221,19 @@ def test_add_chunks_merge_equals_its_torch_path(seed, P, n, index_dtype, value_d
     assert torch.equal(_bits(merged.values), _bits(sorted_by_torch.values))
 
 
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.float64])
+def test_a_single_coalesced_chunk_sums_to_itself_with_the_bits_of_index_add(value_dtype):
+    indices = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    values = torch.tensor([-0.0, 2.5, -1.0, 0.0], dtype=value_dtype)
+    summed = add_chunks([SparseChunk(indices, values)])
+    expected = torch.zeros(10, dtype=value_dtype).index_add_(0, indices.long(), values)[indices.long()]
+    assert torch.equal(summed.indices, indices)
+    assert torch.equal(_bits(summed.values), _bits(expected))  # -0.0 becomes +0.0, as index_add_ into zeros
+    assert summed.values.data_ptr() != values.data_ptr()       # the caller's values are not aliased
+    repeated = add_chunks([SparseChunk(torch.tensor([2, 2, 5]), torch.tensor([1.0, 2.0, 3.0]))])
+    assert repeated.indices.tolist() == [2, 5] and repeated.values.tolist() == [3.0, 3.0]
+
+
 def test_unsorted_and_repeated_chunks_take_the_torch_path(path):
     chunks = [SparseChunk(torch.tensor([5, 1, 3], dtype=torch.int32), torch.tensor([1.0, 2.0, 3.0])),
               SparseChunk(torch.tensor([1, 1, 4], dtype=torch.int32), torch.tensor([0.5, 0.25, 7.0]))]

@@ -199,10 +199,12 @@ class SIDCo(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllG
         assert isinstance(self.selector, HardThreshold)
         self.hard: HardThreshold = self.selector
         self._feedback = ThresholdController()
+        self._selected_magnitudes: Tensor | None = None  # |acc| at fused_select's indices, for controller_update
 
     def fused_select(self, residual: Tensor, grad: Tensor, acc: Tensor) -> Tensor:
         n = grad.numel()
         k = self.k(n)
+        self._selected_magnitudes = None
         if k >= n:
             return self.selector.accumulate(residual, grad, k, dest=acc)
         adaptive = self.controller == "adaptive"
@@ -211,14 +213,19 @@ class SIDCo(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllG
                                   check_finite=True, lowest=1 / correction, addend=grad, dest=acc)
         self.hard.threshold = self._feedback.correct(fitted) if adaptive else fitted
         self.stats.update(threshold=self.hard.threshold, fitted_threshold=fitted)
-        return view.indices_ge(self.hard.threshold, view.n_candidates)  # the stages' buffer size: kept
+        # the stages' buffer size: kept; the magnitudes are what the controller reads (controller_update)
+        indices, self._selected_magnitudes = view.indices_and_values_ge(self.hard.threshold, view.n_candidates)
+        return indices
 
     def controller_update(self, acc: Tensor, indices: Tensor) -> Callable[[], None]:
         n = acc.numel()
         k = self.k(n)
+        magnitudes, self._selected_magnitudes = self._selected_magnitudes, None
         if self.controller != "adaptive" or k >= n:
             return lambda: None
-        elasticity = local_elasticity(acc.index_select(0, indices).abs_(), self.hard.threshold)
+        if magnitudes is None or magnitudes.numel() != indices.numel():  # not fused_select's: read acc
+            magnitudes = acc.index_select(0, indices).abs_()
+        elasticity = local_elasticity(magnitudes, self.hard.threshold)
         picked = indices.numel()
         return lambda: self._feedback.update(picked, k, elasticity)
 

@@ -511,6 +511,12 @@ class MagnitudeView:
         """Increasing indices of ``|x| >= t`` (``expected``: their count, a guess that sizes the scan)."""
         return self._at_or_above(t, expected).indices
 
+    def indices_and_values_ge(self, t: float, expected: int = 0) -> tuple[Tensor, Tensor]:
+        """(increasing indices of ``|x| >= t``, those magnitudes ``|x_i|``), from one scan
+        (``expected`` as for :meth:`indices_ge`): the magnitudes without a gather from ``x``."""
+        above = self._at_or_above(t, expected)
+        return above.indices, above.values
+
     def values_ge(self, t: float, expected: int = 0) -> Tensor:
         """The magnitudes ``|x_i| >= t``, in increasing ``i`` (``expected`` as for :meth:`indices_ge`;
         on the CPU no index is mapped back into ``x``)."""
@@ -519,10 +525,11 @@ class MagnitudeView:
                                                 expected=expected).values
         return self._at_or_above(t, expected).values
 
-    def indices_between(self, lo: float, hi: float) -> Tensor:
-        """Increasing indices of ``lo <= |x| < hi``."""
+    def indices_ge_marking(self, lo: float, hi: float) -> tuple[Tensor, Tensor]:
+        """(increasing indices of ``|x| >= lo``, the mask of those at or above ``hi`` among them), from
+        one scan: e.g. every entry above ``hi`` and a window of those in ``[lo, hi)``, in index order."""
         above = self._at_or_above(lo)
-        return above.indices[above.values < hi]
+        return above.indices, above.values >= hi
 
     def topk_at_or_above(self, t: float, k: int) -> Tensor:
         """Increasing indices of the ``k`` largest elements among ``|x| >= t`` (needs ``count(t) >= k``).

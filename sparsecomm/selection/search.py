@@ -222,9 +222,10 @@ class MSTopK(Selector):
     ``N`` bisection steps on ``ratio`` keep two thresholds: ``thres1``, the lowest visited one with at
     most ``k`` elements (``k1`` of them), and ``thres2``, the highest visited one with more than
     ``k``. The result is every element ``>= thres1`` plus ``k - k1`` elements from a random
-    contiguous window of those in ``[thres2, thres1)`` (in index order). Where the paper initialises
-    ``thres1 = 0`` (which would select everything if never updated) we start from "no element"
-    (``thres1 = +inf``, ``k1 = 0``); ``thres2`` starts at 0 as in the paper.
+    contiguous window of those in ``[thres2, thres1)`` (in index order), all in increasing index
+    order. Where the paper initialises ``thres1 = 0`` (which would select everything if never
+    updated) we start from "no element" (``thres1 = +inf``, ``k1 = 0``); ``thres2`` starts at 0 as in
+    the paper.
 
     Args:
         samplings: N, the number of bisection steps (default 30, the paper's setting).
@@ -267,15 +268,22 @@ class MSTopK(Selector):
                 lo, thres2 = ratio, threshold
             else:
                 hi, thres1 = ratio, threshold
-        upper = view.indices_ge(thres1) if thres1 != float("inf") else x.new_empty(0, dtype=torch.int64)
-        missing = k - upper.numel()
+        # |x| >= thres2 in index order, those >= thres1 marked (none while thres1 is +inf): the rest,
+        # in [thres2, thres1), is where the window lies
+        indices, upper = view.indices_ge_marking(thres2, thres1)
+        if thres1 == float("inf"):
+            upper.zero_()
+        missing = k - int(upper.sum())
         if missing == 0:
-            return upper
-        between = view.indices_between(thres2, thres1)
+            return indices[upper]
+        between = torch.nonzero(~upper).squeeze(1)  # positions in ``indices``
         if between.numel() < missing:  # only NaN input (check_finite=False) breaks the bracket
             return torch.topk(x.abs(), k, sorted=False).indices
         start = int(torch.randint(0, between.numel() - missing + 1, (1,), generator=self.generator))
-        return torch.cat([upper, between[start:start + missing]])
+        # the window between[start:start + missing] spans a range of indices that holds no other
+        # entry of the band, so "above thres1, or inside that range" selects the result already sorted
+        first, last = indices[between[start]], indices[between[start + missing - 1]]
+        return indices[upper | ((indices >= first) & (indices <= last))]
 
     def state_dict(self) -> dict[str, Any]:
         return {"generator": self.generator.get_state()}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .merge import merge_sum
+from .merge import merge_sum, strictly_increasing
 
 __all__ = ["SparseChunk", "index_dtype", "pair_bytes", "add_chunks", "bytes_as"]
 
@@ -106,10 +106,15 @@ def add_chunks(chunks: Iterable[SparseChunk]) -> SparseChunk:
     CUDA's atomic adds have one operand per position); every rank that adds the same chunks in the
     same order gets the same bits. On the CPU, chunks whose indices are sorted (as every sender's
     are) are merged instead (:func:`.merge.merge_sum`, one ordered pass, no sort), with the same bits.
+    A single chunk that is already coalesced is its own sum: its indices are returned as they are
+    (not copied) with its values plus +0.0, the same bits without the merge's pass.
     """
     chunks = list(chunks)
     if not chunks:
         raise ValueError("add_chunks needs at least one chunk")
+    if len(chunks) == 1 and strictly_increasing(chunks[0].indices):
+        # already coalesced: its sum is itself (0.0 + v, as index_add_ into zeros, turns -0.0 into +0.0)
+        return SparseChunk(chunks[0].indices, chunks[0].values + 0.0)
     merged = merge_sum([c.indices for c in chunks], [c.values for c in chunks])
     if merged is not None:
         return SparseChunk(*merged)

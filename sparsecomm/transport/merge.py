@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["merge_sum", "average_into", "average_blocks_into", "clear", "GroupMask", "Stale", "GROUP", "ascending",
-           "compiled", "IN_PLACE_SHARE", "sketch_insert", "sketch_query_blocks", "members"]
+           "strictly_increasing", "compiled", "IN_PLACE_SHARE", "sketch_insert", "sketch_query_blocks", "members"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,11 @@ def ascending(indices: Tensor) -> Tensor:
     if indices.numel() < 2 or bool((indices[1:] >= indices[:-1]).all()):
         return indices
     return torch.sort(indices).values
+
+
+def strictly_increasing(indices: Tensor) -> bool:
+    """Whether ``indices`` are sorted and distinct (a coalesced chunk's): one compare over them."""
+    return indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
 
 
 def members(indices: Tensor, sorted_set: Tensor) -> Tensor:
