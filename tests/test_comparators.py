@@ -76,6 +76,34 @@ def _density_at(name, n, steps, options):
     return method.stats["density"]
 
 
+def _sidco_corrections(n, steps, gather_from_acc):
+    """SIDCo's controller correction after each call; ``gather_from_acc``: its controller reads the
+    selected magnitudes from ``acc`` (as before the view handed them over) instead of the view's."""
+    method = make_method("sidco", density=DENSITY)
+    if gather_from_acc:
+        update = method.controller_update
+
+        def from_acc(acc, indices):
+            method._selected_magnitudes = None
+            return update(acc, indices)
+        method.controller_update = from_acc
+    corrections = []
+    for step in range(steps):
+        method(make_gradient(n, dist.get_rank(), step) * (1 + step % 3))
+        corrections.append(method._feedback.log_correction)
+    return corrections
+
+
+def test_sidco_controller_reads_the_magnitudes_it_would_gather_from_acc():
+    """The controller's elasticity from the view's magnitudes of the selected entries: the same
+    corrections, call after call, as from ``|acc|`` gathered at the selected indices."""
+    n = 300_007  # large enough for SIDCo's sampled floor (the candidates' view)
+    viewed = run_workers(2, _sidco_corrections, n, 6, False, timeout=90)
+    gathered = run_workers(2, _sidco_corrections, n, 6, True, timeout=90)
+    assert viewed == gathered
+    assert len(set(viewed[0])) > 1  # the controller moved
+
+
 @pytest.mark.parametrize("P", [4, 8])
 def test_topk_builds_up_gradients_while_cltk_does_not(P):
     """Uncorrelated gradients: the P local top-k sets barely overlap, so the union approaches P k."""

@@ -259,6 +259,35 @@ def test_state_dict_round_trip_reproduces_the_next_call(name):
         assert torch.equal(original(x, 500).sort().values, clone(x, 500).sort().values)
 
 
+@pytest.mark.parametrize("n, k", [(2_000, 20), (200_003, 1_500), (50_000, 4_999)])
+def test_mstopk_is_everything_above_thres1_and_a_window_of_the_band_in_index_order(monkeypatch, n, k):
+    """Shi et al. Algorithm 1's result, read off the two thresholds the search ended with: every
+    element >= thres1 and a random contiguous window (in index order) of those in [thres2, thres1),
+    returned sorted; the window's start drawn from the selector's generator as before."""
+    bracket = []
+    marking = scan.MagnitudeView.indices_ge_marking
+
+    def recording(view, lo, hi):
+        bracket.append((lo, hi))
+        return marking(view, lo, hi)
+    monkeypatch.setattr(scan.MagnitudeView, "indices_ge_marking", recording)
+    x = torch.round(torch.randn(n, generator=torch.Generator().manual_seed(n)) * 8) / 8  # ties: no count of k
+    selector = make("mstopk", seed=11)
+    drawn = torch.Generator()
+    drawn.set_state(selector.generator.get_state())
+    got = selector(x, k)
+    (thres2, thres1), = bracket
+    a = x.abs()
+    upper = torch.nonzero(a >= torch.tensor(thres1, dtype=a.dtype)).squeeze(1)
+    band = torch.nonzero((a >= torch.tensor(thres2, dtype=a.dtype)) & (a < torch.tensor(thres1, dtype=a.dtype)))
+    band = band.squeeze(1)
+    missing = k - upper.numel()
+    assert 0 < missing <= band.numel()  # the window is used at these sizes
+    start = int(torch.randint(0, band.numel() - missing + 1, (1,), generator=drawn))
+    expected = torch.sort(torch.cat([upper, band[start:start + missing]])).values
+    assert torch.equal(got, expected)
+
+
 def test_sampled_binary_search_reuses_then_searches_again():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(1 << 17, generator=gen)
