@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..core.buffers import long_lived_empty, long_lived_zeros
 from ..methods import Method
 
 __all__ = ["Group", "ParamPlan", "Route", "goes_dense", "INDEX_BYTES"]
@@ -91,7 +92,7 @@ class Group:
             offset += numel
         self.offsets = tuple(offsets)
         if self.method.has_residual:
-            self.residual = torch.zeros(self.n, dtype=self.dtype, device=self.device)
+            self.residual = long_lived_zeros(self.n, dtype=self.dtype, device=self.device)
             self.method.residual = self.residual
 
     @property
@@ -106,14 +107,14 @@ class Group:
         """The group's reused input buffer, where gradients are gathered when no bucket holds the
         group's parameters contiguously in group order."""
         if self._inbuf is None:
-            self._inbuf = torch.empty(self.n, dtype=self.dtype, device=self.device)
+            self._inbuf = long_lived_empty(self.n, dtype=self.dtype, device=self.device)
         return self._inbuf
 
     def outbuf(self) -> torch.Tensor:
         """The group's reused output tensor: every call writes its result there (``out=``), so a
         step allocates no length-n tensor. Valid until the group's next call."""
         if self._outbuf is None:
-            self._outbuf = torch.empty(self.n, dtype=self.dtype, device=self.device)
+            self._outbuf = long_lived_empty(self.n, dtype=self.dtype, device=self.device)
         return self._outbuf
 
     def call(self, grad: torch.Tensor, use_layout: bool) -> torch.Tensor:
@@ -205,7 +206,7 @@ class ParamPlan:
         group.method = method
         group.residual = None
         if method.has_residual:
-            group.residual = torch.zeros(group.n, dtype=group.dtype, device=group.device)
+            group.residual = long_lived_zeros(group.n, dtype=group.dtype, device=group.device)
             method.residual = group.residual
 
     def set_groups(self, members: Sequence[tuple[tuple[int, ...], bool]]) -> None:

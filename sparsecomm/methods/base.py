@@ -18,6 +18,7 @@ from typing import Any, TypeGuard
 
 import torch
 
+from ..core.buffers import long_lived_empty, long_lived_zeros
 from ..core.registry import Registry
 from ..core.validate import check_fraction
 from ..selection import NonFiniteInputError
@@ -176,7 +177,7 @@ class Method:
     def residual_for(self, grad: torch.Tensor) -> torch.Tensor:
         """This rank's residual, created as zeros like ``grad`` on first use (or when n changes)."""
         if not _fits(self.residual, grad):
-            self.residual = torch.zeros_like(grad)
+            self.residual = long_lived_zeros(grad.shape, dtype=grad.dtype, device=grad.device)
         assert self.residual is not None
         return self.residual
 
@@ -195,7 +196,7 @@ class Method:
         spare = self._spare
         if not _fits(spare, grad) \
                 or (self.residual is not None and spare.data_ptr() == self.residual.data_ptr()):
-            self._spare = spare = torch.empty_like(grad)
+            self._spare = spare = long_lived_empty(grad.shape, dtype=grad.dtype, device=grad.device)
         return spare
 
     def accumulate_and_agree(self, grad: torch.Tensor, layout: Layout,

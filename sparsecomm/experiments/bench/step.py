@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ...cli.table import markdown_table
+from ...core.buffers import long_lived_empty
 from ...launch.launcher import run_workers
 from ...methods import dense_warmup, sparse_methods
 from ...selection import scan
@@ -81,7 +82,9 @@ def _worker(n: int, densities: list[float], methods: list[str], repeat: int, war
 
     rank = dist.get_rank()
     base = torch.randn(n, generator=torch.Generator().manual_seed(17 + rank))
-    grad, result = torch.empty_like(base), torch.empty_like(base)  # result: out=, as the hook does
+    grad = torch.empty_like(base)
+    # result: out=, as the hook does (a group's output buffer, kept across calls: core.buffers)
+    result = long_lived_empty(base.shape, dtype=base.dtype, device=base.device)
     residual, spare = base * 0.1, torch.empty_like(base)  # for the floor of error feedback
     del base
     scratch = scan.Scratch()
