@@ -18,6 +18,9 @@ and reported as "EF floor": ``acc = residual + gradient`` written to a spare buf
 (:meth:`~sparsecomm.selection.scan.Scratch.scan` with ``addend`` and ``dest``; ``torch.add`` where the
 kernel is not built) reads two vectors and writes one, what every method with a residual must do;
 the column gives what that costs on this machine. The output is written only where it is non-zero.
+The floor's residual and spare buffer and the calls' ``out=`` tensor are allocated as the library's
+own long-lived buffers are (:mod:`sparsecomm.core.buffers`: huge pages where the kernel offers them),
+the gradient as the caller's is.
 Figures are rank 0's medians; at P > 1 several processes share the CPU cores, so each pass and each
 phase is slower than at P = 1 and the ratio is what compares.
 """
@@ -85,7 +88,9 @@ def _worker(n: int, densities: list[float], methods: list[str], repeat: int, war
     grad = torch.empty_like(base)
     # result: out=, as the hook does (a group's output buffer, kept across calls: core.buffers)
     result = long_lived_empty(base.shape, dtype=base.dtype, device=base.device)
-    residual, spare = base * 0.1, torch.empty_like(base)  # for the floor of error feedback
+    # for the floor of error feedback: buffers like the methods' own (core.buffers)
+    residual, spare = (long_lived_empty(base.shape, dtype=base.dtype, device=base.device) for _ in range(2))
+    torch.mul(base, 0.1, out=residual)
     del base
     scratch = scan.Scratch()
     results: dict[str, Any] = {}
