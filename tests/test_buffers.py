@@ -9,6 +9,7 @@ import torch
 
 import sparsecomm.core.buffers as buffers
 from sparsecomm import available_methods, make_method, run_workers
+from sparsecomm.integration.dgc import MomentumCorrection
 from sparsecomm.integration.residuals import Group, ParamPlan
 from sparsecomm.methods import dense_warmup, is_sparse
 
@@ -119,3 +120,14 @@ def _group_worker(n):
 def test_group_buffers_are_long_lived():
     """A hook group's residual (also the one a switch of methods gives it), output and gather buffers."""
     assert run_workers(1, _group_worker, buffers.MIN_BYTES // 4 * 2) == [[True, True, True, True]]
+
+
+def test_momentum_correction_buffers_are_long_lived(advised):
+    """DGC momentum correction's velocity and accumulation, and the buffers their next values go to."""
+    correction = MomentumCorrection(0.9, hold_accumulation=True)
+    grad = torch.randn(buffers.MIN_BYTES // 4 * 2)
+    for _ in range(2):
+        correction.update(grad)
+    previous_velocity, previous_accumulation = correction._previous
+    kept = (correction.velocity, correction.accumulation, previous_velocity, previous_accumulation)
+    assert all(_is_advised(t, advised) for t in kept)

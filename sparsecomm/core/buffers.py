@@ -1,4 +1,4 @@
-"""Long-lived length-n buffers (a residual, its spare, a reused output) on transparent huge pages.
+"""Long-lived length-n buffers (a residual, its spare, a reused output, DGC's momentum) on huge pages.
 
 Error feedback streams its residual and spare buffer at every call and visits them again at the
 selected entries, and a sparse result is written into a reused output at scattered entries. On

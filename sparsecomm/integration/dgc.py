@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from ..core.buffers import long_lived_empty, long_lived_zeros
 from ..core.validate import check_fraction
 
 __all__ = ["MomentumCorrection", "clip_local_gradients", "density_schedule"]
@@ -93,11 +94,14 @@ class MomentumCorrection:
         """The buffers the next ``u`` (and ``v``) are written into, and the current ``u``; the current
         ones become the previous, which :meth:`undo_` restores (made on first use, or for a new size)."""
         if self.velocity is None or self.velocity.shape != like.shape:
-            self.velocity = torch.zeros_like(like)
-            self.accumulation = torch.zeros_like(like) if self.hold_accumulation else None
+            self.velocity = long_lived_zeros(like.shape, dtype=like.dtype, device=like.device)
+            self.accumulation = long_lived_zeros(like.shape, dtype=like.dtype, device=like.device) \
+                if self.hold_accumulation else None
             self._previous = None
         if self._previous is None:
-            self._previous = (torch.empty_like(like), None if self.accumulation is None else torch.empty_like(like))
+            self._previous = (long_lived_empty(like.shape, dtype=like.dtype, device=like.device),
+                              None if self.accumulation is None
+                              else long_lived_empty(like.shape, dtype=like.dtype, device=like.device))
         new_velocity, new_accumulation = self._previous
         self._previous = (self.velocity, self.accumulation)
         self._undoable = True
