@@ -93,26 +93,51 @@ def test_raw_kernel_counts_beyond_its_capacity(kernel, n):
 
 @needs_compiled
 @pytest.mark.parametrize("kernel", COMPILED)
-@pytest.mark.parametrize("fused", [False, True])
-def test_candidates_are_exact_where_their_density_changes_along_the_vector(kernel, fused):
-    """The kernels skip the stores of blocks without a candidate while candidates are sparse and store
-    every block once they are not, deciding every 65536 elements: regions of 0, 0.05%, 20% and again
-    0.05% candidates, with region edges off those boundaries, give exactly the reference's."""
+@pytest.mark.parametrize("mode", ["read", "in_place", "dest", "unaligned_dest"])
+def test_candidates_are_exact_where_their_density_changes_along_the_vector(kernel, mode):
+    """The kernels note which blocks of a chunk of 1024 elements hold a candidate and pack those
+    afterwards (re-reading the sum from ``x`` where the scan wrote it there, adding again where it
+    streamed it elsewhere) while candidates are sparse, and pack every block as it comes once they are
+    not, deciding chunk by chunk: regions of 0, 0.05%, 20%, 0.05% and 2% candidates, with region edges
+    off the chunks, give exactly the reference's, with the sum in place, in a separate vector, or in
+    one not aligned to the vector width (written without streaming)."""
     g = torch.Generator().manual_seed(5)
-    edges = [0, 70_001, 200_000, 460_017, 700_003]
+    edges = [0, 70_001, 200_000, 460_017, 700_003, 800_011]
     x = torch.rand(edges[-1], generator=g) * 0.5  # below the floor 1.0
-    for lo, hi, share in zip(edges[:-1], edges[1:], [0.0, 0.0005, 0.2, 0.0005], strict=True):
+    for lo, hi, share in zip(edges[:-1], edges[1:], [0.0, 0.0005, 0.2, 0.0005, 0.02], strict=True):
         hits = lo + torch.randperm(hi - lo, generator=g)[: int(share * (hi - lo))]
         x[hits] = 1.0 + torch.rand(hits.numel(), generator=g)
     x[-1] = -1.0  # a candidate in the tail, and a negative one
-    addend = torch.zeros_like(x) if fused else None
-    dest = torch.empty_like(x) if fused else None
+    addend = None if mode == "read" else torch.rand(x.numel(), generator=g) * 0.25
+    total = x if addend is None else x + addend
+    dest = {"dest": torch.empty_like(x), "unaligned_dest": torch.empty(x.numel() + 1)[1:]}.get(mode)
+    scanned = x.clone()
     with scan.use_kernel(kernel):
-        result = scan.Scratch().scan(x.clone(), 1.0, name="t", check_finite=True, addend=addend, dest=dest,
+        result = scan.Scratch().scan(scanned, 1.0, name="t", check_finite=True, addend=addend, dest=dest,
                                      expected=200_000)
-    assert_scan_matches(result, x, 1.0)
-    if fused:
-        assert torch.equal(dest, x)
+    assert_scan_matches(result, total, 1.0)
+    assert torch.equal(scanned, total if mode == "in_place" else x)
+    if dest is not None:
+        assert torch.equal(dest, total)
+
+
+@needs_compiled
+@pytest.mark.parametrize("kernel", COMPILED)
+@pytest.mark.parametrize("cap", [0, 1, 999, 1000, 1017])
+def test_raw_kernel_writes_the_first_sparse_candidates_that_fit(kernel, cap):
+    """Sparse candidates (1%) with room for only some of them: the first ``cap`` are written, lane by
+    lane where a block's would not all fit, and every candidate is counted."""
+    from sparsecomm.selection import _scan
+
+    n = 200_003
+    x = torch.rand(n, generator=torch.Generator().manual_seed(cap)) * 0.5
+    x[torch.randperm(n, generator=torch.Generator().manual_seed(1))[: n // 100]] = 2.0
+    ref_idx, ref_val, _, _ = reference(x, 1.0)
+    idx, val = torch.full((cap + 16,), -1, dtype=torch.int32), torch.full((cap + 16,), -1.0)
+    count, _, _ = _scan.scan_ge(x.data_ptr(), n, 1.0, idx.data_ptr(), val.data_ptr(), cap, kernel)
+    assert count == ref_idx.numel()
+    assert torch.equal(idx[:cap].long(), ref_idx[:cap]) and torch.equal(val[:cap], ref_val[:cap])
+    assert bool((idx[cap:] == -1).all()) and bool((val[cap:] == -1.0).all())  # nothing past the room
 
 
 @needs_compiled

@@ -23,15 +23,21 @@
  * The candidates are written without sorting or a branch per lane: each block of lanes is compared
  * with the floor into a bit mask, the lanes whose bit is set are packed to the front of a register
  * (the magnitudes, and in another the lanes' indices), the whole registers are stored at the current
- * end of the output, and the end advances by the mask's popcount. A block without a candidate skips
- * the two stores while candidates are sparse (fewer than 1 in SPARSE_CANDIDATES so far, checked every
- * RECHECK_BLOCKS blocks). The two 64-byte stores per block are most of the loop's work besides its
- * memory traffic, and a branch on "any candidate in the block" mispredicts about as often as a block
- * holds one, which costs less than the stores up to a few percent of candidates and much more above.
- * Measured on the 2-core AMD EPYC of docs/selectors.md (2026-11-27; AVX-512, 25M elements, the sum
- * written to a third vector, medians of 7, three runs): 8.7-8.8 ms at 0.1% candidates (11.1-11.9
- * storing every block), 10.1-10.6 at 1.26% (11.2-12.2), 11.4-12.1 at 5% (11.8-12.6; always
- * branching: 18.1-18.6).
+ * end of the output, and the end advances by the mask's popcount. The vector is scanned in chunks of
+ * CHUNK_BLOCKS blocks of 16. While candidates are sparse (fewer than 1 in SPARSE_CANDIDATES so far,
+ * checked at each chunk) a chunk is scanned first without storing a candidate, noting in one bit per
+ * block whether it holds one, and then only the noted blocks are read again (from L1: the sum where
+ * the scan wrote it into x, else x + add recomputed) and packed, found by counting the trailing zero
+ * bits of that word. A branch per block on "any candidate here" mispredicts about as often as a block
+ * holds one (a fifth of the blocks at 1.5% candidates), and those mispredictions, not the memory
+ * traffic, were most of the scan's time above its floor; the loop over the noted blocks mispredicts
+ * about once per chunk. Once candidates are dense, every block is packed as it comes (two 64-byte
+ * stores a block, no branch). Measured on the 2-core AMD EPYC of docs/selectors.md (2026-11-27, 25M
+ * elements, medians of 6, the chunked kernel against the per-block branch of the previous build in one
+ * process, calls alternating): with the sum written to a third vector (error feedback's scan),
+ * AVX-512 7.8 against 8.4 ms at 0.6% candidates, 8.3 against 10.2 at 1.5%, 8.9 against 10.7 at 4.5%
+ * and 11.2 against 11.0 at 7.8% (dense); AVX2 7.7/8.2, 8.4/10.6, 9.6/10.6, 10.6/11.3. Reading x alone:
+ * AVX-512 3.7/4.3, 4.0/6.9, 5.4/5.0, 5.0/5.0.
  * The output therefore needs a block's worth of room beyond the last candidate; near the end of the
  * buffer (and beyond it, where candidates are only counted) the lanes are taken one by one. Three
  * variants with identical candidates and max (the sum differs only by rounding):
@@ -86,10 +92,11 @@
 #define SCAN_HAVE_X86_VARIANTS 0
 #endif
 
-/* A block's stores are skipped when it holds no candidate while fewer than 1 in SPARSE_CANDIDATES
- * elements so far were candidates; that ratio is re-checked every RECHECK_BLOCKS blocks of 16. */
-#define SPARSE_CANDIDATES 40
-#define RECHECK_BLOCKS 4096
+/* The vector kernels scan chunks of CHUNK_BLOCKS blocks of 16 elements (one bit per block in a 64-bit
+ * word); a chunk packs only its blocks with a candidate, after scanning them all, while fewer than 1 in
+ * SPARSE_CANDIDATES elements so far were candidates, and every block as it comes otherwise. */
+#define CHUNK_BLOCKS 64
+#define SPARSE_CANDIDATES 16
 
 typedef struct {
     const float *x;
@@ -204,58 +211,93 @@ __attribute__((target("avx2,popcnt"))) static inline int64_t pack_avx2(__m256 a,
     return count + __builtin_popcount(mask);
 }
 
+/* The candidates of elements i .. i + 15 (magnitudes a0, a1, set in hits0, hits1) written or counted: packed while
+ * 16 fit, counted once nothing more fits, lane by lane in between. */
+__attribute__((target("avx2,popcnt"))) static inline int64_t emit16_avx2(scan_t *c, int64_t count, int64_t i,
+                                                                        __m256 a0, __m256 a1, unsigned hits0,
+                                                                        unsigned hits1) {
+    if (count + 16 <= c->cap) {
+        count = pack_avx2(a0, hits0, i, c->idx, c->val, count);
+        return pack_avx2(a1, hits1, i + 8, c->idx, c->val, count);
+    }
+    if (count >= c->cap) return count + __builtin_popcount(hits0 | hits1 << 8);
+    float lanes[16];
+    _mm256_storeu_ps(lanes, a0);
+    _mm256_storeu_ps(lanes + 8, a1);
+    for (unsigned hits = hits0 | hits1 << 8; hits; hits &= hits - 1) {
+        int l = __builtin_ctz(hits);
+        emit(c, &count, i + l, lanes[l]);
+    }
+    return count;
+}
+
+/* The magnitudes of elements i .. i + 7 (of x + add where add is given, the sum written to dest where
+ * that is given too). */
+__attribute__((target("avx2"))) static inline __m256 magnitudes8_avx2(const float *x, const float *add, float *dest,
+                                                                     int stream, int64_t i) {
+    const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v = _mm256_loadu_ps(x + i);
+    if (add) {
+        v = _mm256_add_ps(v, _mm256_loadu_ps(add + i));
+        if (dest && stream)
+            _mm256_stream_ps(dest + i, v);
+        else if (dest)
+            _mm256_storeu_ps(dest + i, v);
+    }
+    return _mm256_and_ps(v, magnitude_bits);
+}
+
+__attribute__((target("avx2"))) static inline unsigned hits8_avx2(__m256 a, __m256 floor) {
+    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, floor, _CMP_GE_OQ));
+}
+
+/* The running sums (in double) and maxima of the magnitudes a0, a1. */
+__attribute__((target("avx2"))) static inline void accumulate16_avx2(__m256 a0, __m256 a1, __m256d *sum0, __m256d *sum1,
+                                                                    __m256d *sum2, __m256d *sum3, __m256 *max0,
+                                                                    __m256 *max1) {
+    *sum0 = _mm256_add_pd(*sum0, widen_low(a0));
+    *sum1 = _mm256_add_pd(*sum1, widen_high(a0));
+    *sum2 = _mm256_add_pd(*sum2, widen_low(a1));
+    *sum3 = _mm256_add_pd(*sum3, widen_high(a1));
+    *max0 = _mm256_max_ps(*max0, a0);
+    *max1 = _mm256_max_ps(*max1, a1);
+}
+
 __attribute__((target("avx2,popcnt"))) static void scan_avx2(scan_t *c) {
     const float *x = c->x;
     const float *add = c->add;
     float *dest = c->dest;
-    const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 floor = _mm256_set1_ps(c->floor);
     int64_t count = 0;
     __m256d sum0 = _mm256_setzero_pd(), sum1 = _mm256_setzero_pd();
     __m256d sum2 = _mm256_setzero_pd(), sum3 = _mm256_setzero_pd();
     __m256 max0 = _mm256_setzero_ps(), max1 = _mm256_setzero_ps();
     const int stream = dest != x && (uintptr_t)dest % 32 == 0;
-    unsigned dense = 0; /* 1 once candidates are not sparse (see SPARSE_CANDIDATES): store every block */
+    /* a noted block is read again: the sum from x where the scan wrote it there, else x + add anew */
+    const float *add_again = add && dest != x ? add : NULL;
+    const int64_t blocks_end = c->n - c->n % 16;
     int64_t i = 0;
-    for (; i + 16 <= c->n; i += 16) {
-        if (i % (16 * RECHECK_BLOCKS) == 0) dense = count * SPARSE_CANDIDATES > i;
-        __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
-        if (add) {
-            v0 = _mm256_add_ps(v0, _mm256_loadu_ps(add + i));
-            v1 = _mm256_add_ps(v1, _mm256_loadu_ps(add + i + 8));
-            if (stream) {
-                _mm256_stream_ps(dest + i, v0);
-                _mm256_stream_ps(dest + i + 8, v1);
-            } else {
-                _mm256_storeu_ps(dest + i, v0);
-                _mm256_storeu_ps(dest + i + 8, v1);
+    while (i < blocks_end) {
+        const int64_t chunk = i, chunk_end = i + 16 * CHUNK_BLOCKS < blocks_end ? i + 16 * CHUNK_BLOCKS : blocks_end;
+        if (count * SPARSE_CANDIDATES > i) { /* dense: every block's lanes packed as they come */
+            for (; i < chunk_end; i += 16) {
+                __m256 a0 = magnitudes8_avx2(x, add, dest, stream, i);
+                __m256 a1 = magnitudes8_avx2(x, add, dest, stream, i + 8);
+                accumulate16_avx2(a0, a1, &sum0, &sum1, &sum2, &sum3, &max0, &max1);
+                count = emit16_avx2(c, count, i, a0, a1, hits8_avx2(a0, floor), hits8_avx2(a1, floor));
             }
+            continue;
         }
-        __m256 a0 = _mm256_and_ps(v0, magnitude_bits);
-        __m256 a1 = _mm256_and_ps(v1, magnitude_bits);
-        sum0 = _mm256_add_pd(sum0, widen_low(a0));
-        sum1 = _mm256_add_pd(sum1, widen_high(a0));
-        sum2 = _mm256_add_pd(sum2, widen_low(a1));
-        sum3 = _mm256_add_pd(sum3, widen_high(a1));
-        max0 = _mm256_max_ps(max0, a0);
-        max1 = _mm256_max_ps(max1, a1);
-        unsigned hits0 = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a0, floor, _CMP_GE_OQ));
-        unsigned hits1 = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a1, floor, _CMP_GE_OQ));
-        if (!(hits0 | hits1 | dense)) { /* one branch, taken as often as a block lacks a candidate */
-            /* no candidate in the block: nothing to store */
-        } else if (count + 16 <= c->cap) {
-            count = pack_avx2(a0, hits0, i, c->idx, c->val, count);
-            count = pack_avx2(a1, hits1, i + 8, c->idx, c->val, count);
-        } else if (count >= c->cap) { /* nothing more to write (a count-only scan has cap 0): just count */
-            count += __builtin_popcount(hits0 | hits1 << 8);
-        } else {
-            float lanes[16];
-            _mm256_storeu_ps(lanes, a0);
-            _mm256_storeu_ps(lanes + 8, a1);
-            for (unsigned hits = hits0 | hits1 << 8; hits; hits &= hits - 1) {
-                int l = __builtin_ctz(hits);
-                emit(c, &count, i + l, lanes[l]);
-            }
+        uint64_t any = 0; /* sparse: bit b for a block b of the chunk with a candidate, packed afterwards */
+        for (int b = 0; i < chunk_end; b++, i += 16) {
+            __m256 a0 = magnitudes8_avx2(x, add, dest, stream, i), a1 = magnitudes8_avx2(x, add, dest, stream, i + 8);
+            accumulate16_avx2(a0, a1, &sum0, &sum1, &sum2, &sum3, &max0, &max1);
+            any |= (uint64_t)((hits8_avx2(a0, floor) | hits8_avx2(a1, floor)) != 0) << b;
+        }
+        for (; any; any &= any - 1) {
+            const int64_t j = chunk + 16 * (int64_t)__builtin_ctzll(any);
+            __m256 a0 = magnitudes8_avx2(x, add_again, NULL, 0, j), a1 = magnitudes8_avx2(x, add_again, NULL, 0, j + 8);
+            count = emit16_avx2(c, count, j, a0, a1, hits8_avx2(a0, floor), hits8_avx2(a1, floor));
         }
     }
     if (stream) _mm_sfence();
@@ -272,6 +314,50 @@ __attribute__((target("avx2,popcnt"))) static void scan_avx2(scan_t *c) {
     c->max = max;
 }
 
+/* The candidates of elements i .. i + 15 (magnitudes a, set in hits) written or counted, as
+ * emit16_avx2. */
+__attribute__((target("avx512f,popcnt"))) static inline int64_t emit16_avx512(scan_t *c, int64_t count, int64_t i,
+                                                                              __m512 a, __mmask16 hits) {
+    if (count + 16 <= c->cap) {
+        const __m512i lane_offsets = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i indices = _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), lane_offsets);
+        _mm512_storeu_ps(c->val + count, _mm512_maskz_compress_ps(hits, a));
+        _mm512_storeu_si512(c->idx + count, _mm512_maskz_compress_epi32(hits, indices));
+        return count + __builtin_popcount(hits);
+    }
+    if (count >= c->cap) return count + __builtin_popcount(hits);
+    float lanes[16];
+    _mm512_storeu_ps(lanes, a);
+    for (unsigned rest = hits; rest; rest &= rest - 1) {
+        int l = __builtin_ctz(rest);
+        emit(c, &count, i + l, lanes[l]);
+    }
+    return count;
+}
+
+/* The magnitudes of elements i .. i + 15 (of x + add where add is given, the sum written to dest where
+ * that is given too). */
+__attribute__((target("avx512f"))) static inline __m512 magnitudes16_avx512(const float *x, const float *add,
+                                                                          float *dest, int stream, int64_t i) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    if (add) {
+        v = _mm512_add_ps(v, _mm512_loadu_ps(add + i));
+        if (dest && stream)
+            _mm512_stream_ps(dest + i, v);
+        else if (dest)
+            _mm512_storeu_ps(dest + i, v);
+    }
+    return _mm512_abs_ps(v);
+}
+
+/* The running sums (in double) and maximum of the magnitudes a. */
+__attribute__((target("avx512f"))) static inline void accumulate16_avx512(__m512 a, __m512d *sum0, __m512d *sum1,
+                                                                         __m512 *max16) {
+    *sum0 = _mm512_add_pd(*sum0, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
+    *sum1 = _mm512_add_pd(*sum1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
+    *max16 = _mm512_max_ps(*max16, a);
+}
+
 /* The AVX-512 variant: the AVX2 variant's 16-element blocks in one register each. Its max lanes are
  * combined as the AVX2 variant's (lanes l and l + 8, then 0..7 in order), so even with NaN in x the
  * two report the same max. */
@@ -280,44 +366,34 @@ __attribute__((target("avx512f,popcnt"))) static void scan_avx512(scan_t *c) {
     const float *add = c->add;
     float *dest = c->dest;
     const __m512 floor = _mm512_set1_ps(c->floor);
-    const __m512i lane_offsets = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int64_t count = 0;
     __m512d sum0 = _mm512_setzero_pd(), sum1 = _mm512_setzero_pd();
     __m512 max16 = _mm512_setzero_ps();
     const int stream = dest != x && (uintptr_t)dest % 64 == 0;
-    unsigned dense = 0; /* 1 once candidates are not sparse (see SPARSE_CANDIDATES): store every block */
+    /* a noted block is read again: the sum from x where the scan wrote it there, else x + add anew */
+    const float *add_again = add && dest != x ? add : NULL;
+    const int64_t blocks_end = c->n - c->n % 16;
     int64_t i = 0;
-    for (; i + 16 <= c->n; i += 16) {
-        if (i % (16 * RECHECK_BLOCKS) == 0) dense = count * SPARSE_CANDIDATES > i;
-        __m512 v = _mm512_loadu_ps(x + i);
-        if (add) {
-            v = _mm512_add_ps(v, _mm512_loadu_ps(add + i));
-            if (stream)
-                _mm512_stream_ps(dest + i, v);
-            else
-                _mm512_storeu_ps(dest + i, v);
-        }
-        __m512 a = _mm512_abs_ps(v);
-        sum0 = _mm512_add_pd(sum0, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
-        sum1 = _mm512_add_pd(sum1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
-        max16 = _mm512_max_ps(max16, a);
-        __mmask16 hits = _mm512_cmp_ps_mask(a, floor, _CMP_GE_OQ);
-        if (!(hits | dense)) { /* one branch, taken as often as a block lacks a candidate */
-            /* no candidate in the block: nothing to store */
-        } else if (count + 16 <= c->cap) {
-            __m512i indices = _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), lane_offsets);
-            _mm512_storeu_ps(c->val + count, _mm512_maskz_compress_ps(hits, a));
-            _mm512_storeu_si512(c->idx + count, _mm512_maskz_compress_epi32(hits, indices));
-            count += __builtin_popcount(hits);
-        } else if (count >= c->cap) {
-            count += __builtin_popcount(hits);
-        } else {
-            float lanes[16];
-            _mm512_storeu_ps(lanes, a);
-            for (unsigned rest = hits; rest; rest &= rest - 1) {
-                int l = __builtin_ctz(rest);
-                emit(c, &count, i + l, lanes[l]);
+    while (i < blocks_end) {
+        const int64_t chunk = i, chunk_end = i + 16 * CHUNK_BLOCKS < blocks_end ? i + 16 * CHUNK_BLOCKS : blocks_end;
+        if (count * SPARSE_CANDIDATES > i) { /* dense: every block packed as it comes */
+            for (; i < chunk_end; i += 16) {
+                __m512 a = magnitudes16_avx512(x, add, dest, stream, i);
+                accumulate16_avx512(a, &sum0, &sum1, &max16);
+                count = emit16_avx512(c, count, i, a, _mm512_cmp_ps_mask(a, floor, _CMP_GE_OQ));
             }
+            continue;
+        }
+        uint64_t any = 0; /* sparse: bit b for a block b of the chunk with a candidate, packed afterwards */
+        for (int b = 0; i < chunk_end; b++, i += 16) {
+            __m512 a = magnitudes16_avx512(x, add, dest, stream, i);
+            accumulate16_avx512(a, &sum0, &sum1, &max16);
+            any |= (uint64_t)(_mm512_cmp_ps_mask(a, floor, _CMP_GE_OQ) != 0) << b;
+        }
+        for (; any; any &= any - 1) {
+            const int64_t j = chunk + 16 * (int64_t)__builtin_ctzll(any);
+            __m512 a = magnitudes16_avx512(x, add_again, NULL, 0, j);
+            count = emit16_avx512(c, count, j, a, _mm512_cmp_ps_mask(a, floor, _CMP_GE_OQ));
         }
     }
     if (stream) _mm_sfence();
