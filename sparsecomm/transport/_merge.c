@@ -179,9 +179,9 @@ MERGE_BODY(double)
 /* in place at most 1/6 of a block's groups (a touched line in place costs about six streamed ones: its
  * read, its write-back and the hardware prefetcher's neighbours). Measured on this project's 2-core
  * test machine (2026-11-26; 25M float32 outputs, a new 1% of entries each call, four processes per setting):
- * 1.3-1.6 passes over the output with the cut-over at 1/3, 0.8-1.6 at 1/6 (this machine's memory
- * runs at one of two speeds from one process to the next; at the slow one both take 1.5); 0.1-0.3%
- * of entries stay in place either way. */
+ * 1.3-1.6 passes over the output with the cut-over at 1/3, 0.8-1.6 at 1/6 (the sweep then ran at one
+ * of two speeds from one process to the next, 4K aliasing of the scratch, since placed by
+ * half_page_away; at the slow one both took 1.5); 0.1-0.3% of entries stay in place either way. */
 #define DENSE_NUM 1
 #define DENSE_DEN 6
 
