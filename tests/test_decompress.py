@@ -360,3 +360,19 @@ def test_members_is_membership_on_every_path(path, a, b, wide, reverse):
         assert torch.equal(merge.members(a_t, b_t), expected)
     finally:
         merge._compiled = compiled
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64])
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 700), share=st.floats(0.0, 1.0), seed=st.integers(0, 2**31))
+def test_nonzero_positions_is_torch_nonzero(dtype, n, share, seed):
+    """The union bitmaps' positions (C for uint8 and int32, torch otherwise): torch.nonzero's, for any
+    length (whole 64-byte words and a tail) and any share set, with values whose high bits are set."""
+    g = torch.Generator().manual_seed(seed)
+    bitmap = torch.zeros(n, dtype=dtype)
+    hits = torch.rand(n, generator=g) < share
+    values = torch.tensor([1, 127, 128, 255] if dtype == torch.uint8 else [1, -1, 1 << 24, -(1 << 31)], dtype=dtype)
+    bitmap[hits] = values[torch.randint(0, 4, (int(hits.sum()),), generator=g)]
+    positions = merge.nonzero_positions(bitmap)
+    assert positions.dtype == torch.int64
+    assert torch.equal(positions, torch.nonzero(bitmap).reshape(-1))

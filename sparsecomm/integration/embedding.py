@@ -52,6 +52,7 @@ from ..transport.block_aggregate import block_allreduce
 from ..transport.chunk import index_dtype
 from ..transport.collectives import allreduce, ring_cost
 from ..transport.comm import Communicator
+from ..transport.merge import nonzero_positions
 from ..transport.sparse_collectives import allgatherv
 from ..transport.sparse_stream import Stream, dense_switch_count, dsa_allreduce, split_allreduce
 from .synchronizer import SparseSynchronizer
@@ -175,7 +176,7 @@ class RowSparseReducer:
         bitmap[ids] = 1
         table = allreduce(self.comm, table.reshape(-1), "rabenseifner").view(self.sketch_rows, cols, dim)
         bitmap = allreduce(self.comm, bitmap, "rabenseifner")
-        union = torch.nonzero(bitmap).reshape(-1)
+        union = nonzero_positions(bitmap)
         del bitmap
         buckets, signs = sketch.hashes(union)
         estimates = torch.stack([table[row][buckets[row]] * signs[row].to(values.dtype).unsqueeze(1)

@@ -56,6 +56,7 @@ from ..selection.block import BlockTopK, gather_blocks, zero_blocks
 from ..selection.sketch import CountSketch
 from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator
+from ..transport.merge import nonzero_positions
 from .base import Layout, Method, register_method
 
 __all__ = ["SparseSketchReducer", "sketch_shape", "bitmap_dtype"]
@@ -137,7 +138,7 @@ class SparseSketchReducer(Method):
             table = allreduce(self.comm, table.reshape(-1), self.allreduce_name).view(rows, cols)
             bitmap = allreduce(self.comm, bitmap, self.allreduce_name)
         with self.timer("decompress"):
-            union = torch.nonzero(bitmap).reshape(-1)        # the blocks any rank selected, increasing
+            union = nonzero_positions(bitmap)                # the blocks any rank selected, increasing
             # out = estimate / P on the union's elements and 0 elsewhere: the queries block by block,
             # then one write of those blocks (and the last call's) that also counts stats.nnz_out
             estimates = sketch.query_blocks(table, union, B)

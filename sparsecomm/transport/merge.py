@@ -42,7 +42,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["merge_sum", "average_into", "average_blocks_into", "clear", "GroupMask", "Stale", "GROUP", "ascending",
-           "strictly_increasing", "compiled", "IN_PLACE_SHARE", "sketch_insert", "sketch_query_blocks", "members"]
+           "strictly_increasing", "compiled", "IN_PLACE_SHARE", "sketch_insert", "sketch_query_blocks", "members",
+           "nonzero_positions"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,21 @@ def ascending(indices: Tensor) -> Tensor:
 def strictly_increasing(indices: Tensor) -> bool:
     """Whether ``indices`` are sorted and distinct (a coalesced chunk's): one compare over them."""
     return indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all())
+
+
+def nonzero_positions(bitmap: Tensor) -> Tensor:
+    """The increasing int64 positions of the non-zero entries of the 1-D ``bitmap``, as
+    ``torch.nonzero(bitmap).reshape(-1)`` gives them: in C where it is a contiguous CPU vector of
+    uint8 or int32 (a union bitmap of S2 Reducer or the sparse embeddings: a count, then the
+    positions, eight bytes tested at a time), else by torch."""
+    if (_compiled is not None and bitmap.device.type == "cpu" and bitmap.dim() == 1 and bitmap.is_contiguous()
+            and bitmap.dtype in (torch.uint8, torch.int32)):
+        itemsize = bitmap.element_size()
+        count = _compiled.nonzero_positions(bitmap.data_ptr(), bitmap.numel(), itemsize, 0)
+        positions = torch.empty(count, dtype=torch.int64)
+        _compiled.nonzero_positions(bitmap.data_ptr(), bitmap.numel(), itemsize, positions.data_ptr())
+        return positions
+    return torch.nonzero(bitmap).reshape(-1)
 
 
 def members(indices: Tensor, sorted_set: Tensor) -> Tensor:
