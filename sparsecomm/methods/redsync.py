@@ -134,8 +134,18 @@ def pack_message(specs: Sequence[LayerSpec], parts: Sequence[LayerPart],
         values.append(part.values)
     device, dtype = parts[0].values.device, parts[0].values.dtype
     return [torch.tensor(counts, dtype=_COUNT_DTYPE, device=device),
-            torch.cat(indices) if indices else torch.empty(0, dtype=index_type, device=device),
-            torch.cat([v.to(dtype) for v in values])]
+            _joined(indices) if indices else torch.empty(0, dtype=index_type, device=device),
+            _joined([v.to(dtype) for v in values])]
+
+
+def _joined(tensors: Sequence[Tensor]) -> Tensor:
+    """``torch.cat(tensors)``, without the copy where there is one tensor (a one-layer bucket)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _shifted(indices: Tensor, offset: int) -> Tensor:
+    """A layer's local indices as the bucket's: ``indices + offset``, the tensor itself at offset 0."""
+    return indices if offset == 0 else indices + offset
 
 
 def unpack_message(specs: Sequence[LayerSpec], counts: Tensor, indices: Tensor, values: Tensor) -> list[LayerPart]:
@@ -289,7 +299,7 @@ class RedSync(Method):
         k = self.k(spec.numel)
         if not spec.quantized:
             idx = ascending(self._selectors[i](x, k) if picked is None else picked)  # sorted: the receivers merge
-            part = LayerPart(idx + spec.offset, take_and_clear(x, idx))  # x keeps the rest
+            part = LayerPart(_shifted(idx, spec.offset), take_and_clear(x, idx))  # x keeps the rest
             return part, idx
         signed = x * sign
         idx = ascending(self._selectors[i](signed.clamp_(min=0), k))
@@ -355,9 +365,9 @@ class RedSync(Method):
             for i, spec in enumerate(specs):
                 part, idx = self._compress(i, spec, acc[spec.offset:spec.offset + spec.numel], sign, picked.get(i))
                 parts.append(part)
-                sent.append(idx + spec.offset)
+                sent.append(_shifted(idx, spec.offset))
             message = pack_message(specs, parts, index_dtype(n))
-        self.last_sent = torch.cat(sent)
+        self.last_sent = _joined(sent)
         self.stats["selected"] = self.last_sent.numel()
         self.stats["message_bytes"] = message_nbytes(message)
         self.stats["asq_sign"] = sign if self.quantize else 0
