@@ -138,7 +138,7 @@ def pack_message(specs: Sequence[LayerSpec], parts: Sequence[LayerPart],
             _joined([v.to(dtype) for v in values])]
 
 
-def _joined(tensors: Sequence[Tensor]) -> Tensor:
+def _joined(tensors: list[Tensor]) -> Tensor:
     """``torch.cat(tensors)``, without the copy where there is one tensor (a one-layer bucket)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
