@@ -406,13 +406,12 @@ class ExDyna(SparsificationMetrics, Method):
         with self.timer("select"):
             lo, hi = torch.searchsorted(candidates, torch.tensor([start, end], dtype=candidates.dtype,
                                                                  device=candidates.device)).tolist()
-            local = candidates[lo:hi] - start  # increasing indices of |part| >= threshold
-            part = acc[start:end]
-            picked = local.numel()
+            selected = candidates[lo:hi]  # increasing indices of |acc| >= threshold inside the partition
+            picked = selected.numel()
             limit = cap_limit(self.cap, k / P)
             if limit is not None and k < n and picked > limit:
-                local = cap_selection(part, local, limit)  # the rest stays in the residual
-            return (local + start).to(index_dtype(n)), picked
+                selected = cap_selection(acc, selected, limit)  # the rest stays in the residual
+            return selected.to(index_dtype(n)), picked
 
     def _allgather_indices(self, indices: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's selected indices, in rank order (see the module docstring for both modes)."""
