@@ -48,3 +48,17 @@ def test_shape_errors():
         SparseChunk(torch.zeros(3, dtype=torch.int32), torch.zeros(2))
     with pytest.raises(ValueError, match="at least one chunk"):
         add_chunks([])
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 300), share=st.sampled_from([0.0, 0.3, 0.9, 1.0]), seed=st.integers(0, 2**31))
+def test_select_keeps_the_masked_pairs_in_order(n, share, seed):
+    """``select`` is boolean indexing of both tensors: the pairs where the mask is true, in order, with
+    the chunk's dtypes (itself where the mask is true everywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    chunk = SparseChunk(torch.sort(torch.randperm(10 * n + 1, generator=g)[:n]).values.to(torch.int32),
+                        torch.randn(n, generator=g, dtype=torch.float64))
+    mask = torch.rand(n, generator=g) < share
+    picked = chunk.select(mask)
+    assert torch.equal(picked.indices, chunk.indices[mask]) and torch.equal(picked.values, chunk.values[mask])
+    assert picked.indices.dtype == torch.int32 and picked.values.dtype == torch.float64

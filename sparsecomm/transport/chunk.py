@@ -75,7 +75,12 @@ class SparseChunk:
         return self.scatter_add_(torch.zeros(n, dtype=self.values.dtype, device=self.values.device), offset)
 
     def select(self, mask: torch.Tensor) -> SparseChunk:
-        return SparseChunk(self.indices[mask], self.values[mask])
+        """The pairs where the bool ``mask`` is true, in order: the chunk itself where it is true
+        everywhere, else one ``nonzero`` for both tensors (boolean indexing would take one each)."""
+        if bool(mask.all()):
+            return self
+        keep = torch.nonzero(mask).squeeze(1)
+        return SparseChunk(self.indices.index_select(0, keep), self.values.index_select(0, keep))
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The tensors that travel: (indices, values)."""
