@@ -69,20 +69,27 @@ def test_average_blocks_into_refuses_a_block_outside():
         average_blocks_into(out, torch.tensor([0, 4]), 32, torch.ones(2, 32), 1)
 
 
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "scalar"])
 @pytest.mark.parametrize("n, rows, cols, size, dtype", [
     (1000, 3, 7, 32, torch.float32), (100_003, 3, 300, 32, torch.float32), (5000, 1, 64, 16, torch.float64),
     (77_777, 5, 50, 7, torch.float32), (3000, 4, 5, 32, torch.float64), (70_000, 2, 3, 32, torch.float32),
-    (50_000, 3, 4000, 20, torch.float32), (33_333, 3, 2 ** 20, 48, torch.float32),  # sixteen lanes and a rest
+    (50_000, 3, 4000, 20, torch.float32), (33_333, 3, 2 ** 20, 48, torch.float32),  # lanes and a rest
+    (2 ** 20, 3, 49, 32, torch.float32),  # x * (1 / 49) rounds below the quotient for half of 49's multiples
     (2 ** 33 + 5, 3, 1000, 32, torch.float32)])  # the last: keys past 32 bits
-def test_sketch_kernels_give_the_bits_of_the_torch_hashes(n, rows, cols, size, dtype):
+def test_sketch_kernels_give_the_bits_of_the_torch_hashes(n, rows, cols, size, dtype, variant):
+    if variant not in merge.sketch_variants():
+        pytest.skip(f"this CPU does not run the {variant} sketch kernels")
     gen = torch.Generator().manual_seed(rows * cols)
-    for seed in range(3):
+    for seed in range(4):
         sketch = CountSketch(n, rows, cols, seed=seed)
         limit = min(n, 10 ** 6)
-        idx = torch.sort(torch.randperm(limit, generator=gen)[:min(limit, 4000)]).values
+        idx = torch.sort(torch.randperm(limit, generator=gen)[:min(limit, 4000) - seed]).values
+        if seed % 2:
+            idx = idx.to(torch.int32)  # the kernels read 32- and 64-bit indices
         values = torch.randn(idx.numel(), generator=gen, dtype=dtype) if seed == 1 else \
             torch.randint(-2, 3, (idx.numel(),), generator=gen).to(dtype) * 0.5  # ties and zeros
-        table = sketch.insert(sketch.empty_table(dtype), idx, values)
+        table = sketch.empty_table(dtype)
+        assert merge.sketch_insert(sketch._keys(), table, idx, values, variant=variant)
         reference = sketch.empty_table(dtype)
         buckets, signs = sketch.hashes(idx)
         for row in range(rows):
@@ -93,12 +100,20 @@ def test_sketch_kernels_give_the_bits_of_the_torch_hashes(n, rows, cols, size, d
             if rows > 2:
                 table[:, 1::5] = float("nan")
         blocks = torch.sort(torch.randperm(-(-limit // size), generator=gen)[:500]).values
-        estimates = sketch.query_blocks(table, blocks, size)
-        elements = blocks.unsqueeze(1) * size + torch.arange(size)
+        if seed % 2:
+            blocks = blocks.to(torch.int32)
+        estimates = merge.sketch_query_blocks(sketch._keys(), table, blocks, size, n, variant=variant)
+        elements = blocks.long().unsqueeze(1) * size + torch.arange(size)
         inside = elements < n
         expected = torch.zeros_like(estimates)
         expected[inside] = sketch.query(table, elements[inside])
         assert torch.equal(_bits(estimates), _bits(expected))
+
+
+def test_sketch_kernels_refuse_a_variant_this_cpu_lacks():
+    with pytest.raises(ValueError, match="variant='sse9' does not run here"):
+        merge.sketch_query_blocks(CountSketch(100, 3, 7, seed=0)._keys(), torch.zeros(3, 7), torch.tensor([0]),
+                                  32, 100, variant="sse9")
 
 
 def _outputs(name, n, densities, compiled):

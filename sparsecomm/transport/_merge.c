@@ -591,14 +591,15 @@ MEDIAN3(float)
 MEDIAN3(double)
 
 /* sketch_insert: table[r * cols + bucket_r(idx[p])] += values[p] * sign_r(idx[p]), row by row, p in
- * order (torch's index_add_ of values * signs, row after row). Where the CPU has AVX-512 the buckets and
- * signs of sixteen indices are hashed at once (hash16), and the additions stay one by one, in order. */
+ * order (torch's index_add_ of values * signs, row after row). With `lanes` 16 (AVX-512) or 8 (AVX2) the
+ * buckets and signs of that many indices are hashed at once (hash16, hash8), and the additions stay one
+ * by one, in order; 0 hashes one by one. */
 #define INSERT_BODY(T, I)                                                                                   \
     static void sketch_insert_##T##_##I(const sketch_t *s, const I *idx, const T *values, int64_t m,        \
-                                        T *table) {                                                         \
+                                        T *table, int lanes) {                                              \
         for (int r = 0; r < s->rows; r++) {                                                                 \
             T *row = table + (int64_t)r * (int64_t)s->cols;                                                 \
-            int64_t p = HASH16_LANES(s, idx, values, m, r, row);                                            \
+            int64_t p = HASH_LANES(lanes, s, idx, values, m, r, row);                                       \
             for (; p < m; p++) {                                                                            \
                 uint64_t i = (uint64_t)idx[p];                                                              \
                 T sign = (sketch_mix(s, s->rows + r, i) & 1) ? (T)-1 : (T)1;                                \
@@ -691,6 +692,90 @@ __attribute__((target("avx512f"))) static inline __m512i load16_int64_t(const in
                               _mm512_cvtepi64_epi32(_mm512_loadu_si512((const void *)(idx + 8))), 1);
 }
 
+/* The AVX2 counterparts of mix16, mod8, hash16 and query16_float3: eight lanes, the same integers and
+ * bits (x % cols by the same exact double arithmetic: q * cols and x are integers below 2^53). */
+__attribute__((target("avx2"))) static inline __m256i mix8(const sketch_t *s, int m, __m256i x) {
+    const __m256i mask = _mm256_set1_epi32((int)(uint32_t)s->mask);
+    const __m128i shift = _mm_cvtsi32_si128(s->shift);
+    __m256i y = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)(uint32_t)s->a[m]));
+    y = _mm256_and_si256(_mm256_add_epi32(y, _mm256_set1_epi32((int)(uint32_t)s->b[m])), mask);
+    y = _mm256_xor_si256(y, _mm256_srl_epi32(y, shift));
+    y = _mm256_and_si256(_mm256_mullo_epi32(y, _mm256_set1_epi32((int)(uint32_t)s->c[m])), mask);
+    return _mm256_xor_si256(y, _mm256_srl_epi32(y, shift));
+}
+
+/* 8 lanes of x % cols for 32-bit unsigned x and 2 <= cols < 2^31. In double, x * fl(1 / cols) lies within
+ * 2^-52 relative of x / cols, while a quotient that is not an integer is at least 1 / x >= 2^-32 relative
+ * from the next one: its truncation q is the quotient, or one less where x is a multiple of cols. So
+ * x - q * cols (32 bits) is the remainder or the remainder plus cols; the unsigned minimum with itself
+ * minus cols is the remainder. (x enters the conversion as signed after flipping its top bit, plus 2^31.) */
+__attribute__((target("avx2"))) static inline __m256i mod8_avx2(__m256i x, __m256i cols, __m256d inverse) {
+    const __m256d two31 = _mm256_set1_pd(2147483648.0);
+    const __m256i flipped = _mm256_xor_si256(x, _mm256_set1_epi32((int)0x80000000u));
+    const __m256d lo = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(flipped)), two31);
+    const __m256d hi = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(flipped, 1)), two31);
+    const __m256i q = _mm256_set_m128i(_mm256_cvttpd_epi32(_mm256_mul_pd(hi, inverse)),
+                                       _mm256_cvttpd_epi32(_mm256_mul_pd(lo, inverse)));
+    const __m256i r = _mm256_sub_epi32(x, _mm256_mullo_epi32(q, cols));
+    return _mm256_min_epu32(r, _mm256_sub_epi32(r, cols));
+}
+
+/* Row r's buckets of the eight indices i (returned) and, per lane, the sign bit to flip (*flip). */
+__attribute__((target("avx2"))) static inline __m256i hash8(const sketch_t *s, int r, __m256i i, __m256i *flip) {
+    *flip = _mm256_slli_epi32(mix8(s, s->rows + r, i), 31);
+    return mod8_avx2(mix8(s, r, i), _mm256_set1_epi32((int)s->cols), _mm256_set1_pd(1.0 / (double)s->cols));
+}
+
+/* query16_float3 in eight lanes: the estimates of i0 .. i0 + 7; 0 (nothing written) on a NaN. */
+__attribute__((target("avx2"))) static int query8_float3(const sketch_t *s, uint32_t i0, const float *table,
+                                                          float *out) {
+    const __m256i i = _mm256_add_epi32(_mm256_set1_epi32((int)i0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 e[3];
+    for (int r = 0; r < 3; r++) {
+        __m256i flip;
+        const __m256i bucket = hash8(s, r, i, &flip);
+        const __m256 v = _mm256_i32gather_ps(table + (int64_t)r * (int64_t)s->cols, bucket, 4);
+        e[r] = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(v), flip));
+        if (_mm256_movemask_ps(_mm256_cmp_ps(e[r], e[r], _CMP_UNORD_Q))) return 0;
+    }
+    const __m256 swap_ab = _mm256_cmp_ps(e[1], e[0], _CMP_LT_OQ);
+    const __m256 lo = _mm256_blendv_ps(e[0], e[1], swap_ab), hi = _mm256_blendv_ps(e[1], e[0], swap_ab);
+    const __m256 mid = _mm256_blendv_ps(hi, e[2], _mm256_cmp_ps(e[2], hi, _CMP_LT_OQ));
+    _mm256_storeu_ps(out, _mm256_blendv_ps(mid, lo, _mm256_cmp_ps(mid, lo, _CMP_LT_OQ)));
+    return 1;
+}
+
+__attribute__((target("avx2"))) static inline __m256i load8_int32_t(const int32_t *idx) {
+    return _mm256_loadu_si256((const __m256i *)(const void *)idx);
+}
+__attribute__((target("avx2"))) static inline __m256i load8_int64_t(const int64_t *idx) {
+    /* the low halves of eight int64 (below 2^32): even 32-bit words of two vectors, in order */
+    const __m256i lo = _mm256_loadu_si256((const __m256i *)(const void *)idx);
+    const __m256i hi = _mm256_loadu_si256((const __m256i *)(const void *)(idx + 4));
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    return _mm256_permute2x128_si256(_mm256_permutevar8x32_epi32(lo, even), _mm256_permutevar8x32_epi32(hi, even),
+                                     0x20);
+}
+
+/* The first m - m % 8 insertions of row r, hashed eight at a time; returns how many were made. */
+#define INSERT8(T, I)                                                                                       \
+    __attribute__((target("avx2"))) static int64_t insert8_##T##_##I(const sketch_t *s, const I *idx,        \
+                                                                     const T *values, int64_t m, int r, T *row) { \
+        int32_t buckets[8], flips[8];                                                                       \
+        int64_t p = 0;                                                                                      \
+        for (; p + 8 <= m; p += 8) {                                                                        \
+            __m256i flip;                                                                                   \
+            _mm256_storeu_si256((__m256i *)(void *)buckets, hash8(s, r, load8_##I(idx + p), &flip));        \
+            _mm256_storeu_si256((__m256i *)(void *)flips, flip);                                            \
+            for (int l = 0; l < 8; l++) row[buckets[l]] += values[p + l] * (flips[l] ? (T)-1 : (T)1);        \
+        }                                                                                                   \
+        return p;                                                                                           \
+    }
+INSERT8(float, int32_t)
+INSERT8(float, int64_t)
+INSERT8(double, int32_t)
+INSERT8(double, int64_t)
+
 /* The first m - m % 16 insertions of row r, hashed sixteen at a time; returns how many were made. */
 #define INSERT16(T, I)                                                                                      \
     __attribute__((target("avx512f,avx512dq"))) static int64_t insert16_##T##_##I(                          \
@@ -709,38 +794,43 @@ INSERT16(float, int32_t)
 INSERT16(float, int64_t)
 INSERT16(double, int32_t)
 INSERT16(double, int64_t)
-#define HASH16_APPLIES(s) (use_avx512 && (s)->mask <= UINT32_MAX && (s)->cols < (UINT64_C(1) << 31))
-#define HASH16_LANES(s, idx, values, m, r, row)                                                             \
-    (HASH16_APPLIES(s) ? _Generic((values), const float *: _Generic((idx), const int32_t *: insert16_float_int32_t, \
-                                                                     default: insert16_float_int64_t),       \
-                                  default: _Generic((idx), const int32_t *: insert16_double_int32_t,          \
-                                                    default: insert16_double_int64_t))(s, idx, values, m, r, row) \
-                       : 0)
 #endif
 
-/* Whether the 16-lane query applies: float values, three rows, 32-bit keys, fewer than 2^31 columns. */
+/* The vector lanes apply to 32-bit keys (a mask below 2^32) and fewer than 2^31 columns; the query's
+ * also to three rows of floats (a single column: every bucket is 0, one by one). `lanes`: 16 (AVX-512), 8 (AVX2) or 0 (one by one), from the variant. */
+#define SKETCH_LANES_APPLY(s) ((s)->mask <= UINT32_MAX && (s)->cols >= 2 && (s)->cols < (UINT64_C(1) << 31))
 #if MERGE_HAVE_SIMD
-#define QUERY16(T, s, i0, table, out)                                                                       \
-    (use_avx512 && sizeof(T) == sizeof(float) && (s)->rows == 3 && (s)->mask <= UINT32_MAX &&               \
-     (s)->cols < (UINT64_C(1) << 31) && query16_float3((s), (uint32_t)(i0), (const float *)(table), (float *)(out)))
+#define SKETCH_PICK(F, idx, values)                                                                         \
+    _Generic((values), const float *: _Generic((idx), const int32_t *: F##_float_int32_t, default: F##_float_int64_t), \
+             default: _Generic((idx), const int32_t *: F##_double_int32_t, default: F##_double_int64_t))
+#define HASH_LANES(lanes, s, idx, values, m, r, row)                                                        \
+    (!SKETCH_LANES_APPLY(s) ? 0                                                                             \
+     : (lanes) == 16        ? SKETCH_PICK(insert16, idx, values)(s, idx, values, m, r, row)                 \
+     : (lanes) == 8         ? SKETCH_PICK(insert8, idx, values)(s, idx, values, m, r, row)                  \
+                            : 0)
+#define QUERY_LANES(lanes, s, i0, table, out)                                                               \
+    ((lanes) == 16 ? query16_float3((s), (uint32_t)(i0), (const float *)(table), (float *)(out))            \
+                   : query8_float3((s), (uint32_t)(i0), (const float *)(table), (float *)(out)))
 #else
-#define QUERY16(T, s, i0, table, out) 0
-#define HASH16_LANES(s, idx, values, m, r, row) 0
+#define HASH_LANES(lanes, s, idx, values, m, r, row) 0
+#define QUERY_LANES(lanes, s, i0, table, out) 0
 #endif
 
 /* sketch_query_blocks: out[b * size + j] = the median over the rows of sign_r(i) * table[r, bucket_r(i)]
- * for element i = ids[b] * size + j below n (the query of CountSketch.query); past n, 0. Sixteen elements
- * at a time where the CPU has AVX-512 (query16_float3), else one by one. */
+ * for element i = ids[b] * size + j below n (the query of CountSketch.query); past n, 0. `lanes` elements
+ * at a time (query16_float3, query8_float3) where they apply, else one by one. */
 #define QUERY_BODY(T, I)                                                                                    \
     static void sketch_query_##T##_##I(const sketch_t *s, const I *ids, int64_t nblocks, int64_t size,      \
-                                       int64_t n, const T *table, T *out) {                                 \
+                                       int64_t n, const T *table, T *out, int lanes) {                      \
+        if (sizeof(T) != sizeof(float) || s->rows != 3 || !SKETCH_LANES_APPLY(s)) lanes = 0;                \
         for (int64_t b = 0; b < nblocks; b++) {                                                             \
             const int64_t lo = (int64_t)ids[b] * size;                                                      \
             int64_t j = 0;                                                                                  \
-            for (; j + 16 <= size && lo + j + 16 <= n; j += 16)                                             \
-                if (!QUERY16(T, s, lo + j, table, out + b * size + j))                                      \
-                    for (int64_t q = j; q < j + 16; q++)                                                    \
-                        out[b * size + q] = query_one_##T(s, (uint64_t)(lo + q), table);                   \
+            if (lanes)                                                                                      \
+                for (; j + lanes <= size && lo + j + lanes <= n; j += lanes)                                \
+                    if (!QUERY_LANES(lanes, s, lo + j, table, out + b * size + j))                          \
+                        for (int64_t q = j; q < j + lanes; q++)                                             \
+                            out[b * size + q] = query_one_##T(s, (uint64_t)(lo + q), table);               \
             for (; j < size; j++)                                                                           \
                 out[b * size + j] = lo + j < n ? query_one_##T(s, (uint64_t)(lo + j), table) : (T)0;        \
         }                                                                                                   \
@@ -949,10 +1039,31 @@ static PyObject *average_blocks(PyObject *self, PyObject *args) {
     return Py_BuildValue("LL", (long long)status, (long long)nonzero);
 }
 
-/* sketch_insert(cols, mask, shift, a, b, c, idx_ptr, m, wide_index, values_ptr, wide_value, table_ptr)
+/* sketch_insert(cols, mask, shift, a, b, c, idx_ptr, m, wide_index, values_ptr, wide_value, table_ptr, variant)
  * sketch_query_blocks(cols, mask, shift, a, b, c, ids_ptr, nblocks, wide_index, size, n, table_ptr,
- *                     wide_value, out_ptr)
- * The indices (block ids) must lie in [0, n) ([0, ceil(n / size))): the caller checks. */
+ *                     wide_value, out_ptr, variant)
+ * The indices (block ids) must lie in [0, n) ([0, ceil(n / size))): the caller checks. `variant`
+ * ("avx512", "avx2" or "scalar", one of sketch_variants()) picks the lanes; all give the same bits. */
+static int sketch_lanes(const char *variant) {
+    if (strcmp(variant, "scalar") == 0) return 0;
+#if MERGE_HAVE_SIMD
+    if (strcmp(variant, "avx2") == 0 && use_avx2) return 8;
+    if (strcmp(variant, "avx512") == 0 && use_avx512) return 16;
+#endif
+    PyErr_Format(PyExc_ValueError, "sketch: variant %R does not run here (see sketch_variants())", variant);
+    return -1;
+}
+
+static PyObject *sketch_variants(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+#if MERGE_HAVE_SIMD
+    if (use_avx512) return Py_BuildValue("[sss]", "avx512", "avx2", "scalar");
+    if (use_avx2) return Py_BuildValue("[ss]", "avx2", "scalar");
+#endif
+    return Py_BuildValue("[s]", "scalar");
+}
+
 static PyObject *sketch_insert(PyObject *self, PyObject *args) {
     (void)self;
     long long cols, m;
@@ -960,23 +1071,25 @@ static PyObject *sketch_insert(PyObject *self, PyObject *args) {
     int shift, wide_index, wide_value;
     PyObject *a, *b, *c;
     sketch_t s;
-    if (!PyArg_ParseTuple(args, "LKiOOOKLpKpK", &cols, &mask, &shift, &a, &b, &c, &idx, &m, &wide_index, &values,
-                          &wide_value, &table) ||
-        read_sketch(&s, cols, mask, shift, a, b, c) < 0)
+    const char *variant;
+    int lanes;
+    if (!PyArg_ParseTuple(args, "LKiOOOKLpKpKs", &cols, &mask, &shift, &a, &b, &c, &idx, &m, &wide_index, &values,
+                          &wide_value, &table, &variant) ||
+        read_sketch(&s, cols, mask, shift, a, b, c) < 0 || (lanes = sketch_lanes(variant)) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     if (wide_value && wide_index)
         sketch_insert_double_int64_t(&s, (const int64_t *)(uintptr_t)idx, (const double *)(uintptr_t)values, m,
-                                     (double *)(uintptr_t)table);
+                                     (double *)(uintptr_t)table, lanes);
     else if (wide_value)
         sketch_insert_double_int32_t(&s, (const int32_t *)(uintptr_t)idx, (const double *)(uintptr_t)values, m,
-                                     (double *)(uintptr_t)table);
+                                     (double *)(uintptr_t)table, lanes);
     else if (wide_index)
         sketch_insert_float_int64_t(&s, (const int64_t *)(uintptr_t)idx, (const float *)(uintptr_t)values, m,
-                                    (float *)(uintptr_t)table);
+                                    (float *)(uintptr_t)table, lanes);
     else
         sketch_insert_float_int32_t(&s, (const int32_t *)(uintptr_t)idx, (const float *)(uintptr_t)values, m,
-                                    (float *)(uintptr_t)table);
+                                    (float *)(uintptr_t)table, lanes);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -988,23 +1101,25 @@ static PyObject *sketch_query_blocks(PyObject *self, PyObject *args) {
     int shift, wide_index, wide_value;
     PyObject *a, *b, *c;
     sketch_t s;
-    if (!PyArg_ParseTuple(args, "LKiOOOKLpLLKpK", &cols, &mask, &shift, &a, &b, &c, &ids, &nblocks, &wide_index,
-                          &size, &n, &table, &wide_value, &out) ||
-        read_sketch(&s, cols, mask, shift, a, b, c) < 0)
+    const char *variant;
+    int lanes;
+    if (!PyArg_ParseTuple(args, "LKiOOOKLpLLKpKs", &cols, &mask, &shift, &a, &b, &c, &ids, &nblocks, &wide_index,
+                          &size, &n, &table, &wide_value, &out, &variant) ||
+        read_sketch(&s, cols, mask, shift, a, b, c) < 0 || (lanes = sketch_lanes(variant)) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     if (wide_value && wide_index)
         sketch_query_double_int64_t(&s, (const int64_t *)(uintptr_t)ids, nblocks, size, n,
-                                    (const double *)(uintptr_t)table, (double *)(uintptr_t)out);
+                                    (const double *)(uintptr_t)table, (double *)(uintptr_t)out, lanes);
     else if (wide_value)
         sketch_query_double_int32_t(&s, (const int32_t *)(uintptr_t)ids, nblocks, size, n,
-                                    (const double *)(uintptr_t)table, (double *)(uintptr_t)out);
+                                    (const double *)(uintptr_t)table, (double *)(uintptr_t)out, lanes);
     else if (wide_index)
         sketch_query_float_int64_t(&s, (const int64_t *)(uintptr_t)ids, nblocks, size, n,
-                                   (const float *)(uintptr_t)table, (float *)(uintptr_t)out);
+                                   (const float *)(uintptr_t)table, (float *)(uintptr_t)out, lanes);
     else
         sketch_query_float_int32_t(&s, (const int32_t *)(uintptr_t)ids, nblocks, size, n,
-                                   (const float *)(uintptr_t)table, (float *)(uintptr_t)out);
+                                   (const float *)(uintptr_t)table, (float *)(uintptr_t)out, lanes);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1119,11 +1234,13 @@ static PyMethodDef methods[] = {
      "nonzero_positions(ptr, n, itemsize, out_ptr) -> count: the increasing positions of the non-zero entries "
      "of n bytes or 32-bit integers, written as int64 to out_ptr unless it is 0."},
     {"sketch_insert", sketch_insert, METH_VARARGS,
-     "sketch_insert(cols, mask, shift, a, b, c, idx_ptr, m, wide_index, values_ptr, wide_value, table_ptr): add "
+     "sketch_insert(cols, mask, shift, a, b, c, idx_ptr, m, wide_index, values_ptr, wide_value, table_ptr, variant): add "
      "the signed values into their buckets of each row of a count-sketch table, in order."},
+    {"sketch_variants", sketch_variants, METH_NOARGS,
+     "sketch_variants() -> list: the sketch kernels' variants this CPU runs, fastest first."},
     {"sketch_query_blocks", sketch_query_blocks, METH_VARARGS,
      "sketch_query_blocks(cols, mask, shift, a, b, c, ids_ptr, nblocks, wide_index, size, n, table_ptr, "
-     "wide_value, out_ptr): the count-sketch estimate (median over the rows) of every element of the blocks."},
+     "wide_value, out_ptr, variant): the count-sketch estimate (median over the rows) of every element of the blocks."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,

@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["merge_sum", "average_into", "average_blocks_into", "clear", "GroupMask", "Stale", "GROUP", "ascending",
-           "strictly_increasing", "compiled", "IN_PLACE_SHARE", "sketch_insert", "sketch_query_blocks", "members",
-           "nonzero_positions"]
+           "strictly_increasing", "compiled", "IN_PLACE_SHARE", "sketch_insert", "sketch_query_blocks",
+           "sketch_variants", "members", "nonzero_positions"]
 
 log = logging.getLogger(__name__)
 
@@ -264,18 +264,33 @@ def average_blocks_into(out: Tensor, blocks: Tensor, block_size: int, values: Te
     return average_into(out, [elements[inside]], [values[inside]], divisor, stale=stale, keep_sign=keep_sign)
 
 
+def sketch_variants() -> list[str]:
+    """The sketch kernels' variants this CPU runs, fastest first (``"avx512"``: sixteen lanes, ``"avx2"``:
+    eight, ``"scalar"``: one); empty where the extension is not built. All give the same bits."""
+    return list(_compiled.sketch_variants()) if _compiled is not None else []
+
+
+def _sketch_variant(variant: str | None) -> str:
+    if variant is None:
+        return sketch_variants()[0]
+    if variant not in sketch_variants():
+        raise ValueError(f"sketch variant={variant!r} does not run here: choose one of {sketch_variants()}")
+    return variant
+
+
 def _sketch_args(keys: tuple[int, int, int, Sequence[int], Sequence[int], Sequence[int]]) -> tuple:
     cols, mask, shift, a, b, c = keys
     return int(cols), int(mask), int(shift), list(a), list(b), list(c)
 
 
 def sketch_insert(keys: tuple[int, int, int, Sequence[int], Sequence[int], Sequence[int]], table: Tensor,
-                  indices: Tensor, values: Tensor) -> bool:
+                  indices: Tensor, values: Tensor, variant: str | None = None) -> bool:
     """For :meth:`~sparsecomm.selection.sketch.CountSketch.insert` (``keys``: its columns, mask, shift and
     the multiply-xorshift keys a, b, c of the bucket mixers then the sign mixers): add ``values * sign``
     at each index's bucket of each row of ``table`` (rows x cols, contiguous), row by row, indices in
     order, the bits of ``index_add_``. Returns False, having done nothing, where the C kernel does not
-    apply (the caller's torch path does)."""
+    apply (the caller's torch path does). ``variant``: one of :func:`sketch_variants` (default the
+    fastest)."""
     if not (_compiled is not None and table.device.type == "cpu" and table.is_contiguous()
             and table.dtype in _VALUE_TYPES and values.dtype == table.dtype and values.device.type == "cpu"
             and values.is_contiguous() and indices.device.type == "cpu" and indices.dtype in _INDEX_TYPES
@@ -283,15 +298,15 @@ def sketch_insert(keys: tuple[int, int, int, Sequence[int], Sequence[int], Seque
         return False
     _compiled.sketch_insert(*_sketch_args(keys), indices.data_ptr(), indices.numel(),
                             indices.dtype == torch.int64, values.data_ptr(), table.dtype == torch.float64,
-                            table.data_ptr())
+                            table.data_ptr(), _sketch_variant(variant))
     return True
 
 
 def sketch_query_blocks(keys: tuple[int, int, int, Sequence[int], Sequence[int], Sequence[int]], table: Tensor,
-                        blocks: Tensor, block_size: int, n: int) -> Tensor | None:
+                        blocks: Tensor, block_size: int, n: int, variant: str | None = None) -> Tensor | None:
     """For :meth:`~sparsecomm.selection.sketch.CountSketch.query_blocks`: the estimate of every element of
     the blocks (``(len(blocks), block_size)``, 0 past ``n``; ``blocks`` inside ``[0, ceil(n / block_size))``),
-    or ``None`` where the C kernel does not apply."""
+    or ``None`` where the C kernel does not apply. ``variant`` as for :func:`sketch_insert`."""
     if not (_compiled is not None and table.device.type == "cpu" and table.is_contiguous()
             and table.dtype in _VALUE_TYPES and blocks.device.type == "cpu" and blocks.dtype in _INDEX_TYPES
             and blocks.is_contiguous()):
@@ -299,5 +314,5 @@ def sketch_query_blocks(keys: tuple[int, int, int, Sequence[int], Sequence[int],
     out = torch.empty(blocks.numel(), block_size, dtype=table.dtype)
     _compiled.sketch_query_blocks(*_sketch_args(keys), blocks.data_ptr(), blocks.numel(),
                                   blocks.dtype == torch.int64, block_size, n, table.data_ptr(),
-                                  table.dtype == torch.float64, out.data_ptr())
+                                  table.dtype == torch.float64, out.data_ptr(), _sketch_variant(variant))
     return out
