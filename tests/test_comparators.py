@@ -148,6 +148,33 @@ def test_l2_norm_is_accurate_without_a_float64_copy_or_overflow():
     assert l2_norm(torch.empty(0)) == 0.0
 
 
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "scalar", "torch"])
+def test_count_and_sum_ge_counts_and_sums_the_candidates_at_or_above(variant):
+    """MagnitudeView.count_and_sum_ge against a float64 sum of the selected magnitudes, at thresholds
+    on, between and beyond the candidates (lengths that are not multiples of eight, NaN never counted);
+    the C variants give the same bits as each other."""
+    from sparsecomm.selection import scan
+    if variant not in scan.available_kernels():
+        pytest.skip(f"the {variant} scan does not run here")
+    gen = torch.Generator().manual_seed(5)
+    # magnitudes over many binades, so that the float64 sums round and their order shows in the bits
+    x = torch.randn(100_003, generator=gen) * torch.exp2(torch.randint(-30, 31, (100_003,), generator=gen).float())
+    x[::97] = float("nan")
+    results = []
+    with scan.use_kernel(variant):
+        view = scan.MagnitudeView(x.clone(), scan.Scratch(), 0.5, name="t", check_finite=False, count=70_000)
+        for t in (0.5, 1.0, float(x.abs().nan_to_num(0).max()), 1e12, 0.25):  # the last below the floor
+            number, total = view.count_and_sum_ge(t)
+            selected = x.abs()[x.abs() >= t].double()
+            assert number == selected.numel()
+            assert total == pytest.approx(float(selected.sum()), rel=1e-13, abs=0)
+            results.append((number, total))
+    if variant != "torch":
+        with scan.use_kernel("scalar"):
+            view = scan.MagnitudeView(x.clone(), scan.Scratch(), 0.5, name="t", check_finite=False, count=70_000)
+            assert [view.count_and_sum_ge(t) for t in (0.5, 1.0)] == results[:2]
+
+
 def _sidco_reference(x, density, stages):
     """SIDCo's exponential stages as first written: a full scan of |x| per stage."""
     from sparsecomm.selection.scan import Scratch
@@ -165,9 +192,10 @@ def _sidco_reference(x, density, stages):
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("misled", [False, True])
 def test_sidco_view_fits_on_the_candidates_of_one_scan_as_on_full_scans(stages, misled):
-    """The stages read from the candidates above the sampled floor give the threshold of full scans, bit
-    for bit; so does a floor the sample placed too high (then the view scans again); and the view's
-    selection at any threshold is that of a scan of x."""
+    """The stages read from the candidates above the sampled floor give the threshold of full scans (up to
+    the rounding of a float64 sum: the mean excess is taken from a count and a sum, not from a copy); so
+    does a floor the sample placed too high (then the view scans again); and the view's selection at any
+    threshold is that of a scan of x."""
     from sparsecomm.methods.sidco import sidco_view
     x = torch.randn(400_000, generator=torch.Generator().manual_seed(stages)) * torch.rand(400_000)
     if misled:  # the sample (runs of four at a stride) sees only large elements: the floor lies above the
@@ -177,7 +205,7 @@ def test_sidco_view_fits_on_the_candidates_of_one_scan_as_on_full_scans(stages, 
     residual, dest = x - 0.25, torch.empty_like(x)
     threshold, view = sidco_view(residual, 0.01, "exponential", stages, check_finite=True,
                                  addend=torch.full_like(x, 0.25), dest=dest)
-    assert threshold == _sidco_reference(dest, 0.01, stages)
+    assert threshold == pytest.approx(_sidco_reference(dest, 0.01, stages), rel=1e-12, abs=0)
     assert (view.floor > threshold) if misled else (view.floor < threshold)
     from sparsecomm.selection.scan import Scratch
     for t in (threshold, threshold * 0.9, threshold * 1.5):

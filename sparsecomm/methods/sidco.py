@@ -161,10 +161,17 @@ def sidco_view(x: Tensor, density: float, distribution: str = "exponential", sta
     else:
         threshold = _stage_threshold(view.values.double(), p, distribution)  # no floor: values are all of |x|
     for _ in range(1, stages):
-        samples = view.values_ge(above_float32(threshold), view.n_candidates).double() - threshold  # |x| > threshold
-        if samples.numel() < 2:
-            break
-        threshold += _stage_threshold(samples, p, "gpd" if distribution == "gpd" else "exponential")
+        above = above_float32(threshold)  # |x| >= above: |x| > threshold
+        if distribution == "gpd":
+            samples = view.values_ge(above, view.n_candidates).double() - threshold
+            if samples.numel() < 2:
+                break
+            threshold += _stage_threshold(samples, p, "gpd")
+        else:  # the exponential's maximum likelihood: the mean excess, from a count and a sum (no copy)
+            number, total = view.count_and_sum_ge(above)
+            if number < 2:
+                break
+            threshold += (total / number - threshold) * math.log(1 / p)
     return threshold, view
 
 

@@ -908,6 +908,67 @@ static PyObject *block_energies(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* sum_ge(val_ptr, count, floor) -> (number, sum): of the float32 values v[i] >= floor (NaN never), how
+ * many and their sum in double: eight partial sums (of i % 8, each in order of i) added in order at the
+ * end, so every variant gives the same bits. SIDCo's later stages fit the exceedances over a threshold by
+ * their mean (sidco.py). */
+static int64_t sum_ge_lanes_scalar(const float *v, int64_t count, float floor, double sums[8]) {
+    int64_t number = 0;
+    for (int64_t i = 0; i < count; i++)
+        if (v[i] >= floor) {
+            sums[i % 8] += (double)v[i];
+            number++;
+        }
+    return number;
+}
+
+#if SCAN_HAVE_X86_VARIANTS
+/* The multiples of eight in AVX2: lanes 0-3 and 4-7 of each group in two double vectors. */
+__attribute__((target("avx2,popcnt"))) static int64_t sum_ge_lanes_avx2(const float *v, int64_t count, float floor,
+                                                                 double sums[8]) {
+    __m256d low = _mm256_loadu_pd(sums), high = _mm256_loadu_pd(sums + 4);
+    const __m256 f = _mm256_set1_ps(floor);
+    int64_t number = 0, i = 0;
+    for (; i + 8 <= count; i += 8) {
+        const __m256 x = _mm256_loadu_ps(v + i);
+        const __m256 kept = _mm256_and_ps(x, _mm256_cmp_ps(x, f, _CMP_GE_OQ)); /* +0 where below */
+        number += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(x, f, _CMP_GE_OQ)));
+        low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(kept)));
+        high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(kept, 1)));
+    }
+    _mm256_storeu_pd(sums, low);
+    _mm256_storeu_pd(sums + 4, high);
+    return number + sum_ge_lanes_scalar(v + i, count - i, floor, sums); /* i % 8 == 0: the lanes line up */
+}
+#endif
+
+static PyObject *sum_ge(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long val_ptr;
+    long long count;
+    float floor;
+    const char *variant;
+    if (!PyArg_ParseTuple(args, "KLfs", &val_ptr, &count, &floor, &variant)) return NULL;
+    if (!cpu_has(variant)) {
+        PyErr_Format(PyExc_ValueError, "sum_ge: variant %R does not run here (see variants())", variant);
+        return NULL;
+    }
+    const float *v = (const float *)(uintptr_t)val_ptr;
+    double sums[8] = {0};
+    int64_t number;
+    Py_BEGIN_ALLOW_THREADS
+#if SCAN_HAVE_X86_VARIANTS
+    if (strcmp(variant, "scalar") != 0) /* AVX-512 adds nothing to a read this short: its AVX2 */
+        number = sum_ge_lanes_avx2(v, count, floor, sums);
+    else
+#endif
+        number = sum_ge_lanes_scalar(v, count, floor, sums);
+    Py_END_ALLOW_THREADS
+    double sum = 0.0;
+    for (int lane = 0; lane < 8; lane++) sum += sums[lane];
+    return Py_BuildValue("Ld", (long long)number, sum);
+}
+
 static PyMethodDef methods[] = {
     {"scan_ge", scan_ge, METH_VARARGS,
      "scan_ge(x_ptr, n, floor, idx_ptr, val_ptr, cap, variant, add_ptr=0, dest_ptr=0) -> (count, sum, max): one "
@@ -934,6 +995,9 @@ static PyMethodDef methods[] = {
      "sample_magnitudes(x_ptr, add_ptr, stride, runs, run, out_ptr): out[r run + j] = |x[r stride + j] + "
      "add[r stride + j]| (x alone when add_ptr is 0) for r < runs, j < run, float32, the lines prefetched ahead "
      "(see scan.sample_floor)."},
+    {"sum_ge", sum_ge, METH_VARARGS,
+     "sum_ge(val_ptr, count, floor, variant) -> (number, sum): how many float32 values are >= floor and their "
+     "sum in double, in eight partial sums by position (the same bits in every variant)."},
     {"block_energies", block_energies, METH_VARARGS,
      "block_energies(x_ptr, n, size, add_ptr, dest_ptr, out_ptr, variant): out[b] = the canonical pairwise sum "
      "of the squares of block b of x (of dest = x + add, written in the same pass, where add_ptr is given; see "

@@ -525,6 +525,18 @@ class MagnitudeView:
                                                 expected=expected).values
         return self._at_or_above(t, expected).values
 
+    def count_and_sum_ge(self, t: float) -> tuple[int, float]:
+        """``(#{|x| >= t}, sum of those |x_i| in float64)``, for a fit on the exceedances (SIDCo's later
+        stages): one read of the candidates' magnitudes, nothing written (the C kernel's ``sum_ge``: eight
+        partial sums by position, the same bits in every variant); torch's sum elsewhere, which may round
+        the last bit differently."""
+        values = self.values if self._covers(t) else self._at_or_above(t).values
+        if _compiled_applies(values, torch.float32):
+            number, total = _compiled.sum_ge(values.data_ptr(), values.numel(), t, _kernel)
+            return int(number), float(total)
+        above = values[values >= t]
+        return above.numel(), float(above.sum(dtype=torch.float64))
+
     def indices_ge_marking(self, lo: float, hi: float) -> tuple[Tensor, Tensor]:
         """(increasing indices of ``|x| >= lo``, the mask of those at or above ``hi`` among them), from
         one scan: e.g. every entry above ``hi`` and a window of those in ``[lo, hi)``, in index order."""
