@@ -31,7 +31,10 @@ for the first stage's mean, checks the gradient's finiteness for the call's agre
 (:meth:`~.base.Method.accumulate_and_agree`, :class:`~.fold.ThresholdFold`) and gathers the
 candidates ``|acc| >= floor``, the floor placed from a strided sample just under the first stage's
 threshold; the later stages' exceedances and the final selection are then read from the candidates
-(a threshold found below the floor, which the sample makes rare, costs a scan of ``acc``). The
+(a threshold found below the floor, which the sample makes rare, costs a scan of ``acc``). An
+exponential stage needs only the count and the sum of its exceedances
+(:meth:`~sparsecomm.selection.scan.MagnitudeView.count_and_sum_ge`: one read of the candidates, no
+copy; its mean excess can differ from a mean of the copied excesses in the last bits). The
 gamma and GPD first stages fit all of ``|acc|`` (a copy, in float64).
 
 Cost: TopkA's with the per-rank message sizes: ``cost("sidco", P, n, k, rank, counts=[k_0, ...,

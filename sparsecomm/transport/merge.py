@@ -19,7 +19,9 @@ every index's sum is accumulated as ``0 + v_0 + v_1 + ...`` in chunk order, exac
   size (OmniReduce's and S2 Reducer's results), without the index of every element.
 
 Beside them, the count-sketch kernels of S2 Reducer's decompression (:func:`sketch_insert`,
-:func:`sketch_query_blocks`; :class:`sparsecomm.selection.sketch.CountSketch` calls them).
+:func:`sketch_query_blocks`; :class:`sparsecomm.selection.sketch.CountSketch` calls them): sixteen
+indices hashed at a time where the CPU has AVX-512, eight where it has AVX2, else one by one, all with
+the same bits (:func:`sketch_variants`; the fastest by default).
 
 The merges fall back to torch operations (the same bits) for CUDA tensors, half-precision values, mixed
 dtypes, unsorted chunks, or where the extension is not built: ``index_add_`` of one chunk after the
