@@ -693,7 +693,7 @@ __attribute__((target("avx512f"))) static inline __m512i load16_int64_t(const in
 }
 
 /* The AVX2 counterparts of mix16, mod8, hash16 and query16_float3: eight lanes, the same integers and
- * bits (x % cols by the same exact double arithmetic: q * cols and x are integers below 2^53). */
+ * bits (x % cols exact, as mod8_avx2 shows). */
 __attribute__((target("avx2"))) static inline __m256i mix8(const sketch_t *s, int m, __m256i x) {
     const __m256i mask = _mm256_set1_epi32((int)(uint32_t)s->mask);
     const __m128i shift = _mm_cvtsi32_si128(s->shift);
@@ -796,8 +796,9 @@ INSERT16(double, int32_t)
 INSERT16(double, int64_t)
 #endif
 
-/* The vector lanes apply to 32-bit keys (a mask below 2^32) and fewer than 2^31 columns; the query's
- * also to three rows of floats (a single column: every bucket is 0, one by one). `lanes`: 16 (AVX-512), 8 (AVX2) or 0 (one by one), from the variant. */
+/* The vector lanes apply to 32-bit keys (a mask below 2^32) and 2 to 2^31 - 1 columns (with one, every
+ * bucket is 0: one by one); the query's also to three rows of floats. `lanes`: 16 (AVX-512), 8 (AVX2) or
+ * 0 (one by one), from the variant. */
 #define SKETCH_LANES_APPLY(s) ((s)->mask <= UINT32_MAX && (s)->cols >= 2 && (s)->cols < (UINT64_C(1) << 31))
 #if MERGE_HAVE_SIMD
 #define SKETCH_PICK(F, idx, values)                                                                         \
