@@ -913,12 +913,19 @@ static PyObject *block_energies(PyObject *self, PyObject *args) {
  * end, so every variant gives the same bits. SIDCo's later stages fit the exceedances over a threshold by
  * their mean (sidco.py). */
 static int64_t sum_ge_lanes_scalar(const float *v, int64_t count, float floor, double sums[8]) {
+    /* without a branch on the data (taken at random, it would be most of the time): a value below the
+     * floor (or NaN) adds +0, as the AVX2 lanes' mask does, which leaves every partial sum's bits as they are */
     int64_t number = 0;
-    for (int64_t i = 0; i < count; i++)
-        if (v[i] >= floor) {
-            sums[i % 8] += (double)v[i];
-            number++;
-        }
+    for (int64_t i = 0; i < count; i++) {
+        const int above = v[i] >= floor;
+        uint32_t bits;
+        memcpy(&bits, &v[i], sizeof bits);
+        bits &= (uint32_t)0 - (uint32_t)above;
+        float kept;
+        memcpy(&kept, &bits, sizeof kept);
+        sums[i % 8] += (double)kept;
+        number += above;
+    }
     return number;
 }
 
