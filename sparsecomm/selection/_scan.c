@@ -938,8 +938,9 @@ __attribute__((target("avx2,popcnt"))) static int64_t sum_ge_lanes_avx2(const fl
     int64_t number = 0, i = 0;
     for (; i + 8 <= count; i += 8) {
         const __m256 x = _mm256_loadu_ps(v + i);
-        const __m256 kept = _mm256_and_ps(x, _mm256_cmp_ps(x, f, _CMP_GE_OQ)); /* +0 where below */
-        number += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(x, f, _CMP_GE_OQ)));
+        const __m256 above = _mm256_cmp_ps(x, f, _CMP_GE_OQ);
+        const __m256 kept = _mm256_and_ps(x, above); /* +0 where below */
+        number += __builtin_popcount((unsigned)_mm256_movemask_ps(above));
         low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(kept)));
         high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(kept, 1)));
     }

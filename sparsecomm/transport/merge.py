@@ -266,17 +266,21 @@ def average_blocks_into(out: Tensor, blocks: Tensor, block_size: int, values: Te
     return average_into(out, [elements[inside]], [values[inside]], divisor, stale=stale, keep_sign=keep_sign)
 
 
+#: the sketch kernels' variants this CPU runs, fastest first (asked once: the CPU does not change)
+_SKETCH_VARIANTS: list[str] = list(_compiled.sketch_variants()) if _compiled is not None else []
+
+
 def sketch_variants() -> list[str]:
     """The sketch kernels' variants this CPU runs, fastest first (``"avx512"``: sixteen lanes, ``"avx2"``:
     eight, ``"scalar"``: one); empty where the extension is not built. All give the same bits."""
-    return list(_compiled.sketch_variants()) if _compiled is not None else []
+    return list(_SKETCH_VARIANTS)
 
 
 def _sketch_variant(variant: str | None) -> str:
     if variant is None:
-        return sketch_variants()[0]
-    if variant not in sketch_variants():
-        raise ValueError(f"sketch variant={variant!r} does not run here: choose one of {sketch_variants()}")
+        return _SKETCH_VARIANTS[0]
+    if variant not in _SKETCH_VARIANTS:
+        raise ValueError(f"sketch variant={variant!r} does not run here: choose one of {_SKETCH_VARIANTS}")
     return variant
 
 
