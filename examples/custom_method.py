@@ -5,8 +5,8 @@ seeded by the step (so no indices are sent), adds its residual, all-reduces the 
 Rabenseifner's algorithm and keeps what it did not send as its residual. It is the smallest method
 that satisfies every invariant; docs/adding-a-method.md walks through it.
 
-Cost per rank: Rabenseifner's all-reduce of k values, ``rabenseifner_cost(P, k)``: 2 log2 p' rounds
-(+2 when P is not a power of two) and about 2 k (P-1)/P values sent.
+Cost per rank: Rabenseifner's all-reduce of k values, ``rabenseifner_cost(P, k)``: 2 log2 p' - 1
+rounds (+2 when P is not a power of two) and about 2 k (P-1)/P values sent.
 
 Placed in ``sparsecomm/methods/`` this file is found automatically; imported from anywhere else it
 registers ``"randk"`` in the importing process (``tests/test_examples.py`` imports it inside its

@@ -89,9 +89,17 @@ def _float_consistency_worker(n):
     return a, b, ref
 
 
-@pytest.mark.parametrize("P", [3, 6])
+@pytest.mark.parametrize("P", [2, 3, 4, 6, 8])
 def test_float_results_identical_on_all_ranks_and_close_to_torch(P):
     results = run_workers(P, _float_consistency_worker, 513, timeout=60)
     for a, b, ref in results:
         assert torch.equal(a, results[0][0]) and torch.equal(b, results[0][1])
         assert torch.allclose(a, ref, atol=1e-5) and torch.allclose(b, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("P, rounds", [(2, [1, 1]), (4, [3] * 4), (8, [5] * 8),
+                                       (6, [2, 5, 2, 5, 3, 3]), (3, [2, 3, 1])])
+def test_rabenseifner_middle_rounds_are_one(P, rounds):
+    # 2 log2 p' - 1 rounds on the p' active ranks (+2 for a folded pair; 2 for the rank folded out):
+    # the halving's last step and the doubling's first are one exchange of the segment
+    assert [collective_cost("rabenseifner_allreduce", P=P, n=1000, rank=r).rounds for r in range(P)] == rounds

@@ -8,9 +8,10 @@ import pytest
 
 from sparsecomm import available_methods
 from sparsecomm.cli import main
+from sparsecomm.launch.launcher import run_workers
 from sparsecomm.methods import cost, method_class
 from sparsecomm.methods.base import selection_count
-from sparsecomm.simulator.calibration import fit_links, profile_from_records
+from sparsecomm.simulator.calibration import SAMPLED_THRESHOLD, fit_links, profile_from_records, time_method_in_worker
 from sparsecomm.simulator.model import Profile, UnknownMethodError, check_methods, crossover, fit_work, predict
 
 ALPHA, BETA = 150e-6, 2.5e-9
@@ -492,6 +493,18 @@ def test_a_one_size_calibration_keeps_the_selectors_fixed_part_out_of_the_per_el
     # the one-process measurement: a fixed part between 0 and the call's time, for every selector
     measured = measure_selector_fixed(200_000, density, repeat=2)
     assert "exact_topk" in measured and all(seconds >= 0 for seconds in measured.values())
+    assert SAMPLED_THRESHOLD in measured  # ExDyna's and the adaptive threshold's sampled estimate
+
+
+@pytest.mark.parametrize("name, options, recorded", [
+    ("exdyna", {}, SAMPLED_THRESHOLD), ("exdyna", {"controller": "paper"}, ""),
+    ("threshold", {}, SAMPLED_THRESHOLD), ("threshold", {"threshold": 0.5}, "fixed_threshold"),
+    ("topka", {}, "exact_topk")])
+def test_the_calibration_records_what_fixed_part_a_methods_selection_has(name, options, recorded):
+    """A method that estimates its threshold from a sample every call (about 1024 / density elements,
+    the same at any n) is calibrated with that estimate's one-process fixed part as its ``s0``."""
+    out = run_workers(1, time_method_in_worker, name, {"density": 0.01, **options}, 20_000, 1, 0, timeout=60)
+    assert out[0]["selector"] == recorded
 
 
 def test_the_agreement_is_the_last_arriving_ranks_not_the_wait_of_the_others():

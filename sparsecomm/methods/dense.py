@@ -50,7 +50,8 @@ class RingAllReduce(Method):
 
 @register_method("rabenseifner")
 class RabenseifnerAllReduce(Method):
-    """Rabenseifner all-reduce (recursive halving + doubling), 2 log2 P rounds, any P."""
+    """Rabenseifner all-reduce (recursive halving + doubling, the middle two rounds as one), 2 log2 p' - 1
+    rounds (+2 when P is not a power of two), any P."""
 
     def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
         with self.timer("comm"):

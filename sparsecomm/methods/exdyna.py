@@ -275,6 +275,12 @@ class ExDyna(SparsificationMetrics, Method):
         self._scratch = Scratch()  # reused buffers of the selection pass
 
     # ------------------------------------------------------------------ state
+    @property
+    def samples_threshold(self) -> bool:
+        """Whether every call estimates its threshold from a sample (``controller="adaptive"``): a cost
+        set by the density, not by n (the simulator's calibration times it apart)."""
+        return self.controller == "adaptive"
+
     def _ensure_state(self, n: int) -> None:
         if self.partitions is not None and self.partitions.n == n:
             return

@@ -28,7 +28,7 @@ Per call (Algorithm 1, one bucket), on every rank:
 Cost, equation (1): ``T = T_select + lg(p) alpha + (p-1) M D beta + p gamma_1``; the meter sees
 ceil(log2 P) rounds and (P-1) message bytes per rank when messages are equal (see :func:`_redsync_cost`
 and :func:`equation1_seconds`). Dense synchronization, equation (2), is Rabenseifner's all-reduce
-(``cost("rabenseifner", ...)``, :func:`equation2_seconds`).
+(:func:`equation2_seconds`; ``cost("rabenseifner", ...)`` is one alpha less: its middle two rounds are one).
 """
 
 from __future__ import annotations

@@ -75,6 +75,12 @@ class HardThresholdAllGather(ThresholdFold, SparsificationMetrics, FeedbackState
         self.track_global_error = bool(global_error)
         self._feedback = ThresholdController()
 
+    @property
+    def samples_threshold(self) -> bool:
+        """Whether every call estimates its threshold from a sample (adaptive, no fixed threshold): a
+        cost set by the density, not by n (the simulator's calibration times it apart)."""
+        return self.fixed_threshold is None and self.controller == "adaptive"
+
     def _adaptive(self, n: int, k: int) -> bool:
         return self.fixed_threshold is None and self.controller == "adaptive" and k < n
 

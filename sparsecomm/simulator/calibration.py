@@ -159,6 +159,8 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
             stats.append(method.stats)
     folded = bool(method.agrees_in_reduce) and work.device.type == "cpu"
     selector = getattr(getattr(method, "selector", None), "name", "")
+    if getattr(method, "samples_threshold", False):  # its threshold estimated from a sample, every call
+        selector = SAMPLED_THRESHOLD
     return {"times": times, "stats": stats, "agreement_folded": folded, "selector": selector,
             "agreement_ride": agreement_ride(stats)}
 
@@ -401,14 +403,38 @@ def measure_selectors(n: int, density: float, repeat: int = 3, device: str = "cp
     return {name: statistics.median(times) / n for name, times in _selector_times(n, density, repeat, device).items()}
 
 
+def _sampled_threshold_times(n: int, density: float, repeat: int, device: str) -> list[float]:
+    """Call times of :func:`~sparsecomm.selection.threshold.estimate_kth_magnitude` on ``x + g`` of n
+    normal values (this process), as ExDyna and the adaptive hard threshold call it every step."""
+    from ..selection.threshold import estimate_kth_magnitude
+
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(n, generator=gen).to(device), torch.randn(n, generator=gen).to(device)
+    k = selection_count(density, n)
+    times = []
+    for call in range(repeat + 1):
+        start = _wall(device)
+        estimate_kth_magnitude(x, k, call, addend=g)
+        times.append(_wall(device) - start)
+    return times[1:]
+
+
+#: the name under which the one-process fixed parts hold the sampled threshold's (a method whose
+#: ``samples_threshold`` is true records it as its selector)
+SAMPLED_THRESHOLD = "estimate_kth_magnitude"
+
+
 def measure_selector_fixed(n: int, density: float, repeat: int = 5, device: str = "cpu") -> dict[str, float]:
     """Seconds per call of each selector that do not grow with n at this density (this process): from
     its least time at n and at n / 4, ``t = fixed + per_element * n``. Selectors that take a sample
     of a size set by the density alone (``exact_topk``'s floor: about 256 / density elements) and a
     top-k of it have such a part; a calibration at one size cannot tell it from the per-element
-    work (:func:`split_work`)."""
+    work (:func:`split_work`). So has the sampled threshold estimate of ExDyna and the adaptive hard
+    threshold (about 1024 / density elements and a k-th value of them; :data:`SAMPLED_THRESHOLD`)."""
     large = _selector_times(n, density, repeat, device)
     small = _selector_times(n // 4, density, repeat, device)
+    large[SAMPLED_THRESHOLD] = _sampled_threshold_times(n, density, repeat, device)
+    small[SAMPLED_THRESHOLD] = _sampled_threshold_times(n // 4, density, repeat, device)
     return {name: min(max(0.0, (4 * min(small[name]) - min(times)) / 3), min(times)) for name, times in large.items()}
 
 

@@ -118,12 +118,18 @@ def _halving_segments(n: int, p2: int, new_rank: int) -> list[tuple[int, int, in
 
 
 def rabenseifner_allreduce(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
-    """Rabenseifner all-reduce: recursive-halving reduce-scatter + recursive-doubling all-gather.
+    """Rabenseifner all-reduce: recursive-halving reduce-scatter + recursive-doubling all-gather
+    (Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH",
+    IJHPCA 2005).
 
+    The halving's last step and the doubling's first are with the same partner over the same segment:
+    they are one exchange of the whole segment, which both partners add (the bytes of the two rounds,
+    one round fewer; ``a + b`` and ``b + a`` are the same floats, so every rank holds the same sums).
     Any P: ranks beyond the largest power of two p' are folded in first (one round: the even rank of
     each of the first ``rem`` pairs sends its vector to the odd one) and served last (one round back).
-    Cost: 2 log2 p' rounds (+2 when P is not a power of two); bytes per rank from
-    :func:`rabenseifner_cost`, which replays the same halving schedule.
+    Cost: 2 log2 p' - 1 rounds (+2 when P is not a power of two); bytes per rank
+    ``2 n (p' - 1) / p'`` (+ n each way for a folded pair) from :func:`rabenseifner_cost`, which
+    replays the same halving schedule.
     """
     P, r = comm.size, comm.rank
     out = x.clone()
@@ -138,13 +144,19 @@ def rabenseifner_allreduce(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
             comm.sendrecv(None, None, incoming, r - 1)
             out += incoming
     if me >= 0:
-        steps = _halving_segments(x.numel(), p2, me)
-        for mask, k_lo, k_hi, s_lo, s_hi in steps:
-            partner = _old_rank(me ^ mask, rem)
-            incoming = torch.empty(k_hi - k_lo, dtype=x.dtype, device=x.device)
-            comm.sendrecv(out[s_lo:s_hi], partner, incoming, partner)
-            out[k_lo:k_hi] += incoming
-        for mask, k_lo, k_hi, s_lo, s_hi in reversed(steps):
+        *halving, (mask, k_lo, k_hi, s_lo, s_hi) = _halving_segments(x.numel(), p2, me)
+        for step_mask, keep_lo, keep_hi, send_lo, send_hi in halving:
+            partner = _old_rank(me ^ step_mask, rem)
+            incoming = torch.empty(keep_hi - keep_lo, dtype=x.dtype, device=x.device)
+            comm.sendrecv(out[send_lo:send_hi], partner, incoming, partner)
+            out[keep_lo:keep_hi] += incoming
+        # the middle: the last halving step and the first doubling step as one exchange of the segment
+        lo, hi = min(k_lo, s_lo), max(k_hi, s_hi)
+        partner = _old_rank(me ^ mask, rem)
+        incoming = torch.empty(hi - lo, dtype=x.dtype, device=x.device)
+        comm.sendrecv(out[lo:hi], partner, incoming, partner)
+        out[lo:hi] += incoming
+        for mask, k_lo, k_hi, s_lo, s_hi in reversed(halving):
             partner = _old_rank(me ^ mask, rem)
             comm.sendrecv(out[k_lo:k_hi], partner, out[s_lo:s_hi], partner)
     if rem and r < 2 * rem:
@@ -168,6 +180,7 @@ def rabenseifner_cost(P: int, n: int, rank: int, itemsize: int = 4, **_) -> Cost
             rounds += 2
             sent += (s_hi - s_lo) + (k_hi - k_lo)
             recv += (k_hi - k_lo) + (s_hi - s_lo)
+        rounds -= 1  # the middle two rounds are one exchange of the same bytes
     return Cost(rounds, sent * itemsize, recv * itemsize)
 
 
