@@ -23,34 +23,19 @@ from sparsecomm.transport import collectives as C
 
 
 def textbook_rabenseifner(comm, x: torch.Tensor) -> torch.Tensor:
-    """The schedule before the change: every halving step and every doubling step a round of its own."""
+    """The schedule before the change, for P a power of two (the driver's P): every halving step and
+    every doubling step a round of its own."""
     P, r = comm.size, comm.rank
+    if P & (P - 1):
+        raise ValueError(f"the textbook reference here takes P a power of two, not {P}")
     out = x.clone()
-    if P == 1:
-        return out
-    p2, rem, me = C.fold_roles(P, r)
-    if rem:
-        if me < 0:
-            comm.sendrecv(out, r + 1, None, None)
-        elif r < 2 * rem:
-            incoming = torch.empty_like(out)
-            comm.sendrecv(None, None, incoming, r - 1)
-            out += incoming
-    if me >= 0:
-        steps = C._halving_segments(x.numel(), p2, me)
-        for mask, k_lo, k_hi, s_lo, s_hi in steps:
-            partner = C._old_rank(me ^ mask, rem)
-            incoming = torch.empty(k_hi - k_lo, dtype=x.dtype, device=x.device)
-            comm.sendrecv(out[s_lo:s_hi], partner, incoming, partner)
-            out[k_lo:k_hi] += incoming
-        for mask, k_lo, k_hi, s_lo, s_hi in reversed(steps):
-            partner = C._old_rank(me ^ mask, rem)
-            comm.sendrecv(out[k_lo:k_hi], partner, out[s_lo:s_hi], partner)
-    if rem and r < 2 * rem:
-        if me < 0:
-            comm.sendrecv(None, None, out, r + 1)
-        else:
-            comm.sendrecv(out, r - 1, None, None)
+    steps = C._halving_segments(x.numel(), P, r) if P > 1 else []
+    for mask, keep_lo, keep_hi, send_lo, send_hi in steps:
+        incoming = torch.empty(keep_hi - keep_lo, dtype=x.dtype)
+        comm.sendrecv(out[send_lo:send_hi], r ^ mask, incoming, r ^ mask)
+        out[keep_lo:keep_hi] += incoming
+    for mask, keep_lo, keep_hi, send_lo, send_hi in reversed(steps):
+        comm.sendrecv(out[keep_lo:keep_hi], r ^ mask, out[send_lo:send_hi], r ^ mask)
     return out
 
 
