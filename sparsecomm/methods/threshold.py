@@ -82,7 +82,7 @@ class HardThresholdAllGather(ThresholdFold, SparsificationMetrics, FeedbackState
         return self.fixed_threshold is None and self.controller == "adaptive"
 
     def _adaptive(self, n: int, k: int) -> bool:
-        return self.fixed_threshold is None and self.controller == "adaptive" and k < n
+        return self.samples_threshold and k < n
 
     def fused_select(self, residual: Tensor, grad: Tensor, acc: Tensor) -> Tensor:
         n = grad.numel()

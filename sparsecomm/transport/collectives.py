@@ -144,15 +144,15 @@ def rabenseifner_allreduce(comm: Communicator, x: torch.Tensor) -> torch.Tensor:
             comm.sendrecv(None, None, incoming, r - 1)
             out += incoming
     if me >= 0:
-        *halving, (mask, k_lo, k_hi, s_lo, s_hi) = _halving_segments(x.numel(), p2, me)
-        for step_mask, keep_lo, keep_hi, send_lo, send_hi in halving:
-            partner = _old_rank(me ^ step_mask, rem)
-            incoming = torch.empty(keep_hi - keep_lo, dtype=x.dtype, device=x.device)
-            comm.sendrecv(out[send_lo:send_hi], partner, incoming, partner)
-            out[keep_lo:keep_hi] += incoming
+        *halving, (middle_mask, keep_lo, keep_hi, send_lo, send_hi) = _halving_segments(x.numel(), p2, me)
+        for mask, k_lo, k_hi, s_lo, s_hi in halving:
+            partner = _old_rank(me ^ mask, rem)
+            incoming = torch.empty(k_hi - k_lo, dtype=x.dtype, device=x.device)
+            comm.sendrecv(out[s_lo:s_hi], partner, incoming, partner)
+            out[k_lo:k_hi] += incoming
         # the middle: the last halving step and the first doubling step as one exchange of the segment
-        lo, hi = min(k_lo, s_lo), max(k_hi, s_hi)
-        partner = _old_rank(me ^ mask, rem)
+        lo, hi = min(keep_lo, send_lo), max(keep_hi, send_hi)
+        partner = _old_rank(me ^ middle_mask, rem)
         incoming = torch.empty(hi - lo, dtype=x.dtype, device=x.device)
         comm.sendrecv(out[lo:hi], partner, incoming, partner)
         out[lo:hi] += incoming
