@@ -241,6 +241,33 @@ def test_add_chunks_merge_equals_its_torch_path(seed, P, n, index_dtype, value_d
     assert torch.equal(_bits(merged.values), _bits(sorted_by_torch.values))
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.float64])
+def test_add_chunks_merge_spans_blocks_gaps_and_repeats_with_the_torch_paths_bits(index_dtype, value_dtype):
+    # the C merge sums block by block (4096 indices): runs across block edges, empty stretches between
+    # entries, repeated indices inside a chunk, and (int64) indices far past 2^31
+    g = torch.Generator().manual_seed(5)
+    far = 2 ** 40 if index_dtype == torch.int64 else 2 ** 30
+    chunks = []
+    for c in range(6):
+        dense_part = torch.randint(0, 3 * 4096, (3000,), generator=g)
+        edges = torch.tensor([4095, 4096, 8191, 8192, 4096 * 1000 + c])
+        distant = far - torch.randint(1, 10_000, (50,), generator=g)
+        idx = torch.sort(torch.cat([dense_part, edges, edges, distant])).values.to(index_dtype)
+        values = torch.randn(idx.numel(), generator=g, dtype=value_dtype) * 10.0 ** (c - 3)
+        values[0] = -0.0
+        chunks.append(SparseChunk(idx, values))
+    merged = add_chunks(chunks)
+    saved, merge._compiled = merge._compiled, None
+    try:
+        sorted_by_torch = add_chunks(chunks)
+    finally:
+        merge._compiled = saved
+    assert merged.indices.dtype == index_dtype
+    assert torch.equal(merged.indices, sorted_by_torch.indices)
+    assert torch.equal(_bits(merged.values), _bits(sorted_by_torch.values))
+
+
 @pytest.mark.parametrize("value_dtype", [torch.float32, torch.float64])
 def test_a_single_coalesced_chunk_sums_to_itself_with_the_bits_of_index_add(value_dtype):
     indices = torch.tensor([0, 3, 4, 9], dtype=torch.int32)

@@ -6,9 +6,9 @@
  * exactly as torch's sequential index_add_ of one chunk after another does: the bits are those of the
  * torch paths in sparsecomm/transport/merge.py and chunk.py, on every rank.
  *
- *   merge_sum:     the coalesced sum, written as (unique index, sum) pairs: a P-way merge by a binary
- *                  heap over the chunks' heads, keyed on (index, chunk number), popping every pair in
- *                  increasing index and, for equal indices, in chunk order;
+ *   merge_sum:     the coalesced sum, written as (unique index, sum) pairs in increasing index: a
+ *                  blocked sweep over the index space, each block's runs added chunk after chunk
+ *                  into a scratch block in L1 (below);
  *   merge_average: the sum divided by `divisor` (true division, as torch's div) written into a dense
  *                  vector, which is zero everywhere else afterwards: a blocked sweep over the vector
  *                  (below) that also zeroes what the previous call wrote there, counts the non-zero
@@ -31,8 +31,7 @@
 #include <string.h>
 
 #define MERGE_MAX_CHUNKS 4096
-#define CHUNK_BITS 12 /* a heap key is (index << CHUNK_BITS) | chunk: one compare orders both */
-#define MAX_INDEX (INT64_C(1) << (62 - CHUNK_BITS))
+#define MAX_INDEX (INT64_C(1) << 50) /* indices at or above it take the torch path */
 
 typedef struct {
     int nchunks;
@@ -40,7 +39,6 @@ typedef struct {
     const void *val[MERGE_MAX_CHUNKS];
     int64_t len[MERGE_MAX_CHUNKS];
     int64_t pos[MERGE_MAX_CHUNKS];
-    int64_t heap[MERGE_MAX_CHUNKS]; /* merge_sum: keys of the chunks' heads, a binary min-heap */
     int64_t end[MERGE_MAX_CHUNKS];  /* merge_average: where each chunk's run in the block ends */
     int64_t ahead[MERGE_MAX_CHUNKS]; /* merge_average: each chunk's cursor for the block PREFETCH_BLOCKS on */
     int64_t ahead_from[MERGE_MAX_CHUNKS];
@@ -67,78 +65,66 @@ static int check_chunks(const merge_t *m, int64_t n) {
     return 0;
 }
 
-static inline void sift_down(int64_t *heap, int size) {
-    int at = 0;
-    int64_t moving = heap[0];
-    for (;;) {
-        int child = 2 * at + 1;
-        if (child >= size) break;
-        if (child + 1 < size && heap[child + 1] < heap[child]) child++;
-        if (heap[child] >= moving) break;
-        heap[at] = heap[child];
-        at = child;
-    }
-    heap[at] = moving;
-}
-
-static int heap_build(merge_t *m) {
-    int size = 0;
-    for (int c = 0; c < m->nchunks; c++) {
-        m->pos[c] = 0;
-        if (m->len[c] > 0) {
-            /* insert, sifting up */
-            int64_t key = (index_at(m, c, 0) << CHUNK_BITS) | c;
-            int at = size++;
-            while (at > 0 && m->heap[(at - 1) / 2] > key) {
-                m->heap[at] = m->heap[(at - 1) / 2];
-                at = (at - 1) / 2;
-            }
-            m->heap[at] = key;
-        }
-    }
-    return size;
-}
-
-/* Consume the head of the chunk at the top of the heap; returns the new heap size. */
-static inline int heap_advance(merge_t *m, int size) {
-    int c = (int)(m->heap[0] & ((1 << CHUNK_BITS) - 1));
-    int64_t next = ++m->pos[c];
-    if (next < m->len[c])
-        m->heap[0] = (index_at(m, c, next) << CHUNK_BITS) | c;
-    else
-        m->heap[0] = m->heap[--size];
-    sift_down(m->heap, size);
-    return size;
-}
-
-#define TOP_INDEX(m) ((m)->heap[0] >> CHUNK_BITS)
-#define TOP_CHUNK(m) ((int)((m)->heap[0] & ((1 << CHUNK_BITS) - 1)))
-
-/* The two merges, once per value type (float, double), on chunks check_chunks accepted. `out_idx` is
- * int64 for merge_average and the chunks' index type for merge_sum. Returns the unique indices. */
-#define MERGE_BODY(T)                                                                                       \
-    static int64_t merge_sum_##T(merge_t *m, void *out_idx, T *out_val) {                                   \
-        int size = heap_build(m);                                                                           \
-        int64_t count = 0;                                                                                  \
-        while (size > 0) {                                                                                  \
-            int64_t index = TOP_INDEX(m);                                                                   \
-            T sum = (T)0;                                                                                   \
-            while (size > 0 && TOP_INDEX(m) == index) {                                                     \
-                int c = TOP_CHUNK(m);                                                                       \
-                sum += ((const T *)m->val[c])[m->pos[c]];                                                   \
-                size = heap_advance(m, size);                                                               \
-            }                                                                                               \
-            if (m->wide_index)                                                                              \
-                ((int64_t *)out_idx)[count] = index;                                                        \
-            else                                                                                            \
-                ((int32_t *)out_idx)[count] = (int32_t)index;                                               \
-            out_val[count++] = sum;                                                                         \
+/* The two merge_sums, once per value type (float, double), on chunks check_chunks accepted: a blocked
+ * sweep over the index space. Each block of SUM_BLOCK consecutive indices starts at the lowest index
+ * any chunk has left (blocks holding no entry are never visited); every chunk's run of entries in the
+ * block is added, chunk after chunk, into a zeroed scratch block (in L1), a bit per index marking
+ * which hold a sum; the marked indices are then written out in increasing order (a walk over the
+ * block's 64 bit words) and their scratch entries zeroed again. Each sum is 0 + v_0 + v_1 + ... in
+ * chunk order (and within a chunk in its own order), the order of index_add_ one chunk after another,
+ * so the bits are the same. Cost: one sequential read of every
+ * chunk, one write of the unique pairs, and per block O(chunks) to find where the next one starts and
+ * a walk of 64 words. `out_idx` has the chunks' index type. Returns the number of unique indices, or
+ * -3 when the scratch block cannot be allocated (the caller then takes its torch path). */
+#define SUM_BLOCK 4096
+#define MERGE_SUM_RUN(I)                                                                                    \
+    {                                                                                                       \
+        const I *ids = (const I *)m->idx[c];                                                                \
+        for (; p < len && (int64_t)ids[p] < end; p++) {                                                     \
+            int64_t at = (int64_t)ids[p] - base;                                                            \
+            scratch[at] += values[p];                                                                       \
+            marks[at >> 6] |= UINT64_C(1) << (at & 63);                                                     \
         }                                                                                                   \
+    }
+#define MERGE_SUM_BODY(T)                                                                                   \
+    static int64_t merge_sum_##T(merge_t *m, void *out_idx, T *out_val) {                                   \
+        T *scratch = calloc(SUM_BLOCK, sizeof(T));                                                          \
+        if (scratch == NULL) return -3;                                                                     \
+        uint64_t marks[SUM_BLOCK / 64] = {0};                                                               \
+        int64_t count = 0;                                                                                  \
+        for (int c = 0; c < m->nchunks; c++) m->pos[c] = 0;                                                 \
+        for (;;) {                                                                                          \
+            int64_t lowest = INT64_MAX;                                                                     \
+            for (int c = 0; c < m->nchunks; c++)                                                            \
+                if (m->pos[c] < m->len[c] && index_at(m, c, m->pos[c]) < lowest)                            \
+                    lowest = index_at(m, c, m->pos[c]);                                                     \
+            if (lowest == INT64_MAX) break;                                                                 \
+            int64_t base = lowest - lowest % SUM_BLOCK, end = base + SUM_BLOCK;                             \
+            for (int c = 0; c < m->nchunks; c++) {                                                          \
+                const T *values = (const T *)m->val[c];                                                     \
+                int64_t p = m->pos[c], len = m->len[c];                                                     \
+                if (m->wide_index) MERGE_SUM_RUN(int64_t) else MERGE_SUM_RUN(int32_t)                       \
+                m->pos[c] = p;                                                                              \
+            }                                                                                               \
+            for (int w = 0; w < SUM_BLOCK / 64; w++) {                                                      \
+                for (uint64_t bits = marks[w]; bits; bits &= bits - 1) {                                    \
+                    int64_t at = w * 64 + __builtin_ctzll(bits);                                            \
+                    if (m->wide_index)                                                                      \
+                        ((int64_t *)out_idx)[count] = base + at;                                            \
+                    else                                                                                    \
+                        ((int32_t *)out_idx)[count] = (int32_t)(base + at);                                 \
+                    out_val[count++] = scratch[at];                                                         \
+                    scratch[at] = (T)0;                                                                     \
+                }                                                                                           \
+                marks[w] = 0;                                                                               \
+            }                                                                                               \
+        }                                                                                                   \
+        free(scratch);                                                                                      \
         return count;                                                                                       \
     }
 
-MERGE_BODY(float)
-MERGE_BODY(double)
+MERGE_SUM_BODY(float)
+MERGE_SUM_BODY(double)
 
 /* ---------------------------------------------------------------- merge_average: the blocked sweep
  *
