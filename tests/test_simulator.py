@@ -420,6 +420,32 @@ def test_agreement_is_costed_per_round_and_the_messages_cpu_shares_the_cores():
     assert cluster.comm_s == pytest.approx(formula)
 
 
+def test_the_comm_excess_over_the_formula_is_per_call_where_the_messages_cpu_is_its_own_term():
+    """The calibration's comm beyond the formula at P_cal: on a rate-limited network, whose per-message
+    CPU is fitted and costed by messages on its own, what is left is per call (added once at any P);
+    on loopback (no such term) it is per message (x rounds at P / rounds at P_cal, as CPU shared)."""
+    density, n, P = 0.01, 1_000_000, 6
+    records = _split_records(2, [n], density, 2e-9, 0.1e-9, methods=("topka",))
+    for r, record in enumerate(records):
+        for sample in record["links"]:
+            sample["bytes_recv"] = cost(sample["algorithm"], P=2, n=sample["n"], rank=r).bytes_recv
+            sample["cpu"] = 300e-6 * sample["rounds"] + 0.5e-9 * (sample["bytes"] + sample["bytes_recv"])
+    kept = {"density": density, "device": "cpu", "cores": 2, "colocated": True, "selectors": {},
+            "recv_element_s": 0.0, "meta": {}}
+    for net, per_call in (("1gbit", True), ("loopback", False)):
+        profile = profile_from_records(records, net=net, **kept)
+        measured = profile.methods["topka"]["comm_s"][str(n)]
+        excess = measured - predict("topka", 2, n, density, profile=profile, use_comm_factor=False).comm_s
+        assert excess > 0.005  # 10 ms measured against a formula of about 1
+        at_cal = predict("topka", 2, n, density, profile=profile)
+        assert at_cal.comm_s == pytest.approx(measured, rel=1e-9)
+        p6 = predict("topka", P, n, density, profile=profile)
+        plain = predict("topka", P, n, density, profile=profile, use_comm_factor=False)
+        assert p6.rounds == 3 and at_cal.rounds == 1
+        expected = excess if per_call else excess * 3 * 3  # 3 rounds against 1, 6 workers on 2 cores
+        assert p6.comm_s - plain.comm_s == pytest.approx(expected, rel=1e-6)
+
+
 def test_split_work_fits_two_sizes_and_merged_calibrations_keep_the_timers():
     from sparsecomm.simulator.calibration import merge_records, split_work
 

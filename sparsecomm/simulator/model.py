@@ -3,7 +3,7 @@
 A method's predicted time for one call on a flat gradient of ``n`` elements at ``P`` workers is
 
     T = comm + work
-    comm = f * (rounds * alpha * c_s + link_contention(P) * traffic_factor * bytes_sent * beta) + rounds * o * c_s
+    comm = f * (rounds * alpha * c_s + link_contention(P) * traffic_factor * bytes_sent * beta) + excess * c_s
            - burst + shared_cpu(cpu_comm(P, n), wire, c_r)
            (rounds, bytes_sent: the slowest of a few sampled ranks; wire: the bytes' term less the burst)
     work = (s1 * n + s0 + d1 * swept(P, n) + d0 + a_r * ceil(log2 P)) * contention(P) / contention(P_cal)
@@ -37,16 +37,23 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   cores (as in this repository's validation), 1 for a cluster with a device per worker.
 * ``compute_scale`` (an assumption the user gives, e.g. a GPU's memory bandwidth over this
   machine's) divides the work term.
-* ``o`` and ``f`` compare the method's measured communication time at the calibration P with the
-  formula's there. Where the measurement is longer, the difference is what the formula's rounds
-  leave out, a cost per message (a round's size header, index and value messages sent apart, a
-  peer process's wake-up): ``o`` = difference / rounds at P_cal, f = 1. Where it is shorter (the
-  formula over-estimates), o = 0 and f = measured / formula (the profile's ``comm_factor``), except
-  on an emulated rate (:func:`tc_rate`), where the over-estimate is the token bucket's burst (bytes
-  that pass at once at the start of a call): f = 1 and ``burst`` = formula - measured, that much
-  less time per call at any P (a fixed credit, not a fraction of the bytes). Only
-  on the profile's own network: with a given alpha and beta, o = 0 and f = 1 (the traffic factor
-  still applies).
+* ``excess`` and ``f`` compare the method's measured communication time at the calibration P with
+  the formula's there. Where the measurement is longer, the difference is what the formula leaves
+  out. On a rate-limited network, where the messages' CPU is its own term (``cpu_comm`` below, per
+  message and per byte), it is a cost per call, added once at any P (``excess`` = the difference):
+  set-up, CPU work inside the comm's timers (ExDyna's union of the gathered indices), the wait for a
+  peer's imbalance (on this machine's emulated 1 Gbit/s the link's fitted alpha is 0: no cost per
+  message shows beyond the CPU term).
+  Costed per round instead (until 2026-11-28), ExDyna's and CLT-k's, measured over 2 rounds at P =
+  2, counted 4 times at P = 6 (8 rounds). Elsewhere (loopback, where the messages' CPU is not
+  measured apart) it is a cost per message (a round's size header, index and value messages sent
+  apart, a peer process's wake-up): ``excess`` = difference x rounds / rounds at P_cal, f = 1. Where
+  the measurement is shorter (the formula over-estimates), excess = 0 and f = measured / formula (the
+  profile's ``comm_factor``), except on an emulated rate (:func:`tc_rate`), where the
+  over-estimate is the token bucket's burst (bytes that pass at once at the start of a call): f = 1
+  and ``burst`` = formula - measured, that much less time per call at any P (a fixed credit, not a
+  fraction of the bytes). Only on the profile's own network: with a given alpha and beta, excess = 0
+  and f = 1 (the traffic factor still applies).
 * ``link_contention(P)`` (:func:`comm_contention`) is ``P / cores`` on loopback with colocated
   workers (moving a byte over loopback is a kernel copy: CPU work the P processes share), 1 under a
   rate limit.
@@ -411,18 +418,24 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         if compute_scale != 1.0:
             rests.append(f"ASSUMED compute {compute_scale:g}x this device")
     comm, rounds, sent, exact = predict_comm(name, P, n, density, a, b, options, factor)
-    per_round = burst_credit = 0.0
+    excess = burst_credit = 0.0
     if profile is not None and calib and comm_factor != 1.0 and calib.get("comm_s"):
-        # the measured comm at the calibration P against the formula's there: what the formula leaves
-        # out is a cost per message (a round's size header, separate index and value messages, the
-        # peer's wake-up), added per round; a formula that over-estimates is scaled down, except on an
-        # emulated rate, where the over-estimate is the token bucket's burst: bytes per call that pass
-        # at once, a fixed credit per call however many bytes follow
+        # the measured comm at the calibration P against the formula's there. What the formula leaves
+        # out (the excess) is, where the messages' CPU is its own term (a rate-limited network: per
+        # message, in shared_cpu), a cost per call: set-up, the CPU work inside the comm's timers
+        # (ExDyna's union of the gathered indices), the wait for a peer's imbalance; elsewhere a cost
+        # per message (a round's size header, separate index and value messages, the peer's wake-up),
+        # added per round. A formula that over-estimates is scaled down, except on an emulated rate,
+        # where the over-estimate is the token bucket's burst: bytes per call that pass at once, a
+        # fixed credit per call however many bytes follow
         n_cal = max(int(size) for size in calib["comm_s"])
         measured = float(calib["comm_s"][str(n_cal)])
         formula, rounds_cal, _, _ = predict_comm(name, calib["P"], n_cal, density, a, b, calib_options, factor)
         if measured >= formula and rounds_cal:
-            per_round, comm_factor = (measured - formula) / rounds_cal, 1.0
+            excess = measured - formula
+            if comm_cpu is None:
+                excess *= rounds / rounds_cal
+            comm_factor = 1.0
         elif formula > 0 and tc_rate(profile.net):
             burst_credit, comm_factor = formula - measured, 1.0
         elif formula > 0:
@@ -431,7 +444,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
     # measured (a rate-limited network) that share is its own term and the rounds keep their time
     round_scale = contention_rounds if comm_cpu is None else 1.0
     wire = comm_factor * contention_comm * (comm - rounds * a)
-    comm = max(0.0, comm_factor * rounds * a * round_scale + wire + rounds * per_round * round_scale - burst_credit)
+    comm = max(0.0, comm_factor * rounds * a * round_scale + wire + excess * round_scale - burst_credit)
     if comm_cpu is not None:
         comm += shared_cpu(comm_cpu, max(0.0, wire - burst_credit), contention_rounds)
     hidden = min(overlap * comm, backward_s)
