@@ -53,7 +53,8 @@ for P in (2, 3, 4, 6, 8):
             if call:
                 times[label].append(time.perf_counter() - start)
     merge._compiled = new
-    same = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(results["old"], results["new"]))
+    same = all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+               for a, b in zip(results["old"], results["new"], strict=True))
     o, w = times["old"], times["new"]
     print(f"| {P} | {min(o) * 1e3:.2f} / {statistics.median(o) * 1e3:.2f} | {min(w) * 1e3:.2f} / "
           f"{statistics.median(w) * 1e3:.2f} | {statistics.median(w) / statistics.median(o):.2f} | {same} |")
