@@ -43,17 +43,16 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   message and per byte), it is a cost per call, added once at any P (``excess`` = the difference):
   set-up, CPU work inside the comm's timers (ExDyna's union of the gathered indices), the wait for a
   peer's imbalance (on this machine's emulated 1 Gbit/s the link's fitted alpha is 0: no cost per
-  message shows beyond the CPU term).
-  Costed per round instead (until 2026-11-28), ExDyna's and CLT-k's, measured over 2 rounds at P =
-  2, counted 4 times at P = 6 (8 rounds). Elsewhere (loopback, where the messages' CPU is not
-  measured apart) it is a cost per message (a round's size header, index and value messages sent
-  apart, a peer process's wake-up): ``excess`` = difference x rounds / rounds at P_cal, f = 1. Where
-  the measurement is shorter (the formula over-estimates), excess = 0 and f = measured / formula (the
-  profile's ``comm_factor``), except on an emulated rate (:func:`tc_rate`), where the
-  over-estimate is the token bucket's burst (bytes that pass at once at the start of a call): f = 1
-  and ``burst`` = formula - measured, that much less time per call at any P (a fixed credit, not a
-  fraction of the bytes). Only on the profile's own network: with a given alpha and beta, excess = 0
-  and f = 1 (the traffic factor still applies).
+  message shows beyond the CPU term). Costed per round there, as until 2026-11-28, ExDyna's and
+  CLT-k's excess, measured over 2 rounds at P = 2, counted 4 times at P = 6 (8 rounds). Elsewhere
+  (loopback, where the messages' CPU is not measured apart) it is a cost per message (a round's size
+  header, index and value messages sent apart, a peer process's wake-up): ``excess`` = difference x
+  rounds / rounds at P_cal, f = 1. Where the measurement is shorter (the formula over-estimates),
+  excess = 0 and f = measured / formula (the profile's ``comm_factor``), except on an emulated rate
+  (:func:`tc_rate`), where the over-estimate is the token bucket's burst (bytes that pass at once at
+  the start of a call): f = 1 and ``burst`` = formula - measured, that much less time per call at
+  any P (a fixed credit, not a fraction of the bytes). Only on the profile's own network: with a
+  given alpha and beta, excess = 0 and f = 1 (the traffic factor still applies).
 * ``link_contention(P)`` (:func:`comm_contention`) is ``P / cores`` on loopback with colocated
   workers (moving a byte over loopback is a kernel copy: CPU work the P processes share), 1 under a
   rate limit.

@@ -31,7 +31,7 @@
 #include <string.h>
 
 #define MERGE_MAX_CHUNKS 4096
-#define MAX_INDEX (INT64_C(1) << 50) /* indices at or above it take the torch path */
+#define MAX_INDEX (INT64_C(1) << 50) /* larger indices take the torch path (block bounds never overflow) */
 
 typedef struct {
     int nchunks;
@@ -72,10 +72,10 @@ static int check_chunks(const merge_t *m, int64_t n) {
  * which hold a sum; the marked indices are then written out in increasing order (a walk over the
  * block's 64 bit words) and their scratch entries zeroed again. Each sum is 0 + v_0 + v_1 + ... in
  * chunk order (and within a chunk in its own order), the order of index_add_ one chunk after another,
- * so the bits are the same. Cost: one sequential read of every
- * chunk, one write of the unique pairs, and per block O(chunks) to find where the next one starts and
- * a walk of 64 words. `out_idx` has the chunks' index type. Returns the number of unique indices, or
- * -3 when the scratch block cannot be allocated (the caller then takes its torch path). */
+ * so the bits are the same. Cost: one sequential read of every chunk, one write of the unique pairs,
+ * and per block O(chunks) to find where the next one starts and a walk of 64 words. `out_idx` has the
+ * chunks' index type. Returns the number of unique indices, or -3 when the scratch block cannot be
+ * allocated (the caller then takes its torch path). */
 #define SUM_BLOCK 4096
 #define MERGE_SUM_RUN(I)                                                                                    \
     {                                                                                                       \
