@@ -229,14 +229,18 @@ def test_outputs_anywhere_in_a_page_are_the_reference(offset, value_dtype):
        index_dtype=st.sampled_from([torch.int32, torch.int64]),
        value_dtype=st.sampled_from([torch.float32, torch.float64]))
 def test_add_chunks_merge_equals_its_torch_path(seed, P, n, index_dtype, value_dtype):
-    chunks = _random_chunks(seed, P, n, index_dtype, value_dtype, negative_zero=True)
+    _assert_merge_has_the_torch_paths_bits(_random_chunks(seed, P, n, index_dtype, value_dtype, negative_zero=True))
+
+
+def _assert_merge_has_the_torch_paths_bits(chunks) -> None:
+    """add_chunks with the C merge (where built) against its torch path: the same indices, dtype, bits."""
     merged = add_chunks(chunks)
     saved, merge._compiled = merge._compiled, None
     try:
         sorted_by_torch = add_chunks(chunks)
     finally:
         merge._compiled = saved
-    assert merged.indices.dtype == sorted_by_torch.indices.dtype
+    assert merged.indices.dtype == sorted_by_torch.indices.dtype == chunks[0].indices.dtype
     assert torch.equal(merged.indices, sorted_by_torch.indices)
     assert torch.equal(_bits(merged.values), _bits(sorted_by_torch.values))
 
@@ -257,15 +261,7 @@ def test_add_chunks_merge_spans_blocks_gaps_and_repeats_with_the_torch_paths_bit
         values = torch.randn(idx.numel(), generator=g, dtype=value_dtype) * 10.0 ** (c - 3)
         values[0] = -0.0
         chunks.append(SparseChunk(idx, values))
-    merged = add_chunks(chunks)
-    saved, merge._compiled = merge._compiled, None
-    try:
-        sorted_by_torch = add_chunks(chunks)
-    finally:
-        merge._compiled = saved
-    assert merged.indices.dtype == index_dtype
-    assert torch.equal(merged.indices, sorted_by_torch.indices)
-    assert torch.equal(_bits(merged.values), _bits(sorted_by_torch.values))
+    _assert_merge_has_the_torch_paths_bits(chunks)
 
 
 @pytest.mark.parametrize("value_dtype", [torch.float32, torch.float64])
