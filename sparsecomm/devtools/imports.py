@@ -13,7 +13,7 @@ Rules (:func:`violations` lists every breach; ``tests/test_architecture.py`` req
    (``methods/spardl/``) is one method. What methods share lives in the methods layer's shared
    modules (``base``, ``stats``, ``select_allgather``) or below.
 3. No module imports a private name (``_name``) from another module; a package's own modules may
-   share its private parts (``from . import _scan``, the compiled kernel).
+   share its private parts (``from . import _private``).
 4. The module import graph has no cycle (imports of a package's own ``__init__`` from its
    submodules excepted, since Python resolves those as parent-package imports).
 5. The library never loads the lab (``devtools``, ``experiments``): the one exception to rule 1 is

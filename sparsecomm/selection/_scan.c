@@ -1023,10 +1023,21 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,
                                     NULL,
                                     NULL};
 
+/* the digest of this file, compiled in by setup.py: sparsecomm.core.optional refuses a build from
+   other sources than the _scan.c beside it */
+#ifndef SOURCE_DIGEST
+#define SOURCE_DIGEST ""
+#endif
+
 PyMODINIT_FUNC PyInit__scan(void) {
 #if SCAN_HAVE_X86_VARIANTS
     init_avx2_pack();
     init_avx2_pack_epi64();
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_DIGEST", SOURCE_DIGEST) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

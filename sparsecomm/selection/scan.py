@@ -42,12 +42,13 @@ import math
 import os
 import struct
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from ..core.optional import compiled_extension
 from ..transport.chunk import SparseChunk
 from . import triton_scan
 from .base import assert_finite
@@ -59,10 +60,9 @@ __all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "sampled_ma
 
 log = logging.getLogger(__name__)
 
-try:
-    from . import _scan as _compiled  # type: ignore[attr-defined]  # the optional C extension
-except ImportError:  # built optionally (setup.py): no compiler at install time
-    _compiled = None
+#: the optional C extension (built by setup.py where a compiler is found: else None), refused when
+#: built from other sources than the _scan.c beside it
+_compiled: Any = compiled_extension(__package__, "_scan")
 
 #: the variants of the compiled kernel, fastest first
 _COMPILED_KERNELS = ("avx512", "avx2", "scalar")

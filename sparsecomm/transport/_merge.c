@@ -1240,6 +1240,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,
                                     NULL,
                                     NULL};
 
+/* the digest of this file, compiled in by setup.py: sparsecomm.core.optional refuses a build from
+   other sources than the _merge.c beside it */
+#ifndef SOURCE_DIGEST
+#define SOURCE_DIGEST ""
+#endif
+
 PyMODINIT_FUNC PyInit__merge(void) {
 #if MERGE_HAVE_SIMD
     __builtin_cpu_init();
@@ -1249,7 +1255,8 @@ PyMODINIT_FUNC PyInit__merge(void) {
     PyObject *m = PyModule_Create(&module);
     /* the sweep's cut-over, for the simulator's model of its memory traffic (merge.IN_PLACE_SHARE) */
     if (m != NULL && (PyModule_AddIntConstant(m, "DENSE_NUM", DENSE_NUM) < 0 ||
-                      PyModule_AddIntConstant(m, "DENSE_DEN", DENSE_DEN) < 0)) {
+                      PyModule_AddIntConstant(m, "DENSE_DEN", DENSE_DEN) < 0 ||
+                      PyModule_AddStringConstant(m, "SOURCE_DIGEST", SOURCE_DIGEST) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

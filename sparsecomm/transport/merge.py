@@ -38,10 +38,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from ..core.optional import compiled_extension
 
 __all__ = ["merge_sum", "average_into", "average_blocks_into", "clear", "GroupMask", "Stale", "GROUP", "ascending",
            "strictly_increasing", "compiled", "IN_PLACE_SHARE", "sketch_insert", "sketch_query_blocks",
@@ -49,10 +51,9 @@ __all__ = ["merge_sum", "average_into", "average_blocks_into", "clear", "GroupMa
 
 log = logging.getLogger(__name__)
 
-try:
-    from . import _merge as _compiled  # type: ignore[attr-defined]  # the optional C extension
-except ImportError:  # built optionally (setup.py): no compiler at install time
-    _compiled = None
+#: the optional C extension (built by setup.py where a compiler is found: else None), refused when
+#: built from other sources than the _merge.c beside it
+_compiled: Any = compiled_extension(__package__, "_merge")
 
 _VALUE_TYPES = (torch.float32, torch.float64)
 _INDEX_TYPES = (torch.int32, torch.int64)
