@@ -15,11 +15,10 @@ from setuptools import Extension, setup
 FLAGS = ["-O3", "-ffp-contract=off"]
 
 
-
 def extension(name: str, source: str) -> Extension:
     """The optional extension ``name`` built from ``source``, with the source's digest compiled in
-    (``SOURCE_DIGEST``: sparsecomm.core.optional.source_digest, which refuses a build from other
-    sources than those beside it)."""
+    (``SOURCE_DIGEST``, as sparsecomm.core.optional.source_digest computes it: the package refuses a
+    build from other sources than those beside it)."""
     with open(source, "rb") as file:
         digest = hashlib.sha256(file.read()).hexdigest()[:16]
     return Extension(name, [source], extra_compile_args=FLAGS, optional=True,

@@ -639,3 +639,24 @@ def test_spardls_messages_riding_on_the_agreement_leave_it_the_rounds_it_agrees_
                 - work_seconds(alone, "spardl", P, n, density, options, {}, 0.0)[0])
 
     assert [agreement_part(P) for P in (2, 3, 4, 6)] == pytest.approx([0.0, 2 * round_s, 0.0, 3 * round_s])
+
+
+def _oktopk_runs():
+    from sparsecomm.simulator.calibration import method_runs
+
+    return method_runs(["oktopk"], [40_000], 0.01, repeat=2)
+
+
+def test_calibration_times_a_dense_warmup_method_after_its_warmup():
+    """Ok-Topk's first 512 calls are dense all-reduces by default (its paper's warm-up); the
+    calibration and the validation time the calls after them, as the model predicts: not a dense
+    all-reduce's bytes (its first sparse calls, thresholds not yet settled, send about a third of
+    them here)."""
+    from sparsecomm.methods import dense_warmup
+
+    assert dense_warmup("oktopk") > 3  # the default would make every timed call here dense
+    n, P = 40_000, 2
+    dense_bytes = cost("dense", P=P, n=n, rank=0).bytes_sent
+    for rank_runs in run_workers(P, _oktopk_runs, timeout=120):
+        (run,) = rank_runs
+        assert 0 < run["bytes_sent"] < dense_bytes / 2

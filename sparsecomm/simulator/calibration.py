@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..core.cost import fit_alpha_beta
-from ..methods import MethodSpec, cost, is_sparse
+from ..methods import MethodSpec, cost, dense_warmup, is_sparse
 from ..methods.base import selection_count
 from .model import (
     Profile,
@@ -177,11 +177,16 @@ def agreement_ride(stats: Sequence[Any]) -> str:
 def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, repeat: int,
                 warmup: int = 1, device: str = "cpu") -> list[dict[str, Any]]:
     """Runs in every rank: each method's call times, its timers (``time_comm``,
-    ``time_select``, ``time_decompress``, the agreement's) and bytes at each size (this rank)."""
+    ``time_select``, ``time_decompress``, the agreement's) and bytes at each size (this rank).
+    A method whose first calls are dense by default (:func:`~sparsecomm.methods.dense_warmup`:
+    Ok-Topk's ``warmup_steps``) is built without them: what the model predicts, and the validation
+    measures, are the calls after its warm-up (with it, every timed call of Ok-Topk was a dense
+    all-reduce, its traffic 50x its formula's)."""
     runs = []
     for n in sizes:
         for name in methods:
-            options = dict(MethodSpec.at_density(name, density).options)
+            options = dict(MethodSpec.at_density(name, density,
+                                                 **({"warmup_steps": 0} if dense_warmup(name) else {})).options)
             result = time_method_in_worker(name, options, n, repeat, warmup, device=device)
             stats = result["stats"]
             runs.append({"method": name, "n": n, "times": result["times"],
