@@ -15,7 +15,11 @@ from sparsecomm.transport.deadline import ProtocolBroken, RankStalledError, grou
 
 
 def _private_group_timeout():
-    return group_timeout(None).total_seconds(), group_timeout(private_group(None)).total_seconds()
+    group = private_group(None)
+    # both ranks use the group before either returns: a rank whose worker exits while its peer still
+    # connects the group's mesh closes the connection under it ("Connection closed by peer")
+    dist.barrier(group=group)
+    return group_timeout(None).total_seconds(), group_timeout(group).total_seconds()
 
 
 def test_the_hooks_private_group_takes_the_default_groups_timeout():
