@@ -40,12 +40,9 @@ def _method(name):
     return make_method(name, **dict(MethodSpec.at_density(name, DENSITY).options))
 
 
-def _phase_worker(name):
+def _warmed(name):
+    """(gradient, work buffer, output buffer, method) in a worker, after two warm-up calls."""
     import torch.distributed as dist
-
-    import sparsecomm.methods.base as base
-    torch.set_num_threads(1)
-    base.time = types.SimpleNamespace(perf_counter=time.thread_time)  # the phase timers read CPU time
     gen = torch.Generator().manual_seed(dist.get_rank())
     grad = torch.randn(N, generator=gen)
     work, out = torch.empty_like(grad), torch.empty_like(grad)
@@ -53,6 +50,16 @@ def _phase_worker(name):
     for _ in range(2):
         work.copy_(grad)
         method(work, None, out=out)
+    return grad, work, out, method
+
+
+def _phase_worker(name):
+    import torch.distributed as dist
+
+    import sparsecomm.methods.base as base
+    torch.set_num_threads(1)
+    base.time = types.SimpleNamespace(perf_counter=time.thread_time)  # the phase timers read CPU time
+    grad, work, out, method = _warmed(name)
     sums: dict[str, float] = {}
     for _ in range(CALLS):
         work.copy_(grad)
@@ -78,13 +85,7 @@ def _cpu_ticks():
 def _idle_worker(name):
     import torch.distributed as dist
     torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    grad = torch.randn(N, generator=gen)
-    work, out = torch.empty_like(grad), torch.empty_like(grad)
-    method = _method(name)
-    for _ in range(2):
-        work.copy_(grad)
-        method(work, None, out=out)
+    grad, work, out, method = _warmed(name)
     dist.barrier()
     before, start = _cpu_ticks(), time.perf_counter()
     for _ in range(30):
@@ -92,7 +93,7 @@ def _idle_worker(name):
         method(work, None, out=out)
     dist.barrier()
     after, wall = _cpu_ticks(), time.perf_counter() - start
-    return [b - a for a, b in zip(before, after)], wall / 30
+    return [b - a for a, b in zip(before, after, strict=True)], wall / 30
 
 
 def _probe_phase(per_core, work_s, phases=200):
