@@ -660,3 +660,112 @@ def test_calibration_times_a_dense_warmup_method_after_its_warmup():
     for rank_runs in run_workers(P, _oktopk_runs, timeout=120):
         (run,) = rank_runs
         assert 0 < run["bytes_sent"] < dense_bytes / 2
+
+
+def test_spardls_top_k_blocks_follow_its_reduce_scatter_schedule():
+    """Spar-Reduce-Scatter selects every block it sends after the first step, and its own, by a top-k
+    of that block: 2^(ceil(log2 m) - 1) blocks of n / m (the first step's bag in the scan), all m
+    without the scan. The other methods select in one pass at any P."""
+    spardl, n = method_class("spardl"), 6_000_000
+    assert [len(spardl.topk_blocks(P, n)) for P in range(1, 9)] == [0, 1, 2, 2, 4, 4, 4, 4]
+    assert [len(spardl.topk_blocks(P, n, scan=False)) for P in range(2, 9)] == list(range(2, 9))
+    assert spardl.topk_blocks(6, n) == [1_000_000] * 4 and spardl.topk_blocks(2, n) == [3_000_000]
+    assert spardl.topk_blocks(8, n, teams=2) == [1_500_000] * 2  # teams of four ranks
+    assert all(method_class(name).topk_blocks(6, n) == [] for name in available_methods() if name != "spardl")
+
+
+def test_spardls_selection_grows_with_the_blocks_it_takes_at_P():
+    """Calibrated at P = 2 (one block of n / 2 by top-k), SparDL at P = 6 takes four blocks of n / 6:
+    its selection grows by their one-process cost (per element and per block), the other methods'
+    not at all."""
+    from sparsecomm.simulator.calibration import measure_block_topk
+
+    density, n = 0.01, 6_000_000
+    records = _split_records(2, [1_000_000], density, 2e-9, 0.0)
+    block = {"per_element": 1e-9, "per_block": 1e-3}
+    kept = {"density": density, "net": "1gbit", "device": "cpu", "cores": 2, "colocated": True, "selectors": {},
+            "recv_element_s": 0.0, "meta": {}}
+    with_blocks = profile_from_records(records, block_topk_s=block, **kept)
+    without = profile_from_records(records, **kept)
+    grows = {name: predict(name, 6, n, density, profile=with_blocks, colocated=False).work_s
+             - predict(name, 6, n, density, profile=without, colocated=False).work_s for name in ("spardl", "topka")}
+    assert grows["spardl"] == pytest.approx(4 * (1e-9 * 1_000_000 + 1e-3) - (1e-9 * 3_000_000 + 1e-3))
+    assert grows["topka"] == 0.0
+    at_cal = predict("spardl", 2, n, density, profile=with_blocks, colocated=False).work_s
+    assert at_cal == pytest.approx(predict("spardl", 2, n, density, profile=without, colocated=False).work_s)
+    measured = measure_block_topk(400_000, density, repeat=2)
+    assert measured["per_element"] >= 0 and measured["per_block"] >= 0
+    assert measured["per_element"] * 200_000 + measured["per_block"] > 0  # a block's top-k costs something
+
+
+def _cpu_profile(cpu_per_element, sizes=(1_000_000, 4_000_000), colocated=True):
+    """topka calibrated at P = 2 on an emulated 1 Gbit/s with 2 cores: 2 ns of work per element, the
+    links' CPU 300 us per message and 0.5 ns per byte, and each call's process CPU
+    ``cpu_per_element`` per element."""
+    density = 0.01
+    records = _split_records(2, list(sizes), density, 2e-9, 0.0, methods=("topka",))
+    for r, record in enumerate(records):
+        for sample in record["links"]:
+            sample["bytes_recv"] = cost(sample["algorithm"], P=2, n=sample["n"], rank=r).bytes_recv
+            sample["cpu"] = 300e-6 * sample["rounds"] + 0.5e-9 * (sample["bytes"] + sample["bytes_recv"])
+    for run in records[0]["runs"]:  # shared by the ranks' records
+        run["cpu"] = [cpu_per_element * run["n"]] * 3
+    return profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=colocated,
+                                selectors={}, recv_element_s=0.0, meta={})
+
+
+def test_the_cores_estimate_is_every_ranks_cpu_on_the_cores_plus_the_wire():
+    """P colocated workers on fewer cores: the cores do P ranks' CPU (the calibrated process CPU per
+    call plus what P adds) and the wire passes on top, the bytes' copies overlapping it. The larger of
+    that and the critical path is the prediction; at P <= cores, on a cluster, or where the CPU was
+    not recorded, it is not used."""
+    from sparsecomm.simulator.model import comm_cpu_seconds, cores_seconds
+
+    # the formula: c (cpu - bytes' cpu) + max(wire, c bytes' cpu); cpu = the calibrated one plus P's growth
+    link = {"cpu_round_s": 300e-6, "cpu_byte_s": 0.5e-9}
+    calib = {"P": 2, "cpu1": 4e-9, "cpu0": 1e-3, "s1": 0.0, "s0": 0.0, "d1": 0.0, "d0": 0.0}
+    n, density = 5_000_000, 0.01
+    at_6, at_2 = (comm_cpu_seconds("topka", P, n, density, link, {"local_size": 1}) for P in (6, 2))
+    cpu = 4e-9 * n + 1e-3 + sum(at_6) - sum(at_2)
+    assert cores_seconds(calib, "topka", 6, n, density, {"local_size": 1}, {"local_size": 1}, link, 0.010, 3.0) \
+        == pytest.approx(3 * (cpu - at_6[1]) + max(0.010, 3 * at_6[1]))
+    assert cores_seconds(calib, "topka", 6, n, density, {"local_size": 1}, {"local_size": 1}, link, 1.0, 3.0) \
+        == pytest.approx(3 * (cpu - at_6[1]) + 1.0)  # a long wire hides the copies
+    assert cores_seconds({k: v for k, v in calib.items() if k != "cpu1"},
+                         "topka", 6, n, density, {}, {}, link, 0.01, 3.0) is None
+    # in the prediction: the CPU of 6 ranks on 2 cores outlasts the critical path, a little CPU does not
+    busy, idle = _cpu_profile(20e-9), _cpu_profile(1e-9)
+    assert busy.methods["topka"]["cpu1"] == pytest.approx(20e-9)
+    plain = {P: predict("topka", P, n, density, profile=_cpu_profile(0.0)) for P in (2, 6)}
+    p6 = predict("topka", 6, n, density, profile=busy)
+    assert "the cores' estimate" in p6.rests_on and p6.total_s > 2 * plain[6].total_s
+    assert p6.total_s > 3 * 20e-9 * n  # three ranks a core, 100 ms of CPU each
+    assert predict("topka", 6, n, density, profile=idle).total_s == pytest.approx(plain[6].total_s)
+    assert predict("topka", 2, n, density, profile=busy).total_s == pytest.approx(plain[2].total_s)
+    cluster = predict("topka", 6, n, density, profile=busy, colocated=False)
+    assert "the cores' estimate" not in cluster.rests_on
+
+
+def test_the_calibration_records_each_calls_cpu_and_bytes_and_takes_the_median_calls_traffic():
+    """A data-dependent method's bytes vary from call to call (ExDyna's threshold controller): the
+    traffic factor is the median call's (each call's largest over ranks), not the most any call sent,
+    which the least call the estimators take is not."""
+    from sparsecomm.experiments.bench.simvalidate import _validate_worker
+
+    (record,) = run_workers(1, _validate_worker, ["topka"], [20_000], 0.01, 3, timeout=60)
+    (run,) = record["runs"]
+    assert len(run["cpu"]) == 3 and all(seconds > 0 for seconds in run["cpu"])
+    assert run["bytes_per_call"] == [0] * 3  # one worker sends nothing
+    density, n = 0.01, 1_000_000
+    records = _split_records(2, [n], density, 2e-9, 0.0, methods=("topka",))
+    formula = records[0]["runs"][0]["bytes_sent"]
+    per_rank = ([0.8, 1.5, 1.1], [1.0, 0.7, 1.2])  # per call: largest over ranks 1.0, 1.5, 1.2; median 1.2
+    records = [{**record, "runs": [{**record["runs"][0], "bytes_per_call": [f * formula for f in factors],
+                                    "bytes_sent": max(factors) * formula}]}
+               for record, factors in zip(records, per_rank, strict=True)]
+    kept = {"density": density, "net": "1gbit", "device": "cpu", "cores": 2, "colocated": True, "selectors": {},
+            "recv_element_s": 0.0, "meta": {}}
+    assert profile_from_records(records, **kept).methods["topka"]["traffic_factor"] == pytest.approx(1.2)
+    older = [{**record, "runs": [{k: v for k, v in record["runs"][0].items() if k != "bytes_per_call"}]}
+             for record in records]
+    assert profile_from_records(older, **kept).methods["topka"]["traffic_factor"] == pytest.approx(1.5)

@@ -49,6 +49,7 @@ def _torchrun(args, methods, sizes) -> int:
         available_cores,
         calibration_worker,
         device_name,
+        measure_block_topk,
         measure_recv_element,
         measure_selector_fixed,
         measure_selectors,
@@ -76,6 +77,7 @@ def _torchrun(args, methods, sizes) -> int:
                 selectors=measure_selectors(n_sel, args.density, device=device),
                 recv_element_s=measure_recv_element(n_sel, selection_count(args.density, n), device=device),
                 selector_fixed_s=measure_selector_fixed(n_sel, args.density, device=device),
+                block_topk_s=measure_block_topk(n, args.density, device=device),
                 meta={"P": dist.get_world_size(), "sizes": sizes, "density": args.density,
                       "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
             profile.save(args.out)

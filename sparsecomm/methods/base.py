@@ -164,6 +164,15 @@ class Method:
         if state:
             raise ValueError(f"method {self.name!r} has no extra state, got keys {sorted(state)}")
 
+    @classmethod
+    def topk_blocks(cls, P: int, n: int, scan: bool = True, **options: Any) -> list[int]:
+        """The sizes of the blocks one rank selects from by a top-k of its own, per call, besides the
+        selection its accumulation's scan makes (``scan``: the compiled CPU kernel selects while it
+        accumulates). The simulator costs how their number and sizes change with P
+        (:func:`~sparsecomm.simulator.model.block_topk_seconds`). Empty for a method whose selection
+        is one pass over the gradient at any P (the default)."""
+        return []
+
     # ------------------------------------------------------------------ helpers for subclasses
     def k(self, n: int) -> int:
         """Number of elements to select out of n: ceil(density * n), at least 1 when n > 0."""

@@ -21,6 +21,7 @@ the formula's rounds leave out: size headers and separate index and value messag
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
@@ -127,7 +128,8 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
                           grad_fn=None, device: str = "cpu") -> dict[str, Any]:
     """Worker function: build the method, run warm-up and timed calls on a fixed gradient.
 
-    Returns this rank's per-call wall times (each call starts after a barrier), the calls' stats,
+    Returns this rank's per-call wall times (each call starts after a barrier) and process CPU times
+    (``cpu``: every thread of the process, gloo's included), the calls' stats,
     whether the method agreed after its selection's scan (``agreement_folded``: no pass of its own),
     what of its own rode on the agreement (``agreement_ride``) and the name of its selector
     (``selector``, "" when it has none of its own).
@@ -145,23 +147,24 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
     work, result = torch.empty_like(base), torch.empty_like(base)
     on_gpu = work.is_cuda
     method = make_method(name, **options)
-    times, stats = [], []
+    times, cpu, stats = [], [], []
     for i in range(warmup + repeat):
         work.copy_(base)
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         method(work, layout, out=result)
         if on_gpu:
             torch.cuda.synchronize(work.device)
-        elapsed = time.perf_counter() - start
+        elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
         if i >= warmup:
             times.append(elapsed)
+            cpu.append(elapsed_cpu)
             stats.append(method.stats)
     folded = bool(method.agrees_in_reduce) and work.device.type == "cpu"
     selector = getattr(getattr(method, "selector", None), "name", "")
     if getattr(method, "samples_threshold", False):  # its threshold estimated from a sample, every call
         selector = SAMPLED_THRESHOLD
-    return {"times": times, "stats": stats, "agreement_folded": folded, "selector": selector,
+    return {"times": times, "cpu": cpu, "stats": stats, "agreement_folded": folded, "selector": selector,
             "agreement_ride": agreement_ride(stats)}
 
 
@@ -176,7 +179,7 @@ def agreement_ride(stats: Sequence[Any]) -> str:
 
 def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, repeat: int,
                 warmup: int = 1, device: str = "cpu") -> list[dict[str, Any]]:
-    """Runs in every rank: each method's call times, its timers (``time_comm``,
+    """Runs in every rank: each method's call times and process CPU times, its timers (``time_comm``,
     ``time_select``, ``time_decompress``, the agreement's) and bytes at each size (this rank).
     A method whose first calls are dense by default (:func:`~sparsecomm.methods.dense_warmup`:
     Ok-Topk's ``warmup_steps``) is built without them: what the model predicts, and the validation
@@ -189,14 +192,15 @@ def method_runs(methods: Sequence[str], sizes: Sequence[int], density: float, re
                                                  **({"warmup_steps": 0} if dense_warmup(name) else {})).options)
             result = time_method_in_worker(name, options, n, repeat, warmup, device=device)
             stats = result["stats"]
-            runs.append({"method": name, "n": n, "times": result["times"],
+            runs.append({"method": name, "n": n, "times": result["times"], "cpu": result["cpu"],
                          "time_comm": [s.time_comm for s in stats],
                          "time_agreement": [s.extra.get("time_agreement", 0.0) for s in stats],
                          "agreement_folded": result["agreement_folded"], "selector": result["selector"],
                          "agreement_ride": result["agreement_ride"],
                          "time_select": [s.time_select for s in stats],
                          "time_decompress": [s.time_decompress for s in stats],
-                         "bytes_sent": max(s.bytes_sent for s in stats)})
+                         "bytes_sent": max(s.bytes_sent for s in stats),
+                         "bytes_per_call": [s.bytes_sent for s in stats]})
     return runs
 
 
@@ -271,7 +275,17 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     * selection: work less decompression and the agreement's rounds, fitted per gradient element
       (``s1``, ``s0``); calibrated at one size, ``s0`` is the fixed part of the method's selector
       (``selector_fixed``: :func:`measure_selector_fixed`, where the run names its selector);
-    * traffic factor: metered bytes over the formula's (data-dependent counts: the measured density);
+    * CPU: for each rank the least over calls of its process CPU time (every thread: gloo's copies
+      and wake-ups as well as the method's work), then the largest over ranks, fitted per gradient
+      element (``cpu1``, ``cpu0``; where the calibration recorded it, at two sizes or more: at one
+      size the CPU's fixed part per call, gloo's threads and the messages' set-up, would be scaled with
+      n, 5-7x from 1M to 5M-7M): what the cores must do for one rank's call, the model's cores'
+      estimate (:func:`~.model.cores_seconds`);
+    * traffic factor: metered bytes over the formula's (data-dependent counts: the measured density),
+      the bytes of the median call (each call's largest over ranks; the calls of a data-dependent
+      method vary: ExDyna's threshold controller sends 0.7-1.6x its formula from call to call on
+      the calibration's gradient, and the least call, which the estimators and the validation take,
+      is not the one that sent the most; calibrations before 2026-11-28 kept only the most);
     * comm factor: comm, with ``contention`` (:func:`~.simulator.comm_contention` at this P) divided
       out, over the formula's time of the slowest rank under the fitted link (the native all-reduce's
       for dense) alpha and beta at the measured traffic: what the formula's rounds leave out (size
@@ -283,6 +297,7 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     agreement: dict[str, dict[int, float]] = {}
     folded: dict[str, bool] = {}
     ride: dict[str, str] = {}  # what of the method's own rode on its agreement ("gather", "ride", "")
+    cpu: dict[str, dict[int, float]] = {}  # n -> a rank's CPU per call (least over calls, largest over ranks)
     selectors = {run["method"]: run.get("selector", "") for run in records[0]["runs"]}
     for i, run in enumerate(records[0]["runs"]):
         name, n = run["method"], run["n"]
@@ -296,6 +311,8 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
             seconds = min(work, max(min(r["runs"][i]["time_decompress"]) for r in records))
             units = (decompress_bytes if device == "cpu" else touched_entries)(name, P, n, k, density, layout)
             decompress.setdefault(name, {})[n] = (units, seconds)
+        if "cpu" in run:  # older calibrations did not record it
+            cpu.setdefault(name, {})[n] = max(min(r["runs"][i]["cpu"]) for r in records)
         if "time_agreement" in run:
             # the rank that arrives last waits least: its agreement is the messages' own cost (the others'
             # wait for it is imbalance of the work before, which stays with that work)
@@ -303,7 +320,11 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
             folded[name] = bool(run.get("agreement_folded"))
             ride[name] = run.get("agreement_ride", "")
         comm = (total - work) / contention
-        sent = max(r["runs"][i]["bytes_sent"] for r in records)
+        if all("bytes_per_call" in r["runs"][i] for r in records):  # the slowest rank's bytes, the median call
+            sent = statistics.median(max(r["runs"][i]["bytes_per_call"][c] for r in records)
+                                     for c in range(len(run["bytes_per_call"])))
+        else:  # older calibrations kept only the most any call sent
+            sent = max(r["runs"][i]["bytes_sent"] for r in records)
         costs = [cost(name, P=P, n=n, k=k, rank=r, density=density, **layout) for r in range(P)]
         formula = max(c.bytes_sent for c in costs)
         traffic = sent / formula if formula else 1.0
@@ -323,6 +344,9 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
                      "comm_factor": statistics.mean(s[3] for s in samples),
                      "P": P, "density": density, "sizes": sorted({s[0] for s in samples}),
                      "work_s": {str(s[0]): s[1] for s in samples}, "comm_s": {str(s[0]): s[4] for s in samples}}
+        if len(cpu.get(name, {})) > 1:  # at one size a fixed part per call cannot be told from the rest
+            cpu1, cpu0 = fit_work(list(cpu[name].items()))
+            out[name].update(cpu1=cpu1, cpu0=cpu0, cpu_s={str(n): seconds for n, seconds in cpu[name].items()})
         round_s = None
         in_work = rounds  # the agreement's rounds timed apart from the comm at this P
         if name in agreement and rounds:
@@ -443,6 +467,32 @@ def measure_selector_fixed(n: int, density: float, repeat: int = 5, device: str 
     return {name: min(max(0.0, (4 * min(small[name]) - min(times)) / 3), min(times)) for name, times in large.items()}
 
 
+def measure_block_topk(n: int, density: float, repeat: int = 5, device: str = "cpu") -> dict[str, float]:
+    """Seconds of one block's top-k as SparDL's Spar-Reduce-Scatter takes it (this process):
+    :meth:`~sparsecomm.methods.spardl.srs.BlockSelector.take` with its default selector (``exact_topk``)
+    of the block's share of k, out of an accumulator of n elements, for blocks of n / 2 and n / 8;
+    the least of ``repeat`` calls each, fitted as ``t = per_element * size + per_block``. The simulator
+    costs the change of a method's :meth:`~sparsecomm.methods.base.Method.topk_blocks` with P by it
+    (:func:`~.model.block_topk_seconds`)."""
+    from ..methods.spardl.srs import Accumulator, BlockSelector
+    from ..selection import make as make_selector
+
+    base = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(device)
+    work = Accumulator(base.clone())
+    blocks = BlockSelector(make_selector("exact_topk"))
+    samples = []
+    for size in (n // 2, n // 8):
+        best = math.inf
+        for _ in range(repeat + 1):
+            work.tensor.copy_(base)
+            start = _wall(device)
+            blocks.take(work, 0, size, selection_count(density, size), journal=False)
+            best = min(best, _wall(device) - start)
+        samples.append((size, best))
+    per_element, per_block = fit_work(samples)
+    return {"per_element": per_element, "per_block": max(0.0, per_block)}
+
+
 def measure_recv_element(n: int, received: int, repeat: int = 3, device: str = "cpu") -> float:
     """Seconds per received sparse element: scatter-add of ``received`` random pairs into n zeros."""
     gen = torch.Generator().manual_seed(1)
@@ -459,7 +509,8 @@ def measure_recv_element(n: int, received: int, repeat: int = 3, device: str = "
 
 def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, net: str, device: str,
                          cores: int, colocated: bool, selectors: dict[str, float], recv_element_s: float,
-                         meta: dict[str, Any], selector_fixed_s: dict[str, float] | None = None) -> Profile:
+                         meta: dict[str, Any], selector_fixed_s: dict[str, float] | None = None,
+                         block_topk_s: dict[str, float] | None = None) -> Profile:
     """The profile from every rank's :func:`calibration_worker` result and the one-process figures."""
     links, dense = fit_links(records), _fit_dense(records)
     contention = comm_contention(records[0]["P"], cores, colocated, net)
@@ -467,12 +518,12 @@ def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, n
                    dense_allreduce=dense, selectors=selectors, recv_element_s=recv_element_s,
                    methods=_fit_methods(records, density, links, dense, contention, net, colocated, device,
                                         selector_fixed_s),
-                   selector_fixed_s=dict(selector_fixed_s or {}), meta=meta,
+                   selector_fixed_s=dict(selector_fixed_s or {}), block_topk_s=dict(block_topk_s or {}), meta=meta,
                    records=[dict(r) for r in records])
 
 
 #: a method run's per-call lists besides ``times`` and ``time_comm`` (older calibrations lack some)
-_PER_CALL = ("time_select", "time_decompress", "time_agreement")
+_PER_CALL = ("time_select", "time_decompress", "time_agreement", "cpu", "bytes_per_call")
 
 
 def merge_records(first: Sequence[dict[str, Any]], second: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -516,7 +567,7 @@ def refit(profile: Profile) -> Profile:
     return profile_from_records(profile.records, density=profile.meta["density"], net=profile.net,
                                 device=profile.device, cores=profile.cores, colocated=profile.colocated,
                                 selectors=profile.selectors, recv_element_s=profile.recv_element_s,
-                                selector_fixed_s=profile.selector_fixed_s,
+                                selector_fixed_s=profile.selector_fixed_s, block_topk_s=profile.block_topk_s,
                                 meta=profile.meta)
 
 
@@ -554,6 +605,7 @@ def calibrate(P: int, methods: Sequence[str], sizes: Sequence[int], density: flo
         cores=1 if gpu else available_cores(), colocated=not gpu,
         selectors=measure_selectors(n_sel if gpu else min(n_sel, 4_000_000), density, device=device),
         selector_fixed_s=measure_selector_fixed(n_sel if gpu else min(n_sel, 4_000_000), density, device=device),
+        block_topk_s=measure_block_topk(n_sel, density, device=device),
         recv_element_s=measure_recv_element(n_sel if gpu else min(n_sel, 4_000_000),
                                             max(1, selection_count(density, n_sel)) * P, device=device),
         meta={"P": P, "sizes": list(sizes), "density": density, "repeat": repeat,

@@ -2,16 +2,17 @@
 
 A method's predicted time for one call on a flat gradient of ``n`` elements at ``P`` workers is
 
-    T = comm + work
+    T = max(comm + work, cores)   (cores: P colocated workers on fewer cores, :func:`cores_seconds`)
     comm = f * (rounds * alpha * c_s + link_contention(P) * traffic_factor * bytes_sent * beta) + excess * c_s
            - burst + shared_cpu(cpu_comm(P, n), wire, c_r)
            (rounds, bytes_sent: the slowest of a few sampled ranks; wire: the bytes' term less the burst)
-    work = (s1 * n + s0 + d1 * swept(P, n) + d0 + a_r * ceil(log2 P)) * contention(P) / contention(P_cal)
+    work = (s1 * n + s0 + blocks(P, n) - blocks(P_cal, n) + d1 * swept(P, n) + d0 + a_r * ceil(log2 P))
+           * contention(P) / contention(P_cal)
 
 * ``rounds`` and ``bytes_sent`` come from the formula registered with the method
   (:func:`sparsecomm.methods.cost`). The dense method (the backend's own all-reduce) uses the
   profile's fitted alpha and beta of that all-reduce instead of the point-to-point ones.
-* ``traffic_factor`` is the measured bytes over the formula's bytes in the calibration run: 1 for
+* ``traffic_factor`` is the median call's measured bytes over the formula's bytes in the calibration run: 1 for
   exact formulas, below 1 where the formula is an upper bound (threshold counts, unions, ExDyna's
   density, B-SAG's h). Without a profile it is 1 (the documented bound).
 * Work is modelled by what it touches. ``s1``, ``s0``: selection, residual, compression (the
@@ -33,6 +34,15 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
   Profiles calibrated before the split was recorded have one ``w1``, ``w0`` per gradient element and
   ``g`` (``recv_element_s``, a one-process scatter-add) per extra received entry:
   ``work = (w1 * n + w0) * contention(P) / contention(P_cal) + g * (received(P) - received(P_cal))``.
+* ``blocks(P, n)``: the top-k selections of one block each that a method makes per call
+  (:meth:`~sparsecomm.methods.base.Method.topk_blocks`: SparDL's Spar-Reduce-Scatter, one block at
+  P = 2, four at P = 6; none for the other methods), at the profile's one-process cost of a block's
+  top-k (``block_topk_s``, :func:`block_topk_seconds`).
+* ``cores``: where P colocated workers share fewer cores than in the calibration, the cores do every
+  rank's CPU (its process CPU per call as calibrated, ``cpu1 * n + cpu0``, every thread, plus what P
+  adds by the model) and the wire passes on top (:func:`cores_seconds`); the larger of it and the
+  critical path ``comm + work`` is the prediction. Profiles without the CPU (before 2026-11-28, or
+  calibrated at one size) have the critical path alone.
 * ``contention(P)`` is ``max(1, P / cores)`` when the P workers share one machine of ``cores``
   cores (as in this repository's validation), 1 for a cluster with a device per worker.
 * ``compute_scale`` (an assumption the user gives, e.g. a GPU's memory bandwidth over this
@@ -91,14 +101,14 @@ from pathlib import Path
 from typing import Any
 
 from ..core.cost import METHOD_COSTS, fit_alpha_beta
-from ..methods import available_methods, cost, is_sparse
+from ..methods import available_methods, cost, is_sparse, method_class
 from ..methods.base import selection_count
 from ..transport.merge import IN_PLACE_SHARE
 
 __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", "UnknownMethodError",
            "fit_work", "comm_contention", "layout_options", "PROFILE_VERSION", "speedup_table", "crossover",
            "faster_range", "plot_projection", "touched_entries", "work_seconds", "agreement_rounds",
-           "decompress_bytes", "comm_cpu_seconds", "shared_cpu", "tc_rate"]
+           "decompress_bytes", "comm_cpu_seconds", "shared_cpu", "tc_rate", "cores_seconds", "block_topk_seconds"]
 
 PROFILE_VERSION = 1
 
@@ -136,6 +146,8 @@ class Profile:
     recv_element_s: float = 0.0
     #: selector name -> seconds per call that do not grow with n at the calibration's density
     selector_fixed_s: dict[str, float] = field(default_factory=dict)
+    #: one block's top-k as SparDL takes it (one process): {"per_element": s, "per_block": s}
+    block_topk_s: dict[str, float] = field(default_factory=dict)
     #: method -> {"w1": s per element, "w0": s, "traffic_factor": f, "P": P_cal, "density": d, ...}
     methods: dict[str, dict[str, Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
@@ -294,6 +306,39 @@ def shared_cpu(comm_cpu: tuple[float, float], wire_s: float, c_r: float) -> floa
     return (c_r - 1) * per_message + max(0.0, c_r * per_byte - max(wire_s, per_byte))
 
 
+def cores_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: float, options: dict[str, Any],
+                  calib_options: dict[str, Any], link: dict[str, float], wire_s: float, c_r: float,
+                  recv_element_s: float = 0.0, block_topk: dict[str, float] | None = None,
+                  scan: bool = True) -> float | None:
+    """The cores' estimate of a call at (P, n) where the P colocated workers share the cores ``c_r``
+    times as densely as in the calibration (``contention(P) / contention(P_cal)``): the cores do
+    every rank's CPU, ``c_r`` times one rank's, and the wire's time passes on top (the exchange
+    waits on it, the cores idle; an all-gather's ranks all wait at once), except the copies of the
+    bytes, which run while the bytes move:
+
+        cores = c_r * (cpu(P, n) - bytes_cpu(P, n)) + max(wire_s, c_r * bytes_cpu(P, n))
+
+    ``cpu(P, n)``: one rank's process CPU per call as calibrated at P_cal (``cpu1 * n + cpu0``: every
+    thread, gloo's included, which the critical path at P_cal hides on a core the other rank leaves
+    idle) plus what P adds to it by the model: the work's growth (:func:`work_seconds`: the
+    decompression's sweep, the agreement's rounds, SparDL's blocks' top-k) and the messages'
+    (:func:`comm_cpu_seconds`, per message and per byte). ``bytes_cpu``: the latter's per-byte part
+    at P. ``None`` where the calibration did not record the CPU time or the link's CPU fit (profiles
+    made before 2026-11-28).
+    """
+    if "cpu1" not in calib or "cpu_round_s" not in link:
+        return None
+    P_cal = calib["P"]
+    work_P = sum(work_seconds(calib, name, P, n, density, options, calib_options, recv_element_s, block_topk, scan))
+    work_cal = sum(work_seconds(calib, name, P_cal, n, density, calib_options, calib_options, recv_element_s,
+                                block_topk, scan))
+    messages_P = comm_cpu_seconds(name, P, n, density, link, options)
+    messages_cal = comm_cpu_seconds(name, P_cal, n, density, link, calib_options)
+    cpu = calib["cpu1"] * n + calib["cpu0"] + (work_P - work_cal) + (sum(messages_P) - sum(messages_cal))
+    bytes_cpu = messages_P[1]
+    return c_r * max(0.0, cpu - bytes_cpu) + max(wire_s, c_r * bytes_cpu)
+
+
 def touched_entries(name: str, P: int, n: int, k: int, density: float, options: dict[str, Any]) -> float:
     """Sparse entries one rank's decompression touches per call: its own ``k`` and the (index,
     value) pairs it receives (:func:`_received_elements`, from the cost formula); 0 for a dense
@@ -303,8 +348,22 @@ def touched_entries(name: str, P: int, n: int, k: int, density: float, options: 
     return k + _received_elements(name, P, n, k, density, options)
 
 
+def block_topk_seconds(name: str, P: int, n: int, options: dict[str, Any], block_topk: dict[str, float],
+                       scan: bool = True) -> float:
+    """Seconds of a method's top-k selections of one block each at (P, n)
+    (:meth:`~sparsecomm.methods.base.Method.topk_blocks`: SparDL's Spar-Reduce-Scatter, one block at
+    P = 2, four at P = 6), at the profile's one-process cost of a block's top-k (``block_topk``:
+    seconds per element and per block, :func:`~.calibration.measure_block_topk`); 0 for the other
+    methods and for profiles without it."""
+    if not block_topk:
+        return 0.0
+    sizes = method_class(name).topk_blocks(P, n, scan, **options)
+    return sum(block_topk["per_element"] * size + block_topk["per_block"] for size in sizes)
+
+
 def work_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: float, options: dict[str, Any],
-                 calib_options: dict[str, Any], recv_element_s: float) -> tuple[float, float]:
+                 calib_options: dict[str, Any], recv_element_s: float, block_topk: dict[str, float] | None = None,
+                 scan: bool = True) -> tuple[float, float]:
     """A method's work at (P, n) from its calibration entry ``calib``, as (the part that P colocated
     workers share the cores for, the rest) before the contention factor (the module docstring's
     ``work``): where the calibration split them (``d1``), selection per gradient element,
@@ -312,7 +371,10 @@ def work_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: floa
     element for a dense method; per touched entry in profiles fitted before the sweep,
     ``decompress_per`` "entry") and the agreement per round (:func:`agreement_rounds`, where
     recorded: ``agreement_round_s``); else the legacy per-element work, and ``recv_element_s`` per
-    extra received entry (a one-process figure: the rest)."""
+    extra received entry (a one-process figure: the rest). A method that selects from blocks whose
+    number changes with P (SparDL) adds its blocks' top-k at P less those at P_cal
+    (:func:`block_topk_seconds`, ``block_topk`` being the profile's one-process cost; ``scan``: the
+    compiled CPU scan selects the first blocks)."""
     k = selection_count(density, n) if is_sparse(name) else 0
     if "d1" in calib:
         per = calib.get("decompress_per")
@@ -320,7 +382,9 @@ def work_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: floa
                  else decompress_bytes(name, P, n, k, density, options))
         decompress = calib["d1"] * units + calib["d0"]
         agreement = calib.get("agreement_round_s", 0.0) * agreement_rounds(P, calib.get("agreement_ride", ""))
-        return max(0.0, calib["s1"] * n + calib["s0"]) + max(0.0, decompress) + agreement, 0.0
+        blocks = (block_topk_seconds(name, P, n, options, block_topk or {}, scan)
+                  - block_topk_seconds(name, calib["P"], n, calib_options, block_topk or {}, scan))
+        return max(0.0, calib["s1"] * n + calib["s0"] + blocks) + max(0.0, decompress) + agreement, 0.0
     extra = recv_element_s * (_received_elements(name, P, n, k, density, options)
                               - _received_elements(name, calib["P"], n, k, density, calib_options))
     return max(0.0, calib["w1"] * n + calib["w0"]), max(0.0, extra)
@@ -401,7 +465,8 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
                     rests.append(f"rounds' CPU cost {contention_rounds:g}x (P workers on {profile.cores} cores"
                                  + ("; the messages' CPU measured per message and byte)" if comm_cpu is not None
                                     else ")"))
-            shared, alone = work_seconds(calib, name, P, n, density, options, calib_options, profile.recv_element_s)
+            shared, alone = work_seconds(calib, name, P, n, density, options, calib_options, profile.recv_element_s,
+                                         profile.block_topk_s, scan=profile.device == "cpu")
             work = (shared * contention / calib_contention + alone) / compute_scale
             rests.append(f"work measured at P={calib['P']}, density={calib['density']:g}"
                          + (f" (selection per element, decompression per "
@@ -446,6 +511,14 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
     comm = max(0.0, comm_factor * rounds * a * round_scale + wire + excess * round_scale - burst_credit)
     if comm_cpu is not None:
         comm += shared_cpu(comm_cpu, max(0.0, wire - burst_credit), contention_rounds)
+        if profile is not None and calib and contention_rounds > 1 and compute_scale == 1.0:
+            # the cores' estimate: P ranks' CPU on fewer cores, plus the wire (the larger one is the call)
+            cores = cores_seconds(calib, name, P, n, density, options, calib_options, profile._link(),
+                                  comm_factor * rounds * a + max(0.0, wire - burst_credit), contention_rounds,
+                                  profile.recv_element_s, profile.block_topk_s, scan=profile.device == "cpu")
+            if cores is not None and cores > comm + work:
+                work = cores - comm
+                rests.append(f"the cores' estimate (P ranks' CPU on {profile.cores} cores, plus the wire)")
     hidden = min(overlap * comm, backward_s)
     if overlap:
         rests.append(f"overlap {overlap:g} of comm behind {backward_s * 1e3:.0f} ms backward")

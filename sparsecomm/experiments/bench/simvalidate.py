@@ -118,6 +118,7 @@ def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
                 merge_records(profile.records, new.records), density=args.density, net=new.net,
                 device=new.device, cores=new.cores, colocated=new.colocated, selectors=new.selectors,
                 recv_element_s=new.recv_element_s, selector_fixed_s=new.selector_fixed_s,
+                block_topk_s=new.block_topk_s,
                 meta={**new.meta, "when": f"{profile.meta['when'].split(' .. ')[0]} .. {new.meta['when']}"})
         done += 1
         new.meta["calibrations"] = done

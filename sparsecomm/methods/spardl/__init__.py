@@ -145,6 +145,23 @@ class SparDL(Method):
         self._splits: dict[int, tuple[Communicator, Communicator]] = {}
         self._adjusters: dict[tuple[int, int], HAdjuster] = {}
 
+    @classmethod
+    def topk_blocks(cls, P: int, n: int, scan: bool = True, teams: int | str = 1, **_: Any) -> list[int]:
+        """Spar-Reduce-Scatter's selections, each a top-k of one block of n / m (m = P / d ranks a
+        team): the blocks a rank sends after the first step and its own, 2^(ceil(log2 m) - 1) of its m
+        blocks (the first step's bag, the other m - 2^(ceil(log2 m) - 1), is selected in the
+        accumulation's scan where ``scan``; otherwise by top-k too). One at P = 2, two at P = 3 and
+        4, four at P = 5 to 8: the selection grows with P where the other methods' does not. Spar-All-
+        Gather's selections (d > 1, chunks of k / m entries) are not counted; ``teams="auto"`` counts
+        one team."""
+        m = P // teams if isinstance(teams, int) and teams >= 1 and P % teams == 0 else P
+        if m <= 1:
+            return []  # a team of one: its block is selected in the scan, or the gradient is taken whole
+        schedule = srs_schedule(m, 0)
+        blocks = [j for step in schedule[1 if scan else 0:] for j in step.send_blocks] + [0]
+        sizes = [size for _, size in chunk_offsets(n, m)]
+        return [sizes[j] for j in blocks]
+
     # ------------------------------------------------------------------ choosing d
     def _teams_now(self, n: int, k: int, itemsize: int) -> int:
         """The d of this step: fixed, chosen, or (timed auto) the candidate on trial."""
