@@ -719,13 +719,13 @@ def test_the_cores_estimate_is_every_ranks_cpu_on_the_cores_plus_the_wire():
     call plus what P adds) and the wire passes on top, the bytes' copies overlapping it. The larger of
     that and the critical path is the prediction; at P <= cores, on a cluster, or where the CPU was
     not recorded, it is not used."""
-    from sparsecomm.simulator.model import comm_cpu_seconds, cores_seconds
+    from sparsecomm.simulator.model import comm_cpu_seconds, cores_seconds, mean_comm_cpu_seconds
 
     # the formula: c (cpu - bytes' cpu) + max(wire, c bytes' cpu); cpu = the calibrated one plus P's growth
     link = {"cpu_round_s": 300e-6, "cpu_byte_s": 0.5e-9}
     calib = {"P": 2, "cpu1": 4e-9, "cpu0": 1e-3, "s1": 0.0, "s0": 0.0, "d1": 0.0, "d0": 0.0}
     n, density = 5_000_000, 0.01
-    at_6, at_2 = (comm_cpu_seconds("topka", P, n, density, link, {"local_size": 1}) for P in (6, 2))
+    at_6, at_2 = (mean_comm_cpu_seconds("topka", P, n, density, link, {"local_size": 1}) for P in (6, 2))
     cpu = 4e-9 * n + 1e-3 + sum(at_6) - sum(at_2)
     assert cores_seconds(calib, "topka", 6, n, density, {"local_size": 1}, {"local_size": 1}, link, 0.010, 3.0) \
         == pytest.approx(3 * (cpu - at_6[1]) + max(0.010, 3 * at_6[1]))
@@ -733,6 +733,15 @@ def test_the_cores_estimate_is_every_ranks_cpu_on_the_cores_plus_the_wire():
         == pytest.approx(3 * (cpu - at_6[1]) + 1.0)  # a long wire hides the copies
     assert cores_seconds({k: v for k, v in calib.items() if k != "cpu1"},
                          "topka", 6, n, density, {}, {}, link, 0.01, 3.0) is None
+    # the mean rank's messages: CLT-k's leader (rank 0) sends more than the other five
+    slowest, mean = (f("cltk", 6, n, density, link, {"local_size": 1}) for f in (comm_cpu_seconds,
+                                                                                 mean_comm_cpu_seconds))
+    assert sum(mean) < sum(slowest)
+    assert mean == pytest.approx(tuple(sum(link["cpu_round_s" if i == 0 else "cpu_byte_s"] * v for v in values) / 6
+                                       for i, values in enumerate(zip(*[
+                                           (c.rounds, c.bytes_sent + c.bytes_recv)
+                                           for c in (cost("cltk", P=6, n=n, k=50_000, rank=r, density=density,
+                                                          local_size=1) for r in range(6))], strict=True))))
     # in the prediction: the CPU of 6 ranks on 2 cores outlasts the critical path, a little CPU does not
     busy, idle = _cpu_profile(20e-9), _cpu_profile(1e-9)
     assert busy.methods["topka"]["cpu1"] == pytest.approx(20e-9)

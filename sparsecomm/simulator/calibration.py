@@ -276,7 +276,8 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
       (``s1``, ``s0``); calibrated at one size, ``s0`` is the fixed part of the method's selector
       (``selector_fixed``: :func:`measure_selector_fixed`, where the run names its selector);
     * CPU: for each rank the least over calls of its process CPU time (every thread: gloo's copies
-      and wake-ups as well as the method's work), then the largest over ranks, fitted per gradient
+      and wake-ups as well as the method's work), then the mean over ranks (the cores do every
+      rank's: a rank that does more, CLT-k's leader, does not stand for the others), fitted per gradient
       element (``cpu1``, ``cpu0``; where the calibration recorded it, at two sizes or more: at one
       size the CPU's fixed part per call, gloo's threads and the messages' set-up, would be scaled with
       n, 5-7x from 1M to 5M-7M): what the cores must do for one rank's call, the model's cores'
@@ -297,7 +298,7 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     agreement: dict[str, dict[int, float]] = {}
     folded: dict[str, bool] = {}
     ride: dict[str, str] = {}  # what of the method's own rode on its agreement ("gather", "ride", "")
-    cpu: dict[str, dict[int, float]] = {}  # n -> a rank's CPU per call (least over calls, largest over ranks)
+    cpu: dict[str, dict[int, float]] = {}  # n -> a rank's CPU per call (least over calls, mean over ranks)
     selectors = {run["method"]: run.get("selector", "") for run in records[0]["runs"]}
     for i, run in enumerate(records[0]["runs"]):
         name, n = run["method"], run["n"]
@@ -312,7 +313,7 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
             units = (decompress_bytes if device == "cpu" else touched_entries)(name, P, n, k, density, layout)
             decompress.setdefault(name, {})[n] = (units, seconds)
         if "cpu" in run:  # older calibrations did not record it
-            cpu.setdefault(name, {})[n] = max(min(r["runs"][i]["cpu"]) for r in records)
+            cpu.setdefault(name, {})[n] = statistics.mean(min(r["runs"][i]["cpu"]) for r in records)
         if "time_agreement" in run:
             # the rank that arrives last waits least: its agreement is the messages' own cost (the others'
             # wait for it is imbalance of the work before, which stays with that work)
