@@ -282,16 +282,24 @@ def decompress_bytes(name: str, P: int, n: int, k: int, density: float, options:
     return pair * m + 4.0 * n * min(1.0, touched_share / IN_PLACE_SHARE)
 
 
+def _messages_cpu(name: str, P: int, n: int, density: float, link: dict[str, float], options: dict[str, Any],
+                  ranks: Iterable[int]) -> list[tuple[float, float]]:
+    """Each of ``ranks``' (per message, per byte) CPU seconds at (P, n) by the method's cost formula."""
+    k = selection_count(density, n) if is_sparse(name) else 0
+    out = []
+    for rank in ranks:
+        c = cost(name, P=P, n=n, k=k, rank=rank, density=density, **options)
+        out.append((link["cpu_round_s"] * c.rounds, link["cpu_byte_s"] * (c.bytes_sent + c.bytes_recv)))
+    return out
+
+
 def comm_cpu_seconds(name: str, P: int, n: int, density: float, link: dict[str, float],
                      options: dict[str, Any]) -> tuple[float, float]:
     """CPU seconds the messages cost the slowest sampled rank at (P, n), by the link's CPU fit
     (:func:`~.calibration.fit_links`, on the calibration's all-reduces) and the method's cost
     formula: (``cpu_round_s`` per message, ``cpu_byte_s`` per byte sent or received)."""
-    k = selection_count(density, n) if is_sparse(name) else 0
     worst = (0.0, 0.0)
-    for rank in _sample_ranks(P):
-        c = cost(name, P=P, n=n, k=k, rank=rank, density=density, **options)
-        parts = (link["cpu_round_s"] * c.rounds, link["cpu_byte_s"] * (c.bytes_sent + c.bytes_recv))
+    for parts in _messages_cpu(name, P, n, density, link, options, _sample_ranks(P)):
         if sum(parts) >= sum(worst):
             worst = parts
     return worst
@@ -303,10 +311,7 @@ def mean_comm_cpu_seconds(name: str, P: int, n: int, density: float, link: dict[
     messages on average (CLT-k's leader, the root of its broadcast, sends more than the others; at
     P = 6 its messages' CPU is 2.5 ms against 1.6 for the mean rank). Over every rank up to P = 64,
     over the sampled ranks beyond."""
-    k = selection_count(density, n) if is_sparse(name) else 0
-    ranks = range(P) if P <= 64 else _sample_ranks(P)
-    parts = [(link["cpu_round_s"] * c.rounds, link["cpu_byte_s"] * (c.bytes_sent + c.bytes_recv))
-             for c in (cost(name, P=P, n=n, k=k, rank=rank, density=density, **options) for rank in ranks)]
+    parts = _messages_cpu(name, P, n, density, link, options, range(P) if P <= 64 else _sample_ranks(P))
     return sum(x for x, _ in parts) / len(parts), sum(y for _, y in parts) / len(parts)
 
 
@@ -362,7 +367,7 @@ def touched_entries(name: str, P: int, n: int, k: int, density: float, options: 
     return k + _received_elements(name, P, n, k, density, options)
 
 
-def block_topk_seconds(name: str, P: int, n: int, options: dict[str, Any], block_topk: dict[str, float],
+def block_topk_seconds(name: str, P: int, n: int, options: dict[str, Any], block_topk: dict[str, float] | None,
                        scan: bool = True) -> float:
     """Seconds of a method's top-k selections of one block each at (P, n)
     (:meth:`~sparsecomm.methods.base.Method.topk_blocks`: SparDL's Spar-Reduce-Scatter, one block at
@@ -396,8 +401,8 @@ def work_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: floa
                  else decompress_bytes(name, P, n, k, density, options))
         decompress = calib["d1"] * units + calib["d0"]
         agreement = calib.get("agreement_round_s", 0.0) * agreement_rounds(P, calib.get("agreement_ride", ""))
-        blocks = (block_topk_seconds(name, P, n, options, block_topk or {}, scan)
-                  - block_topk_seconds(name, calib["P"], n, calib_options, block_topk or {}, scan))
+        blocks = (block_topk_seconds(name, P, n, options, block_topk, scan)
+                  - block_topk_seconds(name, calib["P"], n, calib_options, block_topk, scan))
         return max(0.0, calib["s1"] * n + calib["s0"] + blocks) + max(0.0, decompress) + agreement, 0.0
     extra = recv_element_s * (_received_elements(name, P, n, k, density, options)
                               - _received_elements(name, calib["P"], n, k, density, calib_options))
@@ -527,7 +532,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
         comm += shared_cpu(comm_cpu, max(0.0, wire - burst_credit), contention_rounds)
         if profile is not None and calib and contention_rounds > 1 and compute_scale == 1.0:
             # the cores' estimate: P ranks' CPU on fewer cores, plus the wire (the larger one is the call)
-            cores = cores_seconds(calib, name, P, n, density, options, calib_options, profile._link(),
+            cores = cores_seconds(calib, name, P, n, density, options, calib_options, link,
                                   comm_factor * rounds * a + max(0.0, wire - burst_credit), contention_rounds,
                                   profile.recv_element_s, profile.block_topk_s, scan=profile.device == "cpu")
             if cores is not None and cores > comm + work:
