@@ -1,4 +1,4 @@
-"""The time-to-accuracy campaign (sparsecomm.experiments.campaign) and the demo built on it."""
+"""The time-to-accuracy campaign (sparsecomm_lab.campaign) and the demo built on it."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import math
 import os
 
 import pytest
+from sparsecomm_lab import campaign
+from sparsecomm_lab.campaign import RunSpec
+from sparsecomm_lab.data import DatasetUnavailable, load_dataset
+from sparsecomm_lab.training import TrainConfig
 
-from sparsecomm.experiments import campaign
-from sparsecomm.experiments.campaign import RunSpec
-from sparsecomm.experiments.data import DatasetUnavailable, load_dataset
-from sparsecomm.experiments.training import TrainConfig
 from sparsecomm.methods import available_methods, method_class
 
 SPARSE = [m for m in available_methods() if method_class(m).sparse]
@@ -52,7 +52,7 @@ def test_plan_runs_every_seed_and_powersgd_ranks_2_and_4_together():
 
 
 def test_the_campaign_workloads_train_three_epochs_and_the_demo_one():
-    from sparsecomm.experiments.commands.demo import demo_workload
+    from sparsecomm_lab.commands.demo import demo_workload
 
     assert {w.max_epochs for w in campaign.WORKLOADS.values()} == {3}
     assert demo_workload("lstm", train_size=64, epochs=1).max_epochs == 1
@@ -217,7 +217,7 @@ def test_report_writes_the_table_and_one_plot_per_workload_and_network(tmp_path)
 
 def test_demo_pieces_train_and_report_on_a_tiny_config(tmp_path):
     pytest.importorskip("matplotlib")
-    from sparsecomm.experiments.commands.demo import demo_workload, run_demo
+    from sparsecomm_lab.commands.demo import demo_workload, run_demo
 
     try:
         load_dataset("fortunes-words", max_vocab=2, test_size=1)
@@ -277,8 +277,8 @@ def test_the_demo_records_the_load_without_waiting_and_the_campaign_keeps_its_pr
     campaign waits up to 300 s and redoes a run started above the threshold twice."""
     import argparse
 
-    from sparsecomm.experiments.bench import time_to_accuracy
-    from sparsecomm.experiments.commands import demo
+    from sparsecomm_lab.bench import time_to_accuracy
+    from sparsecomm_lab.commands import demo
 
     defaults = {}
     for name, module in (("demo", demo), ("campaign", time_to_accuracy)):

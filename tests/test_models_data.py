@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-
-from sparsecomm.experiments import data as data_module
-from sparsecomm.experiments.data import DatasetUnavailable, load_dataset
-from sparsecomm.experiments.models import MODEL_DATA, make_model
+from sparsecomm_lab import data as data_module
+from sparsecomm_lab.data import DatasetUnavailable, load_dataset
+from sparsecomm_lab.models import MODEL_DATA, make_model
 
 
 def test_digits_split_is_seeded_and_disjoint():
