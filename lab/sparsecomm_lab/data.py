@@ -7,6 +7,7 @@
 | ``fortunes`` | Debian ``fortunes-min`` (``/usr/share/games/fortunes``): character-level text | next character |
 | ``fortunes-words`` | the same files, word-level (with ``fortunes``: ~540k tokens, 10k-word vocabulary) | next word |
 | ``zipf`` | synthetic: bags of Zipf-distributed tokens over a large vocabulary | 4 classes |
+| ``python-source`` | the running Python's standard library source, byte-level BPE (HF ``tokenizers``) | next token |
 
 :func:`load_dataset` returns a :class:`Dataset` with train and test tensors. Splits are seeded, so
 every rank (and every resumed run) sees the same split.
@@ -15,10 +16,15 @@ every rank (and every resumed run) sees the same split.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import logging
 import os
 import re
 import struct
+import sys
+import sysconfig
+import tempfile
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +34,7 @@ import torch
 from sparsecomm.core.optional import MissingExtraError, require
 
 __all__ = ["Dataset", "load_dataset", "available_datasets", "DatasetUnavailable", "tokenize_words",
-           "FASHION_MNIST_DIR", "FORTUNES_DIR"]
+           "FASHION_MNIST_DIR", "FORTUNES_DIR", "python_source_files"]
 
 log = logging.getLogger(__name__)
 
@@ -238,12 +244,107 @@ def load_zipf(seed: int = 0, vocab_size: int = 20000, bag_size: int = 20, train_
                    {"vocab_size": vocab_size, "num_classes": num_classes, "bag_size": bag_size})
 
 
+def python_source_files() -> list[tuple[str, str]]:
+    """(path relative to the standard library, text) of every ``.py`` file of the running Python's
+    standard library, in sorted path order (third-party ``site-packages`` excluded)."""
+    root = sysconfig.get_paths()["stdlib"]
+    found: list[tuple[str, str]] = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8", errors="replace") as handle:
+                    found.append((os.path.relpath(path, root), handle.read()))
+    found.sort()
+    if not found:
+        raise DatasetUnavailable(f"no .py files under {root}: this Python ships without its standard library's source")
+    return found
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "sparsecomm-lab")
+
+
+def _python_source_tokens(train_chars: int, test_chars: int, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The token ids of the training and held-out text of ``python-source``, cached on disk.
+
+    A file goes to the held-out text when the CRC-32 of its path is 0 modulo 20 (about 5% of the
+    files, the same on every machine with the same Python), else to the training text; each part
+    is the concatenation of its files in path order, cut at the given number of characters. The
+    tokenizer is a byte-level BPE (the GPT-2 scheme: every byte is a symbol, so no text is unknown)
+    trained on the training text; its training is deterministic, so the cache only saves time.
+    """
+    key = hashlib.sha256(f"{sys.version}|{train_chars}|{test_chars}|{vocab_size}".encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"python-source-{key}.pt")
+    if os.path.exists(path):
+        return torch.load(path)
+    try:
+        import tokenizers
+    except ImportError:
+        raise DatasetUnavailable("data set 'python-source' needs the package tokenizers (a dependency of the "
+                                 "lab: `pip install -e lab` or `pip install tokenizers`)") from None
+    train_parts: list[str] = []
+    test_parts: list[str] = []
+    for rel, text in python_source_files():
+        (test_parts if zlib.crc32(rel.encode()) % 20 == 0 else train_parts).append(text)
+    train_text = "\n".join(train_parts)[:train_chars]
+    test_text = "\n".join(test_parts)[:test_chars]
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    chunks = [train_text[i:i + 100_000] for i in range(0, len(train_text), 100_000)]
+    tokenizer.train_from_iterator(chunks, trainer)
+
+    def encode(text: str) -> torch.Tensor:
+        pieces = [text[i:i + 100_000] for i in range(0, len(text), 100_000)]
+        return torch.tensor([i for e in tokenizer.encode_batch(pieces) for i in e.ids], dtype=torch.int32)
+
+    tokens = {"train": encode(train_text), "test": encode(test_text),
+              "vocab_size": torch.tensor(tokenizer.get_vocab_size())}
+    os.makedirs(_cache_dir(), exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=_cache_dir(), delete=False, suffix=".tmp") as handle:
+        torch.save(tokens, handle)
+    os.replace(handle.name, path)  # atomic: concurrent runs never read a partial file
+    return tokens
+
+
+def load_python_source(seed: int = 0, seq_len: int = 64, vocab_size: int = 8192, train_chars: int = 4_000_000,
+                       test_chars: int = 200_000, test_size: int | None = 256, **_) -> Dataset:
+    """Language modelling on Python source code: the standard library of the running Python, which
+    every machine has (:func:`python_source_files`), tokenized by a byte-level BPE of ``vocab_size``
+    tokens (:func:`_python_source_tokens`, held-out files apart).
+
+    ``x`` holds non-overlapping windows of ``seq_len`` tokens, ``y`` the next token at each
+    position; of the held-out windows a seeded ``test_size`` are kept (``None``: all).
+    """
+    if seq_len < 2 or vocab_size < 300:
+        raise ValueError(f"seq_len={seq_len!r} must be >= 2 and vocab_size={vocab_size!r} >= 300 "
+                         f"(the 256 bytes and some merges)")
+    tokens = _python_source_tokens(train_chars, test_chars, vocab_size)
+
+    def windows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = ids.to(torch.int64)
+        count = (len(ids) - 1) // seq_len
+        return ids[:count * seq_len].reshape(count, seq_len), ids[1:count * seq_len + 1].reshape(count, seq_len)
+
+    x_train, y_train = windows(tokens["train"])
+    x_test, y_test = _subset(*windows(tokens["test"]), test_size, seed + 1)
+    vocab = int(tokens["vocab_size"])
+    return Dataset("python-source", "language-model", x_train, y_train, x_test, y_test,
+                   {"vocab_size": vocab, "num_classes": vocab, "seq_len": seq_len,
+                    "tokens": len(tokens["train"]), "python": sys.version.split()[0]})
+
+
 _LOADERS: dict[str, Callable[..., Dataset]] = {
     "digits": load_digits,
     "fashion-mnist": load_fashion_mnist,
     "fortunes-words": load_fortunes_words,
     "fortunes": load_fortunes,
     "zipf": load_zipf,
+    "python-source": load_python_source,
 }
 
 

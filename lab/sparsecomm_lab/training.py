@@ -74,6 +74,9 @@ FLOOR = "nosync"
 
 
 LR_SCHEDULES = ("constant", "cosine")
+#: the optimizers of a run: torch's SGD (with ``momentum``, ``nesterov``) and AdamW (``betas``, ``eps``);
+#: both take ``weight_decay`` (AdamW's is decoupled, Loshchilov and Hutter 2019)
+OPTIMIZERS = ("sgd", "adamw")
 
 #: the density of a sparse run where its recipe names none (``--density`` overrides every recipe's)
 DEFAULT_DENSITY = 0.01
@@ -84,6 +87,9 @@ DEFAULT_DENSITY = 0.01
 #: "constant" so that a run cut into epochs-limited pieces keeps its schedule), 1% density.
 SPARSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0,
                                  "density": DEFAULT_DENSITY}
+#: what a run whose model names no optimizer trains with: SGD with momentum 0.9, no weight decay
+OPTIMIZER_DEFAULTS: dict[str, Any] = {"optimizer": "sgd", "momentum": 0.9, "betas": (0.9, 0.999),
+                                      "weight_decay": 0.0, "warmup_steps": 0}
 #: dense methods and the torch baselines: DDP, the optimizer's own momentum
 DENSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0,
                                 "density": DEFAULT_DENSITY}
@@ -125,10 +131,14 @@ def recipe_density(model: str, method: str) -> float:
 
 
 def scheduled_lr(config: TrainConfig, step: int, total_steps: int) -> float:
-    """The learning rate of global step ``step`` (0-based): a function of the step alone, so a
-    resumed run continues the schedule exactly."""
+    """The learning rate of global step ``step`` (0-based): a linear warm-up over ``warmup_steps``
+    (from ``lr / warmup_steps`` to ``lr``), then ``lr`` (``"constant"``) or a cosine decay to 0 over
+    the remaining steps. A function of the step alone, so a resumed run continues the schedule exactly."""
+    warmup = config.warmup_steps
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
     if config.lr_schedule == "cosine":
-        return config.lr * 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
+        return config.lr * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
     return config.lr
 
 
@@ -151,8 +161,19 @@ class TrainConfig:
     batch_size: int = None  # type: ignore[assignment]  # per worker
     lr: float = None  # type: ignore[assignment]
     lr_schedule: str = "constant"   # or "cosine" (the recipe; the CLI's default): lr * (1 + cos(pi * step / total)) / 2
-    momentum: float = 0.9
-    weight_decay: float = 0.0
+    # None: the model's (models.MODEL_DEFAULTS), else SGD with momentum 0.9 and no weight decay
+    optimizer: str = None  # type: ignore[assignment]  # "sgd" or "adamw"
+    momentum: float = None  # type: ignore[assignment]  # SGD
+    nesterov: bool = False   # SGD
+    betas: tuple[float, float] = None  # type: ignore[assignment]  # AdamW
+    eps: float = 1e-8        # AdamW
+    weight_decay: float = None  # type: ignore[assignment]
+    warmup_steps: int = None  # type: ignore[assignment]  # linear learning-rate warm-up (scheduled_lr)
+    #: clip the global norm of the synchronized gradient (torch.nn.utils.clip_grad_norm_) before the
+    #: optimizer's step; None: no clipping (``clip_norm`` is DGC's local clipping before synchronization)
+    max_grad_norm: float | None = None
+    #: the training budget in optimizer steps (the schedule spans it); None: ``epochs`` full epochs
+    steps: int | None = None
     seed: int = 0
     net: str | None = None       # tc rate of the emulated network, None = loopback
     # None: the recommended recipe (sparse_recipe() for sparse methods, DENSE_RECIPE otherwise)
@@ -167,6 +188,8 @@ class TrainConfig:
     model_options: dict[str, Any] = field(default_factory=dict)
     data_options: dict[str, Any] = field(default_factory=dict)
     evals_per_epoch: int = 1
+    #: evaluate every this many steps (and after the last one) instead of ``evals_per_epoch`` per epoch
+    eval_every: int | None = None
     target_accuracy: float | None = None
     target_perplexity: float | None = None  # language models: reached when exp(test loss) <= it
     stop_at_target: bool = False
@@ -193,10 +216,12 @@ class TrainConfig:
         recipe = sparse_recipe(self.model, self.method) if sparse else DENSE_RECIPE
         if recipe["momentum_correction"] and (self.sync == "ddp" or self.momentum_correction is False):
             recipe = SPARSE_RECIPE  # the caller chose the hook or plain momentum: the model's own lr
-        defaults.update(recipe)
+        defaults = {**OPTIMIZER_DEFAULTS, **defaults, **recipe}
         for key, value in defaults.items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
+        if isinstance(self.betas, list):  # from a JSON record
+            self.betas = (float(self.betas[0]), float(self.betas[1]))
 
     def validate(self) -> None:
         """Reject bad options before any worker starts, naming the option and the rule."""
@@ -208,6 +233,20 @@ class TrainConfig:
             raise ValueError(f"workers={self.workers!r} must be an integer >= 1")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} must be one of {LR_SCHEDULES}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} must be one of {OPTIMIZERS}")
+        if not (len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas)):
+            raise ValueError(f"betas={self.betas!r} must be two numbers in [0, 1)")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be an integer >= 0")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be a number > 0 or None")
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
+            raise ValueError(f"steps={self.steps!r} must be an integer >= 1 or None")
+        if self.eval_every is not None and (not isinstance(self.eval_every, int) or self.eval_every < 1):
+            raise ValueError(f"eval_every={self.eval_every!r} must be an integer >= 1 or None")
+        if self.momentum_correction and self.optimizer != "sgd":
+            raise ValueError("momentum_correction (DGC) replaces SGD's momentum: it needs optimizer='sgd'")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"epochs={self.epochs!r} must be an integer >= 1")
         if self.sync not in ("ddp", "synchronizer"):
@@ -310,15 +349,23 @@ class _Synchronization:
         return self.module.module if isinstance(self.module, nn.parallel.DistributedDataParallel) else self.module
 
     def step(self, epoch: float) -> Stats:
+        """Synchronize (the synchronizer; DDP did during backward), clip the synchronized gradient
+        (``max_grad_norm``), then the optimizer's step."""
         if self.synchronizer is not None:
             self.synchronizer.set_epoch(epoch)
             stats = self.synchronizer.synchronize()
+            self._clip()
             self.optimizer.step()
             return stats
+        self._clip()
         self.optimizer.step()
         if isinstance(self.state, SparseHookState):
             return self.state.take_stats()
         return Stats(calls=0)  # torch's own DDP, PowerSGD and the no-op hook: not timed by sparsecomm
+
+    def _clip(self) -> None:
+        if self.config.max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.local_model.parameters(), self.config.max_grad_norm)
 
     def state_dict(self) -> Any:
         if self.synchronizer is not None:
@@ -337,6 +384,20 @@ class _Synchronization:
         elif self.state is not None:
             for key, value in state.items():
                 setattr(self.state, key, value)
+
+
+def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The run's optimizer over the model's parameters. Weight decay applies to the weight matrices,
+    convolution kernels and embeddings only (parameters of two or more dimensions), as GPT-2's and
+    most transformer recipes do; biases and normalization scales keep none."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+    momentum = 0.0 if config.momentum_correction else config.momentum
+    return torch.optim.SGD(groups, lr=config.lr, momentum=momentum, nesterov=config.nesterov and momentum > 0)
 
 
 def _loss_and_correct(model: nn.Module, x: torch.Tensor, y: torch.Tensor, task: str):
@@ -381,11 +442,12 @@ def train_worker(config: TrainConfig, dataset: Dataset,
     On rank 0, ``progress`` gets each epoch's summary and ``step_progress`` each step's
     ``{"epoch", "epochs", "step", "steps", "loss"}`` (1-based)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Subnormal floats make CPU matrix products many times slower (a transformer's backward meets
+    # them); flushing them to zero changes no result that matters and keeps steps at full speed.
+    torch.set_flush_denormal(True)
     torch.manual_seed(config.seed)
     model = make_model(config.model, dataset.info, **config.model_options)
-    momentum = 0.0 if config.momentum_correction else config.momentum
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=momentum,
-                                weight_decay=config.weight_decay)
+    optimizer = make_optimizer(config, model)
     sync = _Synchronization(config, model, optimizer)
     train_set = dataset.train_set()
     sampler: torch.utils.data.DistributedSampler = torch.utils.data.DistributedSampler(
@@ -418,19 +480,27 @@ def train_worker(config: TrainConfig, dataset: Dataset,
         torch.set_rng_state(saved["rng"])
         start_epoch, train_time = saved["epoch"], saved["train_time"]
         history, epochs, steps = saved["history"], saved["epochs"], saved["steps"]
-    eval_points = {round(steps_per_epoch * (i + 1) / config.evals_per_epoch) for i in range(config.evals_per_epoch)}
+    total_steps = config.steps if config.steps is not None else config.epochs * steps_per_epoch
+    if config.eval_every is not None:
+        eval_steps = set(range(config.eval_every, total_steps + 1, config.eval_every)) | {total_steps}
+    else:
+        eval_steps = {epoch * steps_per_epoch + round(steps_per_epoch * (i + 1) / config.evals_per_epoch)
+                      for epoch in range(math.ceil(total_steps / steps_per_epoch))
+                      for i in range(config.evals_per_epoch)}
     reached = any(reached_target(h, config.target_accuracy, config.target_perplexity) for h in history)
-    for epoch in range(start_epoch, config.epochs):
+    for epoch in range(start_epoch, math.ceil(total_steps / steps_per_epoch)):
         sampler.set_epoch(epoch)
         if schedule is not None:
             sync.switch_method(schedule.method_at(epoch))
         sums = {"time_iter": 0.0, "loss": 0.0, "correct": 0, "count": 0}
         step_stats: list[Stats] = []
         for step, (x, y) in enumerate(loader, start=1):
+            global_step = epoch * steps_per_epoch + step
+            if global_step > total_steps:
+                break
             begin = time.perf_counter()
             for group in optimizer.param_groups:
-                group["lr"] = scheduled_lr(config, epoch * steps_per_epoch + step - 1,
-                                           config.epochs * steps_per_epoch)
+                group["lr"] = scheduled_lr(config, global_step - 1, total_steps)
             optimizer.zero_grad()
             loss, correct, count = _loss_and_correct(sync.module, x, y, dataset.task)
             loss.backward()
@@ -449,17 +519,18 @@ def train_worker(config: TrainConfig, dataset: Dataset,
                 steps.append({"step": epoch * steps_per_epoch + step, "time": elapsed,
                               "density": stats.density if stats.n else None,
                               "bytes_sent": stats.bytes_sent, "warmup": stats.warmup})
-            if step in eval_points:
+            if global_step in eval_steps:
                 point = {"epoch": epoch + step / steps_per_epoch, "step": epoch * steps_per_epoch + step,
                          "train_time": train_time, **_evaluate(sync.module, dataset)}
                 history.append(point)
                 reached = reached or reached_target(point, config.target_accuracy, config.target_perplexity)
-        n_steps = steps_per_epoch
+        n_steps = len(step_stats)
         total = Stats.total(step_stats)
         summary = {
             "epoch": epoch + 1, "train_loss": sums["loss"] / sums["count"],
             "train_accuracy": 100.0 * sums["correct"] / sums["count"],
-            "test_accuracy": history[-1]["test_accuracy"], "test_loss": history[-1]["test_loss"],
+            "test_accuracy": history[-1]["test_accuracy"] if history else None,
+            "test_loss": history[-1]["test_loss"] if history else None,
             "train_time": train_time, "time_per_step": sums["time_iter"] / n_steps,
             "time_compute": (sums["time_iter"] - total.time_total) / n_steps,
             "time_select": total.time_select / n_steps, "time_comm": total.time_comm / n_steps,
@@ -475,7 +546,7 @@ def train_worker(config: TrainConfig, dataset: Dataset,
             save_checkpoint(checkpoint_path(config.checkpoint_dir, rank),
                             {"model": state_model, "optimizer": optimizer.state_dict(), "sync": sync.state_dict(),
                              "rng": torch.get_rng_state(), "epoch": epoch + 1,
-                             "step": (epoch + 1) * steps_per_epoch, "train_time": train_time,
+                             "step": epoch * steps_per_epoch + n_steps, "train_time": train_time,
                              "history": history, "epochs": epochs, "steps": steps},
                             {**_checkpoint_meta(config, world), "param_checksum": parameter_checksum(state_model)})
         if config.stop_at_target and reached:
