@@ -182,6 +182,9 @@ class TrainConfig:
     clip_norm: float | None = None
     momentum_correction: bool = None  # type: ignore[assignment]
     density_warmup: int | None = None
+    #: Adam/AdamW under the synchronizer: freeze the second moment after the dense warm-up and
+    #: synchronize the preconditioned gradient (sparsecomm.integration.adam)
+    freeze_adam_variance: bool = False
     powersgd_rank: int = 2
     method_options: dict[str, Any] = field(default_factory=dict)
     schedule: str | None = None     # method switches "EPOCH:METHOD,...", e.g. "3:torus2d" (Shi et al. 5.6)
@@ -254,9 +257,13 @@ class TrainConfig:
         if self.method in BASELINES and (self.sync != "ddp" or self.momentum_correction or self.clip_norm):
             raise ValueError(f"method={self.method!r} is a torch DDP baseline: it takes no synchronizer "
                              f"options (sync, momentum_correction, clip_norm)")
-        needs_synchronizer = self.momentum_correction or self.clip_norm or self.density_warmup is not None
+        needs_synchronizer = (self.momentum_correction or self.clip_norm or self.density_warmup is not None
+                              or self.freeze_adam_variance)
         if needs_synchronizer and self.sync != "synchronizer":
-            raise ValueError("momentum_correction, clip_norm and density_warmup need sync='synchronizer'")
+            raise ValueError("momentum_correction, clip_norm, density_warmup and freeze_adam_variance need "
+                             "sync='synchronizer'")
+        if self.freeze_adam_variance and (self.optimizer != "adamw" or self.dense_warmup_steps < 1):
+            raise ValueError("freeze_adam_variance needs optimizer='adamw' and dense_warmup_steps >= 1")
         if self.resume not in (True, False, "auto"):
             raise ValueError(f"resume={self.resume!r} must be True, False or 'auto'")
         if self.resume and not self.checkpoint_dir:
@@ -314,7 +321,7 @@ class _Synchronization:
                 model, optimizer, config.method_spec(), dense_warmup_steps=config.dense_warmup_steps,
                 clip_norm=config.clip_norm,
                 momentum_correction=config.momentum if config.momentum_correction else None,
-                density_warmup=config.density_warmup)
+                density_warmup=config.density_warmup, freeze_adam_variance=config.freeze_adam_variance)
             return
         if config.method == "powersgd":
             # One bucket: torch 2.13's powerSGD_hook aborts on gloo once a model spans >= 2 buckets.
@@ -354,8 +361,9 @@ class _Synchronization:
         if self.synchronizer is not None:
             self.synchronizer.set_epoch(epoch)
             stats = self.synchronizer.synchronize()
-            self._clip()
-            self.optimizer.step()
+            if not self.synchronizer.preconditioned:
+                self._clip()  # (the frozen-variance step clips each rank's gradient locally: clip_norm)
+            self.synchronizer.optimizer_step()
             return stats
         self._clip()
         self.optimizer.step()
