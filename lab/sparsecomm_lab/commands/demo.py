@@ -1,124 +1,161 @@
-"""``sparsecomm demo``: the main job on a fresh machine in at most 10 minutes.
+"""``sparsecomm demo``: the campaign's comparison, live, in at most 10 minutes.
 
 P = 4 local workers on an emulated 1 Gbit/s switch (loopback when the machine cannot emulate it,
-said in the output) train the communication-heavy word-level LSTM (about 12M parameters, most
-of them in the word embedding) on the fortunes with plain DDP, DDP + PowerSGD (ranks 2 and 4, one
-bucket) and the sparse methods that reached the target first in the campaign
-(docs/campaign.md), for a short budget of steps (one epoch), and the no-synchronization floor
-(``nosync``: the same model, batch and workers, DDP with torch's no-op hook, nothing exchanged).
-The sparse methods run the recommended recipe (``training.sparse_recipe``, docs/recipe.md): TopkA
-with DGC momentum correction at lr 3.0, HiTopK and CLT-k (which do not report the indices they sent)
-with the DDP hook. The report opens with the perplexity-against-time plot and the speed-up to the
-target; every row gives its step as a multiple of the floor's (``x floor``) and the load average
-before the run, as in the campaign; runs that started above the threshold (``--max-load-per-core``)
-are named in the report. Unlike the campaign, the demo by default neither waits for a quiet machine
-nor redoes a run (``--max-wait``, ``--redo``): between its own runs the 1-minute load average mostly
-shows the decay of the run before, and waiting for it cost 3-4 of the demo's 10 minutes. The full
-comparison is ``sparsecomm bench time_to_accuracy``.
+said in the output) train the campaign's transformer (``gpt`` on ``python-source``, AdamW) with the
+campaign's comparison, each arm at the learning rate the campaign found best for it on the shared
+grid (``benchmarks/campaign-gpt/summary.json``): the no-synchronization floor, torch's DDP, the best
+PowerSGD rank, and the recommended sparse recipe. The budget is cut from the campaign's 1000 steps to
+``--steps`` (default 300, its cosine schedule over them), so the demo's target is its own DDP run's
+validation loss at 75% of its budget; every arm's time to it is measured here, on the emulated link,
+not composed. The report gives each arm's step as a multiple of the floor's and the load average
+before its run.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
+import json
 import os
 import shutil
 import sys
 import time
+from typing import Any
 
 from sparsecomm.cli.table import markdown_table
 from sparsecomm.launch.netemu import emulated_net, unavailable_reason
 from sparsecomm_lab import campaign
-from sparsecomm_lab.training import recipe_densities_text
+from sparsecomm_lab.campaign.analysis import median_spread, steps_to_target
+from sparsecomm_lab.training import save_record, train
 
-HELP = "train the communication-heavy LSTM with DDP, PowerSGD and the best sparse methods; report the speed-up"
+HELP = "the campaign's fair comparison, live on an emulated 1 Gbit/s link: DDP, PowerSGD, sparse, the floor"
 
-#: from the campaign (docs/campaign.md): TopkA, the fastest to the target within 3% of DDP; HiTopK
-#: (Shi et al.), within 3% as well; CLT-k, the second fastest, at +4.8% perplexity
-DEMO_SPARSE = ("topka", "hitopk", "cltk")
-
-
-#: evaluations per epoch: every 5 steps of the default 60 (P = 4), so that the time to the target is
-#: resolved to 5 steps for every method (at 6 per epoch a method crossing the target at step 31 was
-#: booked at step 40); an evaluation's time is not training time
-DEMO_EVALS_PER_EPOCH = 12
-
-
-#: seconds the demo waits before a run for the load average to fall to the threshold: none, since between
-#: its runs the average mostly shows the decay of the run before (the campaign waits up to 300 s)
-DEMO_MAX_WAIT_S = 0.0
+#: the campaign whose tuned learning rates the demo takes
+SUMMARY = os.path.join("benchmarks", "campaign-gpt", "summary.json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", "-P", type=int, default=4, help="worker count (default 4)")
     parser.add_argument("--net", default="1gbit", help="emulated rate, or 'loopback' (default 1gbit)")
-    parser.add_argument("--workload", default="lstm", choices=sorted(campaign.WORKLOADS),
-                        help="campaign workload (default lstm)")
-    parser.add_argument("--methods", default=None,
-                        help=f"comma-separated (default nosync,ddp,powersgd,{','.join(DEMO_SPARSE)})")
-    parser.add_argument("--density", type=float, default=None,
-                        help=f"density of the sparse methods (default: each method's recipe density, "
-                        f"{recipe_densities_text()})")
-    parser.add_argument("--train-size", type=int, default=1920,
-                        help="training samples (sequences or images) per run (default 1920: 60 steps at P=4)")
-    parser.add_argument("--epochs", type=int, default=1, help="epochs per run (default 1)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
+    parser.add_argument("--arms", default=None, help="comma-separated arms (default: floor, ddp, the campaign's best "
+                        "PowerSGD rank, its recommended sparse arm)")
+    parser.add_argument("--summary", default=SUMMARY, help="the campaign summary with the tuned lrs")
     parser.add_argument("--out", default=None, help="output folder (default runs/demo-<time>)")
-    parser.add_argument("--copy-to", default=None, help="also copy the report folder here (e.g. docs/demo)")
-    # no wait and no redo, so that the demo keeps to its 10 minutes (its report still records the load
-    # before each run and names those that started above the threshold)
-    campaign.add_quiet_arguments(parser, max_wait=DEMO_MAX_WAIT_S, redo=0)
+    parser.add_argument("--copy-to", default=None, help="also copy the report folder here (e.g. benchmarks/demo)")
+    campaign.add_quiet_arguments(parser, max_wait=0.0, redo=0)
 
 
-def demo_workload(name: str, train_size: int, epochs: int, **model_options) -> campaign.Workload:
-    """The campaign workload ``name`` cut to ``train_size`` samples and ``epochs`` epochs, evaluated
-    :data:`DEMO_EVALS_PER_EPOCH` times per epoch (``model_options``: a smaller model, for tests)."""
-    base = campaign.WORKLOADS[name]
-    return dataclasses.replace(base, max_epochs=epochs, evals_per_epoch=DEMO_EVALS_PER_EPOCH,
-                               data_options={**base.data_options, "train_size": train_size},
-                               model_options=model_options)
+def check(args: argparse.Namespace) -> None:
+    if args.steps < 20:
+        raise ValueError(f"--steps {args.steps} must be >= 20 (an evaluation every steps/12)")
+    if args.workers < 1:
+        raise ValueError(f"--workers {args.workers} must be >= 1")
+    for path in (args.out, args.copy_to):
+        if path:
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.access(parent if os.path.isdir(parent) else os.path.dirname(parent) or ".", os.W_OK):
+                raise ValueError(f"cannot write {path!r}: its folder is not writable")
 
 
-def run_demo(workload: campaign.Workload, methods: list[str], net: str | None, out: str, workers: int,
-             density: float | None = None, command: str = "sparsecomm demo",
-             quiet: campaign.QuietPolicy | None = None) -> dict:
-    """Train ``methods`` on ``workload`` and write the report into ``out/report``; returns the
-    report's paths, rows and summary. ``density``: of every sparse method (``None``: each method's
-    recipe density); ``quiet``: the campaign's quiet-machine policy (the load before each run is
-    recorded and reported; a run started above it may be redone), ``None`` for none."""
-    specs = campaign.plan([workload.name], [net], methods, density=density, registry={workload.name: workload})
-    campaign.run_campaign(specs, out, {"workers": workers}, workloads={workload.name: workload},
-                          echo=lambda line: print(line, flush=True), quiet=quiet)
-    records = campaign.load_campaign(out)
-    return campaign.write_campaign_report(records, os.path.join(out, "report"), command=command,
-                                          title="sparsecomm demo: time to target")
+def tuned(summary_path: str) -> tuple[dict[str, float], str, str]:
+    """(best lr per arm, best PowerSGD arm, recommended arm) from the campaign's summary; without one,
+    every arm at the workload's default lr (said by the caller)."""
+    wl = campaign.workload("gpt")
+    if not os.path.exists(summary_path):
+        return {}, "powersgd-r4", wl.recommended
+    with open(summary_path) as handle:
+        data = json.load(handle)
+    lrs = {name: arm["best_lr"] for name, arm in data["arms"].items() if arm.get("best_lr") is not None}
+    finals = {name: min((v for v in arm["final"].values()), default=float("inf"))
+              for name, arm in data["arms"].items() if name.startswith("powersgd")}
+    best_power = min(finals, key=finals.__getitem__) if finals else "powersgd-r4"
+    return lrs, best_power, data["workload"]["recommended"]
 
 
 def run(args: argparse.Namespace) -> int:
-    methods = args.methods.split(",") if args.methods else ["nosync", "ddp", "powersgd", *DEMO_SPARSE]
+    wl = campaign.workload("gpt")
+    lrs, best_power, recommended = tuned(args.summary)
+    names = args.arms.split(",") if args.arms else ["floor", "ddp", best_power, recommended]
+    arms = campaign.arms_of("gpt", names)
     net = emulated_net(args.net)
     if net is not None and unavailable_reason() is not None:
         print(f"note: cannot emulate {net} here ({unavailable_reason()}); running on loopback")
+        net = None
     out = args.out or os.path.join("runs", "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    command = "sparsecomm demo " + " ".join(sys.argv[2:])
-    workload = demo_workload(args.workload, args.train_size, args.epochs)
-    print(f"demo: {workload.model} on {workload.data} ({args.train_size} samples, {args.epochs} epoch), "
-          f"P={args.workers}, net={net or 'loopback'}, methods: {', '.join(methods)}", flush=True)
+    os.makedirs(out, exist_ok=True)
+    eval_every = max(1, args.steps // 12)
+    print(f"demo: {wl.model} on {wl.data}, P={args.workers}, net={net or 'loopback'}, {args.steps} steps; arms: "
+          f"{', '.join(a.name for a in arms)}" + ("" if lrs else f" (no campaign summary at {args.summary}: "
+                                                              "every arm at the default lr)"), flush=True)
+    quiet = campaign.quiet_policy(args)
     start = time.perf_counter()
-    try:
-        report = run_demo(workload, methods, net, out, args.workers, args.density, command.strip(),
-                          campaign.quiet_policy(args))
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    records: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        lr = lrs.get(arm.name, 1e-3)
+        config = wl.config(arm, lr, 0, steps=args.steps, eval_every=eval_every, net=net, workers=args.workers)
+        if arm.options.get("dense_warmup_steps"):  # the warm-up keeps its share of the shorter budget
+            config.dense_warmup_steps = max(1, round(arm.options["dense_warmup_steps"] * args.steps / wl.steps))
+        print(f"  {arm.name} (lr {lr:g}) ...", flush=True)
+        record = campaign.quiet.train_quietly(config, train, quiet, lambda line: print(line, flush=True))
+        save_record(record, out, f"{arm.name}.json")
+        records[arm.name] = record
+    report = write_demo_report(records, wl, out, args, net)
     print()
-    print(markdown_table(report["summary"]))
-    print()
-    print(markdown_table(report["rows"]))
-    print(f"\nreport: {report['markdown']} (total {time.perf_counter() - start:.0f} s)")
+    print(report["table"])
+    print(f"\nreport: {report['path']} (total {time.perf_counter() - start:.0f} s)")
     if args.copy_to:
         if os.path.exists(args.copy_to):
             shutil.rmtree(args.copy_to)
-        shutil.copytree(os.path.dirname(report["markdown"]), args.copy_to)
+        shutil.copytree(out, args.copy_to)
         print(f"copied to {args.copy_to}")
     return 0
+
+
+def write_demo_report(records: dict[str, dict[str, Any]], wl: campaign.Workload, out: str,
+                      args: argparse.Namespace, net: str | None) -> dict[str, Any]:
+    """``report.md`` in ``out``: the table (measured times to the demo's target) and the command."""
+    ddp = records.get("ddp")
+    target = None
+    if ddp is not None:
+        at = round(0.75 * args.steps / max(1, args.steps // 12)) * max(1, args.steps // 12)
+        target = [p["test_loss"] for p in ddp["history"] if p["step"] <= at][-1]
+    floor = records.get("floor")
+    floor_ms = 1e3 * _median_step(floor) if floor else None
+    rows = []
+    times = {}
+    for name, record in records.items():
+        ms = 1e3 * _median_step(record)
+        steps = steps_to_target(record, target, "loss") if target is not None and name != "floor" else None
+        reached = next((p["train_time"] for p in record["history"] if p["step"] == steps), None) if steps else None
+        times[name] = reached
+        rows.append({"arm": name, "lr": f"{record['config']['lr']:g}",
+                     "time to target s": "floor: trains apart" if name == "floor" else
+                     "not reached" if reached is None else f"{reached:.1f}",
+                     "steps to target": "-" if steps is None else steps, "ms/step": f"{ms:.0f}",
+                     "x floor": "-" if not floor_ms else f"{ms / floor_ms:.2f}",
+                     "final loss": f"{record['history'][-1]['test_loss']:.4f}",
+                     "load before": "-" if record.get("load") is None else f"{record['load']['before']:.2f}"})
+    base = [t for n, t in times.items() if t and (n == "ddp" or n.startswith("powersgd"))]
+    sparse = [t for n, t in times.items() if t and campaign.arms_of("gpt", [n])[0].kind == "sparse"]
+    headline = ""
+    if base and sparse:
+        headline = (f"The sparse recipe reached the target {min(base) / min(sparse):.2f}x sooner than the best of DDP "
+                    f"and PowerSGD ({median_spread([min(base)])} s against {median_spread([min(sparse)])} s).")
+    table = markdown_table(rows)
+    command = "sparsecomm demo " + " ".join(sys.argv[2:])
+    lines = ["# sparsecomm demo", "",
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `{command.strip()}`: "
+             f"{wl.model} on {wl.data}, P = {args.workers}, {net or 'loopback'}, {args.steps} steps per run (the "
+             f"campaign's budget is {wl.steps}), each arm at the campaign's best lr for it. Target: DDP's validation "
+             + ("loss at 75% of the budget, " + f"{target:.4f}." if target is not None else "loss (DDP did not run)."),
+             "", table, "", headline, ""]
+    path = os.path.join(out, "report.md")
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines))
+    return {"path": path, "table": table + ("\n\n" + headline if headline else ""), "rows": rows}
+
+
+def _median_step(record: dict[str, Any]) -> float:
+    times = sorted(s["time"] for s in record["steps"][3:] if not s.get("warmup"))
+    return times[len(times) // 2] if times else float("nan")
