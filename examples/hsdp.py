@@ -46,9 +46,9 @@ def train(method: str | None = "topka", density: float = 0.05, steps: int = 20, 
           bf16: bool = False) -> list[float]:
     """Train the model on synthetic data for ``steps`` steps; ``method=None`` is native HSDP (a 2-D
     mesh). Returns this rank's losses."""
-    cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    cuda = dist.get_backend() == "nccl"  # a gloo group (run_workers) trains on the CPU
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     world = dist.get_world_size()
@@ -60,11 +60,13 @@ def train(method: str | None = "topka", density: float = 0.05, steps: int = 20, 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Model().to(device)
     shard_mesh = mesh if method is None else mesh["shard"]  # native HSDP shards on the 2-D mesh
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
+    policy = MixedPrecisionPolicy()
+    if bf16:  # bf16 compute, gradients reduced in fp32; the model's output (only) back in fp32 for the loss
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=shard_mesh, mp_policy=policy)
-    fully_shard(model, mesh=shard_mesh, mp_policy=policy)
+    root_policy = MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, output_dtype=torch.float32)
+    fully_shard(model, mesh=shard_mesh, mp_policy=root_policy)
     if method is not None:
         sparsecomm.sparse_replicas(model, mesh, method, density=density)  # <- added
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)

@@ -69,7 +69,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, micro: 
     total = 0.0
     for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
         model.set_requires_gradient_sync(i == micro - 1)  # accumulate locally until the last micro-batch
-        loss = nn.functional.mse_loss(model(xs), ys) / micro
+        loss = nn.functional.mse_loss(model(xs).float(), ys) / micro  # bf16 outputs under mixed precision
         loss.backward()
         total += loss.item()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # on the DTensor grads; small: it clips
@@ -120,7 +120,7 @@ def _load(model, optimizer, state, directory: str, rank: int | None = None) -> N
     dcp.load(checkpoint, checkpoint_id=directory)
     set_state_dict(model, optimizer, model_state_dict=checkpoint["model"], optim_state_dict=checkpoint["optim"])
     rank = dist.get_rank() if rank is None else rank
-    state.load_state_dict(torch.load(f"{directory}/sparsecomm-rank{rank}.pt", weights_only=False))
+    state.load_state_dict(torch.load(f"{directory}/sparsecomm-rank{rank}.pt"))
 
 
 def _raises(fn, *args, **kwargs) -> str:
@@ -313,3 +313,97 @@ def test_the_example_trains(two_by_two):
     for result in two_by_two:
         losses = result["example_losses"]
         assert len(losses) == 8 and losses[-1] < losses[0]
+
+
+# -- the measurement command (sparsecomm bench hsdp) ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_bench_hsdp_writes_its_table_and_json(tmp_path, capsys):
+    import json
+
+    from sparsecomm.cli import main
+
+    assert main(["bench", "hsdp", "--rate", "loopback", "--width", "32", "--depth", "2", "--batch", "4",
+                 "--steps", "3", "--warmup", "1", "--methods", "topka", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    labels = [row["configuration"] for row in result["rows"]]
+    assert labels == ["FSDP2 (all ranks)", "native HSDP", "HSDP + topka (density 0.01)", "no replica sync (floor)"]
+    rows = {row["configuration"]: row for row in result["rows"]}
+    # the first step is the same model on the same batch for every configuration
+    first = {label: result["per_rank"][0]["records"][label][0]["loss"] for label in labels}
+    assert len(set(first.values())) == 1
+    assert 0 < rows["HSDP + topka (density 0.01)"]["replica sync MB sent/rank/step"] \
+        < rows["native HSDP"]["replica sync MB sent/rank/step"]
+    assert "| native HSDP |" in (tmp_path / "result.md").read_text()
+    assert "sparsecomm bench hsdp" in result["command"]
+
+
+def test_bench_hsdp_refuses_bad_input(capsys):
+    from sparsecomm.cli import main
+
+    for argv, message in ((["--warmup", "5", "--steps", "3"], "--warmup=5 must be >= 0 and below --steps=3"),
+                          (["--methods", "dense"], "--methods: 'dense' is not a sparse method"),
+                          (["--density", "2"], "density=2"),
+                          (["--rate", "1gbps"], "1gbps")):
+        assert main(["bench", "hsdp", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+# -- on a GPU (make test-gpu): one replica of one shard over NCCL ---------------------------------------------
+
+def cuda_worker() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def build(policy, mesh, sparse: bool):
+        torch.manual_seed(0)
+        model = Net().cuda()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["shard"] if sparse else mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh["shard"] if sparse else mesh, mp_policy=policy)
+        return model
+
+    def train(model):
+        optimizer = _adamw(model)
+        generator = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(3):
+            x = torch.randn(6, 7, generator=generator).cuda()
+            loss = (model(x).float() - x[:, :3].tanh()).pow(2).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
+    out: dict[str, Any] = {}
+    for label, policy in (("fp32", MixedPrecisionPolicy()),
+                          ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16))):
+        model = build(policy, mesh, sparse=True)
+        state = sparsecomm.sparse_replicas(model, mesh, "topka", density=0.2)
+        train(model)
+        saved = state.state_dict()
+        again = sparsecomm.sparse_replicas(build(policy, mesh, sparse=True), mesh, "topka", density=0.2)
+        again.load_state_dict(saved)
+        out[label] = {"residuals": [(r.device.type, r.dtype) for r in state.residuals().values()],
+                      "iter": state.iter, "reloaded": all(torch.equal(again.residuals()[name], r)
+                                                          for name, r in state.residuals().items())}
+    model = build(MixedPrecisionPolicy(), mesh, sparse=True)
+    sparsecomm.sparse_replicas(model, mesh, "topka", density=1.0)
+    out["density1"] = train(model)
+    out["fsdp2"] = train(build(MixedPrecisionPolicy(), init_device_mesh("cuda", (1,)), sparse=False))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")
+def test_on_cuda_over_nccl():
+    """Residuals on the GPU in fp32 (bf16 parameters too), a state that reloads, and density 1 over one
+    replica equal to FSDP2 alone."""
+    out = run_workers(1, cuda_worker, backend="nccl", timeout=240)[0]
+    for label in ("fp32", "bf16"):
+        assert out[label]["residuals"] == [("cuda", torch.float32)] * 3
+        assert out[label]["iter"] == 3 and out[label]["reloaded"]
+    assert out["density1"] == out["fsdp2"]

@@ -1,11 +1,11 @@
 """Sparse synchronization of the replica dimension of hybrid sharded training (FSDP2/HSDP).
 
-Hybrid sharding (HSDP: Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
-Parallel", VLDB 2023, section 3.2.2) arranges the ranks as ``replicas x shards``: within a replica
-(one node, fast links) the parameters, gradients and optimizer state are sharded as in FSDP; across
-replicas (the slow link) each shard's gradient is all-reduced. That all-reduce moves the whole
-model once per step over the slowest link, which is where a sparse method pays. One call after
-``fully_shard``::
+Hybrid sharding (HSDP; Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
+Parallel", Proceedings of the VLDB Endowment 16(12), 2023) arranges the ranks as ``replicas x
+shards``: within a replica (one node, fast links) the parameters, gradients and optimizer state are
+sharded as in FSDP; across replicas (the slow link) each shard's gradient is all-reduced. That
+all-reduce moves the whole model once per step over the slowest link, which is where a sparse
+method pays. One call after ``fully_shard``::
 
     mesh = init_device_mesh("cuda", (replicas, shards), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
@@ -46,6 +46,15 @@ Design, from what FSDP2 does (``torch/distributed/fsdp/_fully_shard/_fsdp_collec
   autograd callback queued by the hooks (after FSDP's own final callback), which advances the step
   counter (the dense warm-up) and closes the step's stats. Gradient accumulation uses FSDP's
   ``set_requires_gradient_sync(False)``: no reduce-scatter, no hook, nothing sent.
+* **Synchronous.** FSDP views the hook's tensor as the sharded gradients as soon as the hook returns,
+  so the reduction completes inside the hook, in backward's thread (as the DDP hook's
+  ``overlap=False`` path), before backward goes on to the next FSDP module; on the CPU native HSDP's
+  gloo all-reduce blocks there too.
+* **Density 1** averages what native HSDP averages (the reduce-scatter's average within the replica,
+  then the average over the replicas), to float tolerance: the method sums the replicas' values in
+  its own order (with two replicas the sum is one addition either way, and the results are
+  bit-identical). A ``gradient_divide_factor`` set on the modules applies within the replica; the
+  replica dimension is always averaged.
 * **Non-finite gradients** (:mod:`.nonfinite`): ``"propagate"`` by default, as FSDP's own all-reduce
   would (every replica of the shard gets NaN, nothing sent, no state moved).
 
@@ -82,24 +91,22 @@ _STATE_VERSION = 1
 
 class _ShardGroup:
     """One FSDP parameter group as the replica synchronization sees it: the module's name, its
-    trainable parameters (names and padded shard sizes, in the reduce-scatter's order) and the
-    dtype the method computes in."""
+    trainable parameters' padded shard sizes (in the reduce-scatter's order), the dtype the method
+    computes in and the device of the reduce-scatter output."""
 
-    def __init__(self, name: str, module: FSDPModule, fsdp_params: list[Any]) -> None:
+    def __init__(self, name: str, module: FSDPModule, fsdp_params: list[Any], device: torch.device) -> None:
         self.name = name
         self.module = module
         # a parameter's padded shard is empty only when the parameter is: it adds nothing to the flat shard
         trainable = [p for p in fsdp_params
                      if p.sharded_param.requires_grad and torch.Size(p.padded_sharded_param_size).numel() > 0]
-        self.param_names = [p._module_info.param_name for p in trainable]
         self.numels = [int(torch.Size(p.padded_sharded_param_size).numel()) for p in trainable]
         dtypes = {p.sharded_param.dtype for p in trainable}
         if len(dtypes) > 1 or not all(dtype.is_floating_point for dtype in dtypes):
             raise ValueError(f"sparse_replicas: FSDP module {name!r} holds trainable parameters of dtypes "
                              f"{sorted(map(str, dtypes))}; it needs one floating-point dtype")
         self.dtype = torch.promote_types(dtypes.pop(), torch.float32) if dtypes else torch.float32
-        device = {p.sharded_param.device for p in trainable}
-        self.device = device.pop() if device else torch.device("cpu")
+        self.device = device  # FSDP's compute device, where the reduce-scatter output lives
 
     @property
     def n(self) -> int:
@@ -153,13 +160,12 @@ class SparseReplicaState(EngineView):
                 f"elements, but the padded shards of its trainable parameters hold {group.n}: a parameter got "
                 "no gradient in this backward (call set_reduce_scatter_unused_params(True) on the module), or "
                 "requires_grad changed after sparse_replicas()")
-        if not self._step_open:
-            self._step_open = True
-        # queued by every hook of the step (an end after the first does nothing): the callback of a
-        # backward that failed never runs, and the next backward's hooks queue it again
+        self._step_open = True
+        # queued by every hook of the step (an end after the first does nothing): the callbacks of a
+        # backward that failed never run, and the next backward's hooks queue them again
         torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
         grad = reduce_output
-        if grad.dtype != group.dtype:
+        if grad.dtype != group.dtype or grad.device != group.device:
             grad = group.inbuf()
             grad.copy_(reduce_output)
         warmup = self.engine.in_warmup
@@ -184,9 +190,8 @@ class SparseReplicaState(EngineView):
     def residuals(self) -> dict[str, torch.Tensor]:
         """Each FSDP module's residual (its flat shard's, the live tensor), by module name
         (``""`` for the root); empty for a method without residual."""
-        return {shard_group.name: group.residual for shard_group, group in zip(self.shard_groups, self.engine.groups,
-                                                                                strict=True)
-                if group.residual is not None}
+        pairs = zip(self.shard_groups, self.engine.groups, strict=True)
+        return {shard.name: group.residual for shard, group in pairs if group.residual is not None}
 
     def take_stats(self) -> Stats:
         """Totals over the method calls since the last call (bytes, rounds, seconds per phase, ...);
@@ -218,7 +223,8 @@ class SparseReplicaState(EngineView):
         steps = int(state.get("iter", -1)) if problem is None else -1
         if self._world_comm is None:
             self._world_comm = Communicator(None)
-        worst, latest, neg_earliest = self._world_comm.agree_max([int(problem is not None), steps, -steps])
+        worst, latest, neg_earliest = self._world_comm.agree_max([int(problem is not None), steps, -steps],
+                                                                  device=self.shard_groups[0].device)
         if problem is not None:
             raise ValueError(f"sparse_replicas: cannot load this rank's state: {problem}")
         if worst:
@@ -290,6 +296,9 @@ def _fsdp_groups(model: nn.Module, shard_group: dist.ProcessGroup) -> list[_Shar
     """The FSDP parameter groups of ``model`` with trainable parameters, in module order, checked."""
     from torch.distributed.fsdp import FSDPModule
 
+    if not hasattr(FSDPModule, "set_all_reduce_hook"):
+        raise RuntimeError(f"sparse_replicas needs FSDP2's FSDPModule.set_all_reduce_hook, which torch "
+                           f"{torch.__version__} lacks")
     shard_ranks = dist.get_process_group_ranks(shard_group)
     groups: list[_ShardGroup] = []
     modules: list[tuple[str, FSDPModule]] = [(name, module) for name, module in model.named_modules()
@@ -298,26 +307,28 @@ def _fsdp_groups(model: nn.Module, shard_group: dist.ProcessGroup) -> list[_Shar
         raise ValueError("sparse_replicas: the model has no FSDP module; call fully_shard(module, "
                          "mesh=mesh['shard']) on its blocks and on the model first")
     for name, module in modules:
-        # FSDP2's parameter groups (private: the layout of the flat shard the hook receives)
-        fsdp_groups: list[Any] = module._get_fsdp_state()._fsdp_param_groups
-        if len(fsdp_groups) > 1:
-            raise ValueError(f"sparse_replicas: FSDP module {name!r} has {len(fsdp_groups)} parameter groups "
-                             "(a per-parameter mesh); the all-reduce hook needs one")
-        for fsdp_group in fsdp_groups:
-            if fsdp_group._is_hsdp:
-                raise ValueError(f"sparse_replicas: FSDP module {name!r} was sharded on a 2-D mesh (native HSDP), "
-                                 "whose replica all-reduce runs before any hook; shard on the 1-D "
-                                 "mesh['shard'] and let sparse_replicas reduce across the replicas")
-            ranks = dist.get_process_group_ranks(fsdp_group.mesh_info.shard_process_group)
-            if ranks != shard_ranks:
-                raise ValueError(f"sparse_replicas: FSDP module {name!r} is sharded over ranks {ranks}, but this "
-                                 f"rank's shard dimension of the mesh holds {shard_ranks}")
-            if fsdp_group._all_reduce_hook is not None:
-                raise ValueError(f"sparse_replicas: FSDP module {name!r} already has an all-reduce hook "
-                                 "(was sparse_replicas called twice?)")
-            shard = _ShardGroup(name, module, fsdp_group.fsdp_params)
-            if shard.numels:
-                groups.append(shard)
+        # FSDP2's parameter group of the module (private: the layout of the flat shard the hook receives)
+        try:
+            fsdp_group: Any = module._get_fsdp_state()._fsdp_param_group
+        except AssertionError as exc:  # several groups: a per-parameter mesh (shard_placement_fn)
+            raise ValueError(f"sparse_replicas: FSDP module {name!r} has several parameter groups (a "
+                             "per-parameter mesh); the all-reduce hook needs one") from exc
+        if fsdp_group is None:  # a module without parameters of its own
+            continue
+        if fsdp_group._is_hsdp:
+            raise ValueError(f"sparse_replicas: FSDP module {name!r} was sharded on a 2-D mesh (native HSDP), "
+                             "whose replica all-reduce runs before any hook; shard on the 1-D "
+                             "mesh['shard'] and let sparse_replicas reduce across the replicas")
+        ranks = dist.get_process_group_ranks(fsdp_group.mesh_info.shard_process_group)
+        if ranks != shard_ranks:
+            raise ValueError(f"sparse_replicas: FSDP module {name!r} is sharded over ranks {ranks}, but this "
+                             f"rank's shard dimension of the mesh holds {shard_ranks}")
+        if fsdp_group._all_reduce_hook is not None:
+            raise ValueError(f"sparse_replicas: FSDP module {name!r} already has an all-reduce hook "
+                             "(was sparse_replicas called twice?)")
+        shard = _ShardGroup(name, module, fsdp_group.fsdp_params, fsdp_group.device)
+        if shard.numels:
+            groups.append(shard)
     if not groups:
         raise ValueError("sparse_replicas: the model's FSDP modules hold no trainable parameter")
     return groups
