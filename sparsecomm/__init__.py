@@ -17,6 +17,7 @@ See the README and ``docs/`` for the methods, the DDP hook and the CLI. The libr
 from . import selectors
 from .integration.datacache import DataCache
 from .integration.hook import SparseHookState, hook
+from .integration.hsdp import SparseReplicaState, sparse_replicas
 from .integration.lars import LARS
 from .integration.pto import parallel_apply
 from .integration.synchronizer import SparseSynchronizer
@@ -30,4 +31,5 @@ __all__ = ["Communicator", "TrafficMeter", "SparseChunk", "run_workers", "Worker
 __all__ += ["parallel_apply"]
 __all__ += ["LARS"]
 __all__ += ["DataCache"]
+__all__ += ["sparse_replicas", "SparseReplicaState"]
 __version__ = "0.1.0"
