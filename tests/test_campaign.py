@@ -21,7 +21,7 @@ def _history(losses, every=10):
 
 
 def _tiny(**changes):
-    wl = dataclasses.replace(campaign.WORKLOADS["gpt"], steps=40, eval_every=10, lr_grid=(1e-3, 3e-3))
+    wl = dataclasses.replace(campaign.WORKLOADS["gpt"], steps=40, eval_every=10, lr_grids={"adamw": (1e-3, 3e-3)})
     return dataclasses.replace(wl, **changes)
 
 
@@ -36,9 +36,10 @@ def test_every_arm_shares_the_grid_and_the_recommended_arm_exists():
     for name, wl in campaign.WORKLOADS.items():
         arms = campaign.arms_of(name)
         assert wl.recommended in {a.name for a in arms}
-        assert len(wl.lr_grid) >= 4 and sorted(wl.lr_grid) == list(wl.lr_grid)
-        ratios = [b / a for a, b in zip(wl.lr_grid, wl.lr_grid[1:], strict=False)]
-        assert max(ratios) / min(ratios) < 1.5  # log-spaced
+        for grid in wl.lr_grids.values():
+            assert len(grid) >= 4 and sorted(grid) == list(grid)
+            ratios = [b / a for a, b in zip(grid, grid[1:], strict=False)]
+            assert max(ratios) / min(ratios) < 1.5  # log-spaced
         assert {"floor", "ddp", "powersgd-r2", "powersgd-r4"} <= {a.name for a in arms}
         for arm in arms:  # a recipe that changes the optimizer names its dense twin, which exists
             if arm.options.get("freeze_adam_variance") and arm.kind == "sparse":

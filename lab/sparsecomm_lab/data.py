@@ -312,7 +312,7 @@ def _python_source_tokens(train_chars: int, test_chars: int, vocab_size: int) ->
 
 
 def load_python_source(seed: int = 0, seq_len: int = 64, vocab_size: int = 8192, train_chars: int = 4_000_000,
-                       test_chars: int = 200_000, test_size: int | None = 256, **_) -> Dataset:
+                       test_chars: int = 200_000, test_size: int | None = 128, **_) -> Dataset:
     """Language modelling on Python source code: the standard library of the running Python, which
     every machine has (:func:`python_source_files`), tokenized by a byte-level BPE of ``vocab_size``
     tokens (:func:`_python_source_tokens`, held-out files apart).

@@ -394,16 +394,53 @@ class _Synchronization:
                 setattr(self.state, key, value)
 
 
-def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+class CombinedOptimizer:
+    """Several optimizers stepped as one (AdamW for the dense parameters and SparseAdam for sparse
+    embedding tables, as a PyTorch user combines them): ``param_groups`` is theirs, in order, so a
+    learning-rate schedule that edits it reaches both."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for opt, state in zip(self.optimizers, state_dict["optimizers"], strict=True):
+            opt.load_state_dict(state)
+
+
+def make_optimizer(config: TrainConfig, model: nn.Module) -> Any:
     """The run's optimizer over the model's parameters. Weight decay applies to the weight matrices,
     convolution kernels and embeddings only (parameters of two or more dimensions), as GPT-2's and
-    most transformer recipes do; biases and normalization scales keep none."""
+    most transformer recipes do; biases and normalization scales keep none. The tables of sparse
+    embeddings (``nn.Embedding(sparse=True)``) get SparseAdam beside AdamW (SGD takes them as they are)."""
+    sparse = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) and m.sparse}
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    dense = [p for p in params if id(p) not in sparse] if config.optimizer == "adamw" else params
+    decayed = [p for p in dense if p.dim() >= 2 and id(p) not in sparse]
+    groups = [{"params": decayed, "weight_decay": config.weight_decay},
+              {"params": [p for p in dense if p.dim() < 2 or id(p) in sparse], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if config.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+        adamw = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+        tables = [p for p in params if id(p) in sparse]
+        if not tables:
+            return adamw
+        return CombinedOptimizer([adamw, torch.optim.SparseAdam(tables, lr=config.lr, betas=config.betas,
+                                                                eps=config.eps)])
     momentum = 0.0 if config.momentum_correction else config.momentum
     return torch.optim.SGD(groups, lr=config.lr, momentum=momentum, nesterov=config.nesterov and momentum > 0)
 
@@ -431,6 +468,15 @@ def _evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 512) -> dict
         count += n
     model.train()
     return {"test_loss": total_loss / count, "test_accuracy": 100.0 * correct / count}
+
+
+def _evaluate_on_rank0(model: nn.Module, dataset: Dataset) -> dict[str, float]:
+    """Rank 0 evaluates its replica (the local module: DDP's wrapper would start a collective for
+    BatchNorm's buffers) and tells the others: the replicas are identical, so one evaluation
+    stands for all, and the other ranks leave the cores to it."""
+    result: list[Any] = [_evaluate(model, dataset) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(result, src=0)
+    return result[0]
 
 
 def _checkpoint_meta(config: TrainConfig, world: int) -> dict[str, Any]:
@@ -529,7 +575,7 @@ def train_worker(config: TrainConfig, dataset: Dataset,
                               "bytes_sent": stats.bytes_sent, "warmup": stats.warmup})
             if global_step in eval_steps:
                 point = {"epoch": epoch + step / steps_per_epoch, "step": epoch * steps_per_epoch + step,
-                         "train_time": train_time, **_evaluate(sync.module, dataset)}
+                         "train_time": train_time, **_evaluate_on_rank0(sync.local_model, dataset)}
                 history.append(point)
                 reached = reached or reached_target(point, config.target_accuracy, config.target_perplexity)
         n_steps = len(step_stats)

@@ -150,7 +150,7 @@ def analyse(records: Sequence[dict[str, Any]], wl: Workload, nets: Sequence[str]
         if camp["seed"] == 0:
             arms[camp["arm"]].grid[camp["lr"]] = final_metric(record, wl.metric)
     for result in arms.values():
-        if result.grid and len(result.grid) == len(wl.lr_grid):
+        if result.grid and len(result.grid) == len(wl.grid(result.arm)):
             result.best_lr = min(result.grid, key=lambda lr: (
                 math.inf if math.isnan(result.grid[lr]) else result.grid[lr] * (1 if wl.metric == "loss" else -1), lr))
     best_runs = {(r["campaign"]["arm"], r["campaign"]["seed"]): r for r in convergence

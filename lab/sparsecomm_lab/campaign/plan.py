@@ -5,8 +5,10 @@ A **workload** is a model and its data trained for a fixed budget of optimizer s
 optimizer its users run (AdamW for the transformer, SGD with momentum for the CNN), evaluated every
 ``eval_every`` steps. An **arm** is one way to synchronize it: torch's DDP, PowerSGD, a sparse method
 through the DDP hook or the synchronizer with a recipe, the no-synchronization floor. Every arm of a
-workload trains at every learning rate of the workload's grid (log-spaced around the dense default),
-so that no row is tuned harder than another; the floor exchanges nothing and is only timed.
+workload trains at every learning rate of the workload's grid for its optimizer (log-spaced around
+the dense default; one grid per optimizer where a workload compares two, as the word LSTM does with
+SGD and AdamW), so that no row is tuned harder than another; the floor exchanges nothing and is only
+timed.
 """
 
 from __future__ import annotations
@@ -33,13 +35,22 @@ class Workload:
     metric: str
     steps: int
     eval_every: int
-    lr_grid: tuple[float, ...]
+    #: the learning rates every arm of an optimizer trains at, by optimizer ("sgd", "adamw")
+    lr_grids: dict[str, tuple[float, ...]]
     #: the arm whose recipe the campaign recommends for this workload (the headline row)
     recommended: str
     data_options: dict[str, Any] = field(default_factory=dict)
     model_options: dict[str, Any] = field(default_factory=dict)
     #: TrainConfig fields every arm of the workload shares (optimizer options, clipping)
     train_options: dict[str, Any] = field(default_factory=dict)
+
+    def optimizer(self, arm: Arm) -> str:
+        """The optimizer ``arm`` trains with: its own, else the workload's (the first of its grids)."""
+        return str(arm.options.get("optimizer") or self.train_options.get("optimizer") or next(iter(self.lr_grids)))
+
+    def grid(self, arm: Arm) -> tuple[float, ...]:
+        """The learning rates ``arm`` trains at: the grid of its optimizer."""
+        return self.lr_grids[self.optimizer(arm)]
 
     def config(self, arm: Arm, lr: float, seed: int, **overrides: Any) -> TrainConfig:
         """The run of ``arm`` at ``lr`` and ``seed`` (``overrides``: the network, a shorter budget)."""
@@ -77,12 +88,16 @@ _DDP = Arm("ddp", "dense", "torch DDP (all-reduce)", {"method": "ddp"})
 _POWERSGD = [Arm(f"powersgd-r{r}", "powersgd", f"torch's powerSGD_hook, rank {r} (one bucket)",
                  {"method": "powersgd", "powersgd_rank": r}) for r in (2, 4)]
 
+#: the DDP comm hook with the optimizer as it is (error feedback in the method's residual)
+_HOOK: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0}
+
 #: the dense warm-up of the frozen-variance recipe: Adam's second moment is estimated over it
 FVA_WARMUP = 50
 
 
 def _fva(method: str, density: float | None, name: str, twin: str | None) -> Arm:
     options: dict[str, Any] = {"method": method, "sync": "synchronizer", "freeze_adam_variance": True,
+                               "momentum_correction": False,
                                "dense_warmup_steps": FVA_WARMUP, "clip_norm": 1.0, "max_grad_norm": None}
     if density is not None:
         options["density"] = density
@@ -92,23 +107,72 @@ def _fva(method: str, density: float | None, name: str, twin: str | None) -> Arm
                "(synchronizer, freeze_adam_variance)", options, dense_twin=twin)
 
 
+def _sgd(name: str, kind: str, description: str, **options: Any) -> Arm:
+    return Arm(name, kind, description, {"optimizer": "sgd", **options})
+
+
+def _adamw(name: str, kind: str, description: str, **options: Any) -> Arm:
+    return Arm(name, kind, description, {"optimizer": "adamw", **options})
+
+
+#: DGC's recipe for SGD (Lin et al. 2018): momentum correction and factor masking in the synchronizer
+def _mc(density: float, name: str, twin: str | None) -> Arm:
+    return _sgd(name, "sparse" if density < 1 else "dense",
+                f"topka at {density:g}, DGC momentum correction and masking (synchronizer, SGD without momentum)"
+                + (": at density 1 this is SGD without momentum" if density == 1 else ""),
+                method="topka", density=density, sync="synchronizer", momentum_correction=True)
+
+
 #: the arms of each workload, in table order
 ARMS: dict[str, list[Arm]] = {
     "gpt": [
         _FLOOR, _DDP, *_POWERSGD,
         _fva("dense", None, "dense-fva", None),
         Arm("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, AdamW on the averaged gradient",
-            {"method": "topka", "density": 0.01}),
+            {"method": "topka", "density": 0.01, **_HOOK}),
         _fva("topka", 0.01, "topka-fva@0.01", "dense-fva"),
         _fva("topka", 0.001, "topka-fva@0.001", "dense-fva"),
+    ],
+    # the gradient is mostly a word embedding of which a step touches a few rows: the baselines a user
+    # tries first are AdamW and nn.Embedding(sparse=True) (DDP all-gathers the touched rows)
+    "word-lstm": [
+        _FLOOR,
+        _sgd("ddp-sgd", "dense", "torch DDP, SGD with momentum 0.9", method="ddp"),
+        _adamw("ddp", "dense", "torch DDP, AdamW", method="ddp"),
+        _sgd("ddp-sparse-embedding-sgd", "dense", "torch DDP with nn.Embedding(sparse=True), SGD with momentum",
+             method="ddp", model_options={"sparse_embedding": True}),
+        _adamw("ddp-sparse-embedding", "dense", "torch DDP with nn.Embedding(sparse=True), AdamW + SparseAdam",
+               method="ddp", model_options={"sparse_embedding": True}),
+        *[_adamw(f"powersgd-r{r}", "powersgd", f"torch's powerSGD_hook, rank {r} (one bucket), AdamW",
+                 method="powersgd", powersgd_rank=r) for r in (2, 4)],
+        _mc(1.0, "topka-mc@1", None),
+        _mc(0.001, "topka-mc@0.001", "topka-mc@1"),
+        _adamw("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, AdamW", method="topka", density=0.01,
+               **_HOOK),
+        _fva("topka", 0.01, "topka-fva@0.01", None),
+    ],
+    # a BatchNorm CNN trained with SGD and momentum: DDP broadcasts BatchNorm's buffers every step
+    "resnet": [
+        _FLOOR, _DDP, *_POWERSGD,
+        Arm("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, SGD with momentum (error feedback)",
+            {"method": "topka", "density": 0.01, **_HOOK}),
+        _mc(1.0, "topka-mc@1", None),
+        _mc(0.01, "topka-mc@0.01", "topka-mc@1"),
     ],
 }
 
 #: the workloads, with their budgets (cosine schedules over them) and learning-rate grids
 WORKLOADS: dict[str, Workload] = {
-    "gpt": Workload("gpt", "gpt", "python-source", "loss", steps=1000, eval_every=50,
-                    lr_grid=(3e-4, 1e-3, 3e-3, 1e-2), recommended="topka-fva@0.01",
-                    train_options={"max_grad_norm": 1.0}),
+    "gpt": Workload("gpt", "gpt", "python-source", "loss", steps=600, eval_every=30,
+                    lr_grids={"adamw": (3e-4, 1e-3, 3e-3, 1e-2)}, recommended="topka-fva@0.01",
+                    train_options={"optimizer": "adamw", "max_grad_norm": 1.0}),
+    "word-lstm": Workload("word-lstm", "word-lstm", "fortunes-words", "loss", steps=300, eval_every=20,
+                          lr_grids={"sgd": (0.3, 1.0, 3.0, 10.0), "adamw": (3e-4, 1e-3, 3e-3, 1e-2)},
+                          recommended="topka-hook@0.01", data_options={"test_size": 200},
+                          train_options={"optimizer": "adamw", "weight_decay": 0.0, "warmup_steps": 0}),
+    "resnet": Workload("resnet", "resnet", "fashion-mnist", "accuracy", steps=938, eval_every=94,
+                       lr_grids={"sgd": (0.01, 0.03, 0.1, 0.3)}, recommended="topka-mc@0.01",
+                       data_options={"test_size": 2000}, train_options={"optimizer": "sgd"}),
 }
 
 

@@ -24,8 +24,8 @@ QUALITY = 0.01
 
 
 def _optimizer(camp: Campaign, name: str) -> str:
-    options = {**camp.workload.train_options, **camp.arms[name].arm.options}
-    opt = options.get("optimizer") or ("adamw" if camp.workload.model == "gpt" else "sgd")
+    options = camp.arms[name].arm.options
+    opt = camp.workload.optimizer(camp.arms[name].arm)
     if options.get("freeze_adam_variance"):
         return "AdamW, v frozen after warm-up"
     if options.get("momentum_correction"):
@@ -40,8 +40,10 @@ def grid_rows(camp: Campaign) -> list[dict[str, Any]]:
         if result.arm.timed_only:
             continue
         row: dict[str, Any] = {"arm": name, "optimizer": _optimizer(camp, name)}
-        for lr in camp.workload.lr_grid:
+        for lr in sorted({lr for grid in camp.workload.lr_grids.values() for lr in grid}):
             value = result.grid.get(lr)
+            if lr not in camp.workload.grid(result.arm):
+                continue
             text = "-" if value is None else "diverged" if math.isnan(value) else f"{value:.4g}"
             row[f"lr {lr:g}"] = f"**{text}**" if lr == result.best_lr else text
         rows.append(row)
@@ -109,7 +111,8 @@ def summary(camp: Campaign) -> dict[str, Any]:
     wl = camp.workload
     return {
         "workload": {"name": wl.name, "model": wl.model, "data": wl.data, "metric": wl.metric, "steps": wl.steps,
-                     "eval_every": wl.eval_every, "lr_grid": list(wl.lr_grid), "recommended": wl.recommended},
+                     "eval_every": wl.eval_every, "lr_grids": {k: list(v) for k, v in wl.lr_grids.items()},
+                     "recommended": wl.recommended},
         "target": camp.target, "ddp_plateau": camp.plateau, "ddp_steps_to_target": camp.ddp_steps,
         "arms": {name: {"kind": r.arm.kind, "options": r.arm.options, "optimizer": _optimizer(camp, name),
                         "dense_twin": r.arm.dense_twin, "grid": {f"{lr:g}": v for lr, v in r.grid.items()},

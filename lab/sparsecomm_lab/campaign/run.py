@@ -31,7 +31,7 @@ from sparsecomm_lab.training import save_record, train
 from .plan import SEEDS, Arm, Workload, arms_of
 from .quiet import QuietPolicy, train_quietly
 
-__all__ = ["run_convergence", "run_timing", "run_confirmation", "load_records", "best_lr", "final_metric",
+__all__ = ["run_convergence", "run_point", "run_timing", "run_confirmation", "load_records", "best_lr", "final_metric",
            "convergence_path", "timing_path", "confirm_path", "TIMING_STEPS", "TIMING_WARMUP", "safe_name"]
 
 log = logging.getLogger(__name__)
@@ -84,12 +84,12 @@ def _rank_key(value: float, metric: str) -> float:
 def best_lr(out: str, wl: Workload, arm: Arm) -> float | None:
     """The learning rate of the grid whose seed-0 run ended best (None until every one has run)."""
     finals = {}
-    for lr in wl.lr_grid:
+    for lr in wl.grid(arm):
         path = convergence_path(out, wl, arm, lr, 0)
         if not os.path.exists(path):
             return None
         finals[lr] = final_metric(_load(path), wl.metric)
-    return min(wl.lr_grid, key=lambda lr: (_rank_key(finals[lr], wl.metric), lr))
+    return min(wl.grid(arm), key=lambda lr: (_rank_key(finals[lr], wl.metric), lr))
 
 
 def _save(record: dict[str, Any], path: str, campaign: dict[str, Any]) -> None:
@@ -103,7 +103,7 @@ def run_convergence(out: str, wl: Workload, arms: Sequence[Arm] | None = None, s
     best learning rate at the other ``seeds``. ``overrides`` go into every run's config (tests: a
     smaller model or budget)."""
     arms = [a for a in (arms or arms_of(wl.name)) if not a.timed_only]
-    todo = [(arm, lr, 0) for arm in arms for lr in wl.lr_grid]
+    todo = [(arm, lr, 0) for arm in arms for lr in wl.grid(arm)]
     for stage in ("grid", "seeds"):
         if stage == "seeds":
             todo = []
@@ -113,15 +113,21 @@ def run_convergence(out: str, wl: Workload, arms: Sequence[Arm] | None = None, s
                     raise RuntimeError(f"arm {arm.name}: the grid is incomplete")
                 todo += [(arm, lr, seed) for seed in seeds if seed != 0]
         for i, (arm, lr, seed) in enumerate(todo, start=1):
-            path = convergence_path(out, wl, arm, lr, seed)
-            name = f"{wl.name} {arm.name} lr {lr:g} seed {seed}"
-            if os.path.exists(path):
-                continue
-            echo(f"[{stage} {i}/{len(todo)}] {name} ...")
-            record = trainer(wl.config(arm, lr, seed, **overrides))
-            _save(record, path, {"workload": wl.name, "arm": arm.name, "lr": lr, "seed": seed,
-                                 "phase": "convergence", "net": "loopback"})
-            echo(f"    final {wl.metric} {final_metric(record, wl.metric):.4f}")
+            if not os.path.exists(convergence_path(out, wl, arm, lr, seed)):
+                echo(f"[{stage} {i}/{len(todo)}] {wl.name} {arm.name} lr {lr:g} seed {seed} ...")
+                run_point(out, wl, arm, lr, seed, trainer, echo, **overrides)
+
+
+def run_point(out: str, wl: Workload, arm: Arm, lr: float, seed: int, trainer: Trainer = train,
+              echo: Echo = log.warning, **overrides: Any) -> dict[str, Any]:
+    """One convergence run (loopback) of ``arm`` at ``lr`` and ``seed``, saved where the campaign
+    finds it; the per-step series is dropped from the record (the timing phase keeps its own)."""
+    record = trainer(wl.config(arm, lr, seed, **overrides))
+    record["steps"] = []
+    _save(record, convergence_path(out, wl, arm, lr, seed), {"workload": wl.name, "arm": arm.name, "lr": lr,
+                                                              "seed": seed, "phase": "convergence", "net": "loopback"})
+    echo(f"    final {wl.metric} {final_metric(record, wl.metric):.4f}")
+    return record
 
 
 def run_timing(out: str, wl: Workload, nets: Sequence[str], arms: Sequence[Arm] | None = None,
@@ -135,7 +141,7 @@ def run_timing(out: str, wl: Workload, nets: Sequence[str], arms: Sequence[Arm] 
             path = timing_path(out, wl, arm, net)
             if os.path.exists(path):
                 continue
-            lr = wl.lr_grid[0] if arm.timed_only else best_lr(out, wl, arm)
+            lr = wl.grid(arm)[0] if arm.timed_only else best_lr(out, wl, arm)
             if lr is None:
                 raise RuntimeError(f"arm {arm.name}: run the convergence phase first (its best learning rate)")
             timed = {"steps": TIMING_STEPS, "eval_every": TIMING_STEPS, "net": None if net == "loopback" else net}
