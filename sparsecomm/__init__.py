@@ -18,6 +18,7 @@ from . import selectors
 from .integration.datacache import DataCache
 from .integration.hook import SparseHookState, hook
 from .integration.lars import LARS
+from .integration.local_steps import LocalSteps
 from .integration.pto import parallel_apply
 from .integration.synchronizer import SparseSynchronizer
 from .launch.launcher import WorkerError, run_workers
@@ -30,4 +31,5 @@ __all__ = ["Communicator", "TrafficMeter", "SparseChunk", "run_workers", "Worker
 __all__ += ["parallel_apply"]
 __all__ += ["LARS"]
 __all__ += ["DataCache"]
+__all__ += ["LocalSteps"]
 __version__ = "0.1.0"
