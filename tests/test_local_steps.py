@@ -28,6 +28,7 @@ from sparsecomm.transport.agreement import AgreementError
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "local_steps.py"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "local-steps.md"
 
 
 def _model(seed, dtype=torch.float32):
@@ -78,6 +79,9 @@ def _trace(outer, H, periods):
         _loss(model, rank, step).backward()
         local.step()
         record = {"params": _flat(model.parameters()), "calls": local.last_stats.calls}
+        with local.global_model() as evaluated:  # the global parameters in place, the replica's back after
+            assert torch.equal(_flat(evaluated.parameters()), _flat(local.global_parameters()))
+        assert torch.equal(_flat(model.parameters()), record["params"])
         if local.last_stats.calls:
             record.update(pending, avg=[g.outbuf().clone() for g in local.groups],
                           new=[None if g.residual is None else g.residual.clone() for g in local.groups],
@@ -452,6 +456,19 @@ def test_the_example_trains_and_synchronizes_every_h_steps():
     for losses, synchronizations in run_workers(2, _example, dict(steps=steps, local_steps=H), timeout=90):
         assert synchronizations == steps // H
         assert sum(losses[-H:]) < sum(losses[:H])
+
+
+def _guide_snippet(local_steps, steps):
+    torch.set_num_threads(1)
+    code = re.search(r"```python\n(.*?)```", GUIDE.read_text(), re.S).group(1)
+    namespace = {"__name__": "local_steps_guide"}
+    exec(compile(code, str(GUIDE), "exec"), namespace)
+    return namespace["train"](local_steps=local_steps, steps=steps)
+
+
+def test_the_guides_snippet_runs():
+    for loss, outer_steps, bytes_sent in run_workers(2, _guide_snippet, 4, 8, timeout=90):
+        assert outer_steps == 2 and bytes_sent > 0 and loss > 0
 
 
 def test_local_steps_is_exported():

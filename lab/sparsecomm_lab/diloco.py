@@ -19,12 +19,15 @@ loop's synchronization (``module``, ``local_model``, ``step(epoch) -> Stats``, `
   with that method on the pseudo-gradient and the outer optimizer ``outer`` (``"nesterov"``,
   ``"sparseloco"``, ``"sgd"``).
 
-The harness builds one with :func:`local_synchronization` from its configuration and calls
-``step(epoch)`` after ``backward()`` in place of ``optimizer.step()``.
+The harness builds one with :func:`local_synchronization` from its configuration, calls
+``step(epoch)`` after ``backward()`` in place of ``optimizer.step()`` (it steps the inner optimizer
+itself), and evaluates ``with sync.evaluation_model() as model:``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -56,6 +59,10 @@ class LocalStepsSynchronization:
     def step(self, epoch: float) -> Stats:
         self.local.step()
         return self.local.last_stats
+
+    def evaluation_model(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """The model to evaluate: the global parameters, those every rank agrees on."""
+        return self.local.global_model()
 
     def switch_method(self, method: str) -> None:
         raise ValueError(f"local steps keep one method for the pseudo-gradient; cannot switch to {method!r}")
@@ -99,6 +106,12 @@ class PostLocalSGDSynchronization:
     def step(self, epoch: float) -> Stats:
         self.optimizer.step()
         return Stats(calls=0)
+
+    @contextlib.contextmanager
+    def evaluation_model(self) -> Iterator[nn.Module]:
+        """The model to evaluate: this rank's replica (the ranks' average exists only right after an
+        averaging step; computing it elsewhere would cost an all-reduce the method does not make)."""
+        yield self.module
 
     def switch_method(self, method: str) -> None:
         raise ValueError(f"post-local SGD has no method to switch; cannot switch to {method!r}")

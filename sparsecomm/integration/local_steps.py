@@ -11,9 +11,9 @@ sparsecomm method with error feedback, then an outer optimizer step (DiLoCo, Spa
         local.step()            # inner.step(); every 16th call also synchronizes
 
 Each rank trains its own replica for ``local_steps`` = H inner steps without communicating, then
-every rank synchronizes once (:meth:`LocalSteps.synchronize`), DiLoCo's Algorithm 1 (Douillard et
-al. 2023) with the pseudo-gradient compressed and error-fed as in SparseLoCo's Algorithm 1 (Sarfi
-et al. 2025)::
+every rank synchronizes once (:meth:`LocalSteps.synchronize`): DiLoCo's Algorithm 1 ([DiLoCo],
+Douillard et al. 2023) with the pseudo-gradient compressed and error-fed as in SparseLoCo ([SparseLoCo],
+Sarfi et al. 2025)::
 
     delta_r  = theta_global - theta_r                  pseudo-gradient of rank r (H inner steps)
     acc_r    = error_decay * e_r + delta_r             error feedback (the method's residual e_r)
@@ -30,12 +30,12 @@ mu b``, ``theta -= lr d``), with three named settings (``outer=``):
 * ``"nesterov"`` (default): SGD with Nesterov momentum, ``outer_lr=0.7``, ``outer_momentum=0.9``:
   DiLoCo's outer optimizer. With ``method="dense"`` this is DiLoCo.
 * ``"sparseloco"``: no outer momentum, ``outer_lr=1``, ``error_decay=0.95``: the decayed error-feedback
-  accumulator replaces the outer momentum (SparseLoCo, section 3). SparseLoCo's Top-k within chunks
-  of 4096 elements and its 2-bit quantization of the values are not methods of this library: here
-  the method selects over each group (e.g. ``topka``'s top-k over the whole bucket) and sends
+  accumulator replaces the outer momentum (SparseLoCo). SparseLoCo's top-k within fixed-size chunks
+  of each tensor and its 2-bit quantization of the values are not methods of this library: here the
+  method selects over each group (e.g. ``topka``'s top-k over the whole group) and sends
   full-precision values.
 * ``"sgd"``: plain SGD (heavy-ball ``outer_momentum``, default 0), ``outer_lr=1``: with ``method="dense"``
-  the replicas are averaged every H steps, local SGD (Lin et al. 2020; torch's
+  the replicas are averaged every H steps, local SGD ([LocalSGD], Lin et al. 2020; torch's
   ``PostLocalSGDOptimizer`` after its warm-up).
 
 With plain SGD inside (constant lr, no momentum), ``local_steps=1``, ``outer="sgd"`` and ``outer_lr=1``
@@ -43,9 +43,10 @@ the pseudo-gradient is ``lr * g`` and the trajectory is that of :class:`~.synchr
 with the same method averaging ``g`` (error feedback is linear in its input and a top-k selection
 does not change under scaling), to float rounding.
 
-The inner optimizer's state (AdamW's moments) stays local, as in DiLoCo. The model's buffers (e.g.
-BatchNorm statistics) are broadcast from rank 0 at construction and then stay local, as under
-torch's ``PostLocalSGDOptimizer``.
+The inner optimizer's state (AdamW's moments) stays local, as in DiLoCo. The model is not wrapped in
+``DistributedDataParallel`` (its gradients stay local). Its buffers (e.g. BatchNorm statistics) are
+broadcast from rank 0 at construction and then stay local, as under torch's ``PostLocalSGDOptimizer``.
+docs/local-steps.md says when to use local steps rather than per-step synchronization.
 
 Communication per synchronization: the method's own cost on n elements (``sparsecomm.cost(method,
 P, n, k)``) once per H inner steps, plus one agreement header exchange (ceil(log2 P) messages of a
@@ -55,7 +56,9 @@ sent when a rank's pseudo-gradient holds NaN/Inf or the ranks are at different p
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -233,6 +236,22 @@ class LocalSteps:
             for pid, offset, numel in zip(group.ids, group.offsets, group.numels, strict=True):
                 found[pid] = anchor[offset:offset + numel].view_as(self.params[pid])
         return [found[pid] for pid in range(len(self.params))]
+
+    @contextlib.contextmanager
+    def global_model(self) -> Iterator[nn.Module]:
+        """``with local.global_model() as model:`` the model with the global parameters (those of the
+        last synchronization) in place of this replica's, e.g. to evaluate what the ranks agree on in
+        the middle of a period; the replica's own parameters are back on exit. Local: no communication."""
+        replica = [param.detach().clone() for param in self.params]
+        try:
+            with torch.no_grad():
+                for param, value in zip(self.params, self.global_parameters(), strict=True):
+                    param.copy_(value)
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for param, value in zip(self.params, replica, strict=True):
+                    param.copy_(value)
 
     # ------------------------------------------------------------------ training
     def step(self, closure=None):
