@@ -187,6 +187,7 @@ class LocalSteps:
             self.anchors.append(anchor)
         #: the outer momentum buffer of each group (``None`` before the first outer step)
         self.momenta: list[torch.Tensor | None] = [None] * len(self.groups)
+        log.info("%r: %d parameters, %d elements", self, len(self.params), sum(g.n for g in self.groups))
 
     # ------------------------------------------------------------------ groups
     def _make_groups(self, limit: int | None, dense_below: int) -> list[Group]:
@@ -331,7 +332,8 @@ class LocalSteps:
                   "nonfinite": nonfinite}
         try:
             with self.comm.meter.phase("agreement"):
-                verdict = agree(self.comm, header, zero=("nonfinite",))
+                # on the parameters' device: NCCL sends only CUDA tensors
+                verdict = agree(self.comm, header, zero=("nonfinite",), device=self.groups[0].device)
         except Exception as exc:
             if is_peer_failure(exc):
                 raise explain_timeout(exc, self.comm.ranks) from exc
