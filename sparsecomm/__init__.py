@@ -19,6 +19,7 @@ from .integration.datacache import DataCache
 from .integration.hook import SparseHookState, hook
 from .integration.hsdp import SparseReplicaState, sparse_replicas
 from .integration.lars import LARS
+from .integration.local_steps import LocalSteps
 from .integration.pto import parallel_apply
 from .integration.synchronizer import SparseSynchronizer
 from .launch.launcher import WorkerError, run_workers
@@ -27,9 +28,6 @@ from .transport import Communicator, SparseChunk, TrafficMeter
 
 __all__ = ["Communicator", "TrafficMeter", "SparseChunk", "run_workers", "WorkerError", "Method", "Stats",
            "make_method", "available_methods", "register_method", "cost", "SparseHookState", "hook",
-           "SparseSynchronizer", "selectors", "MethodSpec"]
-__all__ += ["parallel_apply"]
-__all__ += ["LARS"]
-__all__ += ["DataCache"]
-__all__ += ["sparse_replicas", "SparseReplicaState"]
+           "SparseSynchronizer", "selectors", "MethodSpec", "parallel_apply", "LARS", "DataCache",
+           "sparse_replicas", "SparseReplicaState", "LocalSteps"]
 __version__ = "0.1.0"
