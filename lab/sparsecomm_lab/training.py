@@ -28,6 +28,7 @@ uninterrupted one exactly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -59,6 +60,7 @@ from sparsecomm_lab.checkpoint import (
     save_checkpoint,
 )
 from sparsecomm_lab.data import Dataset, load_dataset
+from sparsecomm_lab.diloco import LOCAL_BASELINES, local_synchronization
 from sparsecomm_lab.models import MODEL_DEFAULTS, make_model, model_defaults
 
 __all__ = ["TrainConfig", "train", "train_worker", "save_record", "shell_safe", "BASELINES", "FLOOR",
@@ -182,6 +184,14 @@ class TrainConfig:
     clip_norm: float | None = None
     momentum_correction: bool = None  # type: ignore[assignment]
     density_warmup: int | None = None
+    #: sync="local": inner steps per synchronization of the pseudo-gradient (H), and the outer optimizer
+    #: (sparsecomm.LocalSteps: "nesterov" as DiLoCo, "sparseloco", "sgd"); method may then also be
+    #: "diloco" or "postlocalsgd" (sparsecomm_lab.diloco)
+    local_steps: int | None = None
+    outer: str = "nesterov"
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    error_decay: float | None = None
     #: Adam/AdamW under the synchronizer: freeze the second moment after the dense warm-up and
     #: synchronize the preconditioned gradient (sparsecomm.integration.adam)
     freeze_adam_variance: bool = False
@@ -230,7 +240,13 @@ class TrainConfig:
         """Reject bad options before any worker starts, naming the option and the rule."""
         if self.model not in MODEL_DEFAULTS:
             raise ValueError(f"model={self.model!r} is unknown; available: {', '.join(sorted(MODEL_DEFAULTS))}")
-        if self.method not in BASELINES:
+        if self.sync == "local":
+            if not isinstance(self.local_steps, int) or self.local_steps < 1:
+                raise ValueError(f"sync='local' needs local_steps >= 1 (got {self.local_steps!r})")
+            if self.method in BASELINES:
+                raise ValueError(f"method={self.method!r} is a DDP baseline; with sync='local' use a sparsecomm "
+                                 f"method, 'diloco' or 'postlocalsgd'")
+        if self.method not in BASELINES and not (self.sync == "local" and self.method in LOCAL_BASELINES):
             self.method_spec()  # unknown method or option, bad density: ValueError/TypeError naming them
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers={self.workers!r} must be an integer >= 1")
@@ -252,8 +268,8 @@ class TrainConfig:
             raise ValueError("momentum_correction (DGC) replaces SGD's momentum: it needs optimizer='sgd'")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"epochs={self.epochs!r} must be an integer >= 1")
-        if self.sync not in ("ddp", "synchronizer"):
-            raise ValueError(f"sync={self.sync!r} must be 'ddp' or 'synchronizer'")
+        if self.sync not in ("ddp", "synchronizer", "local"):
+            raise ValueError(f"sync={self.sync!r} must be 'ddp', 'synchronizer' or 'local'")
         if self.method in BASELINES and (self.sync != "ddp" or self.momentum_correction or self.clip_norm):
             raise ValueError(f"method={self.method!r} is a torch DDP baseline: it takes no synchronizer "
                              f"options (sync, momentum_correction, clip_norm)")
@@ -287,7 +303,7 @@ class TrainConfig:
 
     @property
     def is_sparse(self) -> bool:
-        return self.method not in BASELINES and is_sparse(self.method)
+        return self.method not in BASELINES and self.method not in LOCAL_BASELINES and is_sparse(self.method)
 
     def method_spec(self, method: str | None = None) -> MethodSpec:
         """The spec of ``method`` (default: the initial one; not a torch DDP baseline):
@@ -315,6 +331,16 @@ class _Synchronization:
         self.optimizer = optimizer
         self.state: Any = None
         self.synchronizer: SparseSynchronizer | None = None
+        self.local: Any = None
+        if config.sync == "local":
+            assert config.local_steps is not None  # validate() requires it
+            method = config.method if config.method in LOCAL_BASELINES else config.method_spec()
+            self.local = local_synchronization(
+                method, model, optimizer, local_steps=config.local_steps, outer=config.outer,
+                outer_lr=config.outer_lr, outer_momentum=config.outer_momentum, error_decay=config.error_decay,
+                warmup_steps=config.dense_warmup_steps if config.method == "postlocalsgd" else 0)
+            self.module = self.local.module
+            return
         if config.sync == "synchronizer":
             self.module = model
             self.synchronizer = SparseSynchronizer(
@@ -344,9 +370,15 @@ class _Synchronization:
             self.state = SparseHookState(None, config.method_spec(), dense_warmup_steps=config.dense_warmup_steps)
             self.module.register_comm_hook(self.state, hook)
 
+    def evaluation_model(self) -> Any:
+        """A context giving the model to evaluate: the local replica, or under local steps the parameters
+        every rank agrees on (the global ones)."""
+        return self.local.evaluation_model() if self.local is not None else contextlib.nullcontext(self.local_model)
+
     def switch_method(self, method: str) -> None:
         """Synchronize with ``method`` from the next step on (a schedule's switch; residuals flushed)."""
-        target = self.synchronizer if self.synchronizer is not None else self.state
+        target = self.local if self.local is not None else self.synchronizer if self.synchronizer is not None \
+            else self.state
         if target.method_name != method:
             target.switch_method(self.config.method_spec(method))
 
@@ -358,6 +390,8 @@ class _Synchronization:
     def step(self, epoch: float) -> Stats:
         """Synchronize (the synchronizer; DDP did during backward), clip the synchronized gradient
         (``max_grad_norm``), then the optimizer's step."""
+        if self.local is not None:  # it steps the inner optimizer itself
+            return self.local.step(epoch)
         if self.synchronizer is not None:
             self.synchronizer.set_epoch(epoch)
             stats = self.synchronizer.synchronize()
@@ -376,6 +410,8 @@ class _Synchronization:
             nn.utils.clip_grad_norm_(self.local_model.parameters(), self.config.max_grad_norm)
 
     def state_dict(self) -> Any:
+        if self.local is not None:
+            return self.local.state_dict()
         if self.synchronizer is not None:
             return self.synchronizer.state_dict()
         if isinstance(self.state, SparseHookState):
@@ -385,7 +421,9 @@ class _Synchronization:
         return None
 
     def load_state_dict(self, state: Any) -> None:
-        if self.synchronizer is not None:
+        if self.local is not None:
+            self.local.load_state_dict(state)
+        elif self.synchronizer is not None:
             self.synchronizer.load_state_dict(state)
         elif isinstance(self.state, SparseHookState):
             self.state.load_state_dict(state)
@@ -470,11 +508,14 @@ def _evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 512) -> dict
     return {"test_loss": total_loss / count, "test_accuracy": 100.0 * correct / count}
 
 
-def _evaluate_on_rank0(model: nn.Module, dataset: Dataset) -> dict[str, float]:
+def _evaluate_on_rank0(sync: _Synchronization, dataset: Dataset) -> dict[str, float]:
     """Rank 0 evaluates its replica (the local module: DDP's wrapper would start a collective for
-    BatchNorm's buffers) and tells the others: the replicas are identical, so one evaluation
-    stands for all, and the other ranks leave the cores to it."""
-    result: list[Any] = [_evaluate(model, dataset) if dist.get_rank() == 0 else None]
+    BatchNorm's buffers; under local steps, the global parameters) and tells the others: the
+    replicas are identical, so one evaluation stands for all, and the other ranks leave the cores to it."""
+    result: list[Any] = [None]
+    with sync.evaluation_model() as model:
+        if dist.get_rank() == 0:
+            result[0] = _evaluate(model, dataset)
     dist.broadcast_object_list(result, src=0)
     return result[0]
 
@@ -575,7 +616,7 @@ def train_worker(config: TrainConfig, dataset: Dataset,
                               "bytes_sent": stats.bytes_sent, "warmup": stats.warmup})
             if global_step in eval_steps:
                 point = {"epoch": epoch + step / steps_per_epoch, "step": epoch * steps_per_epoch + step,
-                         "train_time": train_time, **_evaluate_on_rank0(sync.local_model, dataset)}
+                         "train_time": train_time, **_evaluate_on_rank0(sync, dataset)}
                 history.append(point)
                 reached = reached or reached_target(point, config.target_accuracy, config.target_perplexity)
         n_steps = len(step_stats)
