@@ -30,14 +30,14 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
 
 
-def _train(method, options, steps=STEPS, state=None, start=0):
+def _train(method, options, steps=STEPS, state=None, start=0, sync_options=None):
     """Train with the frozen-variance synchronizer; returns the parameters after each step and the
     states (synchronizer, optimizer, model) after the last."""
     torch.set_num_threads(1)
     model = _model()
     opt = _optimizer(model)
     sync = SparseSynchronizer(model, opt, method, dense_warmup_steps=WARMUP, bucket_elements=40,
-                              freeze_adam_variance=True, **options)
+                              freeze_adam_variance=True, **(sync_options or {}), **options)
     if state is not None:
         model.load_state_dict(torch.load(io.BytesIO(state[2])))
         opt.load_state_dict(torch.load(io.BytesIO(state[1])))
@@ -57,9 +57,10 @@ def _train(method, options, steps=STEPS, state=None, start=0):
     return history, saved
 
 
-def _reference(P):
+def _reference(P, masked=False):
     """The algorithm in one process: AdamW on the averaged gradient for WARMUP steps, then AdamW's
-    step with the second moment frozen at its value after step WARMUP."""
+    step with the second moment frozen at its value after step WARMUP (``masked``: after the freeze
+    no momentum and no bias correction, as momentum correction's masking leaves at density 1)."""
     model = _model()
     params = list(model.parameters())
     m = [torch.zeros_like(p) for p in params]
@@ -76,13 +77,16 @@ def _reference(P):
             for i, p in enumerate(params):
                 g = sum(gr[i] for gr in grads) / P
                 t = step + 1
+                if masked and step >= WARMUP:
+                    m[i] = torch.zeros_like(p)
                 m[i] = BETAS[0] * m[i] + (1 - BETAS[0]) * g
                 if step < WARMUP:
                     v[i] = BETAS[1] * v[i] + (1 - BETAS[1]) * g * g
                 decay = DECAY if p.dim() >= 1 else 0.0
                 p.mul_(1 - LR * decay)
                 v_hat = v[i] / (1 - BETAS[1] ** min(t, WARMUP))
-                p.sub_(LR * (m[i] / (1 - BETAS[0] ** t)) / (v_hat.sqrt() + EPS))
+                corrected = m[i] if masked and step >= WARMUP else m[i] / (1 - BETAS[0] ** t)
+                p.sub_(LR * corrected / (v_hat.sqrt() + EPS))
         history.append([p.detach().clone() for p in params])
     return history
 
@@ -95,6 +99,15 @@ def test_at_density_one_it_is_adamw_with_the_second_moment_frozen_after_the_warm
         for rank in range(P):
             for got, want in zip(results[rank][0][step], expected, strict=True):
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (step, rank)
+
+
+@pytest.mark.parametrize("P", [1, 3])
+def test_with_momentum_correction_at_density_one_the_masking_leaves_no_momentum(P):
+    results = run_workers(P, _train, "topka", {"density": 1.0}, STEPS, None, 0, {"momentum_correction": BETAS[0]})
+    reference = _reference(P, masked=True)
+    for step, expected in enumerate(reference):
+        for got, want in zip(results[0][0][step], expected, strict=True):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), step
 
 
 @pytest.mark.parametrize("P", range(1, 9))
@@ -134,6 +147,7 @@ def _construct(optimizer, options):
     (lambda p: torch.optim.AdamW(p), {}, "dense_warmup_steps >= 1"),
     (lambda p: torch.optim.AdamW(p, amsgrad=True), {"dense_warmup_steps": 2}, "amsgrad"),
     (lambda p: torch.optim.Adam(p, weight_decay=0.1), {"dense_warmup_steps": 2}, "weight_decay=0"),
+    (lambda p: torch.optim.AdamW(p), {"dense_warmup_steps": 2, "momentum_correction": 0.5}, "give its beta1"),
 ])
 def test_bad_combinations_are_refused_at_construction(optimizer, options, needle):
     (message,) = run_workers(1, _construct, optimizer, {"freeze_adam_variance": True, **options})

@@ -264,8 +264,9 @@ class TrainConfig:
             raise ValueError(f"steps={self.steps!r} must be an integer >= 1 or None")
         if self.eval_every is not None and (not isinstance(self.eval_every, int) or self.eval_every < 1):
             raise ValueError(f"eval_every={self.eval_every!r} must be an integer >= 1 or None")
-        if self.momentum_correction and self.optimizer != "sgd":
-            raise ValueError("momentum_correction (DGC) replaces SGD's momentum: it needs optimizer='sgd'")
+        if self.momentum_correction and self.optimizer != "sgd" and not self.freeze_adam_variance:
+            raise ValueError("momentum_correction (DGC) moves the optimizer's momentum before compression: it needs "
+                             "optimizer='sgd', or AdamW with freeze_adam_variance")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"epochs={self.epochs!r} must be an integer >= 1")
         if self.sync not in ("ddp", "synchronizer", "local"):
@@ -346,7 +347,8 @@ class _Synchronization:
             self.synchronizer = SparseSynchronizer(
                 model, optimizer, config.method_spec(), dense_warmup_steps=config.dense_warmup_steps,
                 clip_norm=config.clip_norm,
-                momentum_correction=config.momentum if config.momentum_correction else None,
+                momentum_correction=(config.betas[0] if config.optimizer == "adamw" else config.momentum)
+                if config.momentum_correction else None,
                 density_warmup=config.density_warmup, freeze_adam_variance=config.freeze_adam_variance)
             return
         if config.method == "powersgd":

@@ -26,6 +26,13 @@ the optimizer's state (``exp_avg`` holds ``s * m`` from the freeze on, ``exp_avg
 ``v``; ``step`` keeps counting), so ``optimizer.state_dict()`` and the learning-rate schedulers that
 edit ``param_groups`` work unchanged; the step at which ``v`` froze is part of the synchronizer's
 state dict.
+
+With ``momentum_correction`` the momentum moves before the compression instead, as DGC does for SGD
+(Lin et al., ICLR 2018, section 3.2): each rank keeps ``u = beta1 * u + (1 - beta1) * s * g``, the
+method accumulates and sends ``u`` (its residual holds the velocity), ``u`` is zeroed where it was
+sent (momentum factor masking), and the step is ``p = p * (1 - lr * weight_decay) - lr * u_avg``.
+At density 1 every element is sent at every step, so the masking leaves no momentum: the step is
+then the frozen-``v`` one without momentum, on ``(1 - beta1) * s * g`` (the recipe's dense twin).
 """
 
 from __future__ import annotations
@@ -56,7 +63,8 @@ class FrozenVarianceAdam:
         ValueError: another optimizer, or an option this step does not implement.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
+                 momentum_correction: bool = False) -> None:
         if not is_adam(optimizer):
             raise ValueError(f"freeze_adam_variance needs torch.optim.Adam or AdamW; got {type(optimizer).__name__}")
         group_of: dict[int, dict[str, Any]] = {}
@@ -74,6 +82,7 @@ class FrozenVarianceAdam:
         if missing:
             raise ValueError(f"freeze_adam_variance: the synchronized parameter #{missing[0]} is not in the optimizer")
         self.optimizer = optimizer
+        self.momentum_correction = momentum_correction
         self.params = list(params)
         self.groups = [group_of[id(p)] for p in self.params]
         #: the optimizer step at which the second moment froze (None: not yet)
@@ -110,9 +119,21 @@ class FrozenVarianceAdam:
         return (v / correction).sqrt_().add_(group["eps"]).reciprocal_()
 
     def precondition_(self, pieces: Iterable[tuple[int, Tensor]]) -> None:
-        """Multiply, in place, each (parameter index, gradient piece) by that parameter's ``s``."""
+        """Multiply, in place, each (parameter index, gradient piece) by that parameter's ``s`` (and, with
+        momentum correction, by ``1 - beta1``: the velocity then accumulates as Adam's first moment)."""
         for index, piece in pieces:
             piece.mul_(self._scales[index].reshape(piece.shape))
+            if self.momentum_correction:
+                piece.mul_(1.0 - self.groups[index]["betas"][0])
+
+    def beta1(self) -> float:
+        """The first-moment factor of the optimizer (one for all its groups, as momentum correction keeps
+        one velocity per bucket)."""
+        betas = {group["betas"][0] for group in self.groups}
+        if len(betas) != 1:
+            raise ValueError(f"freeze_adam_variance with momentum_correction needs one beta1 in every group; "
+                             f"found {sorted(betas)}")
+        return betas.pop()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -126,12 +147,15 @@ class FrozenVarianceAdam:
             t = int(step.item() if isinstance(step, Tensor) else step)
             if not isinstance(step, Tensor):
                 state["step"] = step
-            beta1 = group["betas"][0]
             lr = group["lr"]
-            exp_avg = state["exp_avg"]
-            exp_avg.mul_(beta1).add_(param.grad, alpha=1.0 - beta1)
             if group["weight_decay"]:
                 param.mul_(1.0 - lr * group["weight_decay"])
+            if self.momentum_correction:  # the momentum is in the averaged velocity already
+                param.add_(param.grad, alpha=-lr)
+                continue
+            beta1 = group["betas"][0]
+            exp_avg = state["exp_avg"]
+            exp_avg.mul_(beta1).add_(param.grad, alpha=1.0 - beta1)
             param.add_(exp_avg, alpha=-lr / (1.0 - beta1 ** t))
 
     def state_dict(self) -> dict[str, Any]:

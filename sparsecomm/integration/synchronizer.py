@@ -124,14 +124,20 @@ class SparseSynchronizer(EngineView):
         self.clip_norm = clip_norm
         self.comm = Communicator(process_group)
         self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
-        if momentum_correction is not None:
-            self._check_momentum_correction(momentum_correction, spec)
         self.adam: FrozenVarianceAdam | None = None
         if freeze_adam_variance:
-            if optimizer is None or momentum_correction is not None or dense_warmup_steps < 1:
-                raise ValueError("freeze_adam_variance needs the Adam/AdamW optimizer, dense_warmup_steps >= 1 "
-                                 "(the warm-up estimates the second moment) and no momentum_correction")
-            self.adam = FrozenVarianceAdam(optimizer, self.params)
+            if optimizer is None or dense_warmup_steps < 1:
+                raise ValueError("freeze_adam_variance needs the Adam/AdamW optimizer and dense_warmup_steps >= 1 "
+                                 "(the warm-up estimates the second moment)")
+            self.adam = FrozenVarianceAdam(optimizer, self.params, momentum_correction=momentum_correction is not None)
+            if momentum_correction is not None and dense_below:
+                raise ValueError("freeze_adam_variance with momentum_correction keeps the momentum in the method's "
+                                 "velocity, which dense_below's dense groups do not have: use dense_below=0")
+            if momentum_correction is not None and momentum_correction != self.adam.beta1():
+                raise ValueError(f"momentum_correction={momentum_correction!r} with freeze_adam_variance is Adam's "
+                                 f"first moment: give its beta1, {self.adam.beta1()!r}")
+        if momentum_correction is not None:
+            self._check_momentum_correction(momentum_correction, spec)
         self._preconditioned = False  # whether the last synchronize() left preconditioned averages
         self.engine = GroupingEngine(spec, lambda: self.comm, dense_warmup_steps=dense_warmup_steps,
                                      dense_below=dense_below, nonfinite_default=SYNCHRONIZER_DEFAULT)
@@ -153,7 +159,8 @@ class SparseSynchronizer(EngineView):
         if not spec.cls.tracks_sent:
             raise ValueError(f"momentum_correction needs a method that reports the indices it sent "
                              f"(last_sent); {spec.name!r} does not")
-        if self.optimizer is not None and any(group.get("momentum", 0) for group in self.optimizer.param_groups):
+        if self.adam is None and self.optimizer is not None \
+                and any(group.get("momentum", 0) for group in self.optimizer.param_groups):
             raise ValueError("momentum_correction applies the momentum locally before compression: build "
                              "the optimizer with momentum=0 (got momentum "
                              f"{[g.get('momentum') for g in self.optimizer.param_groups]})")
@@ -240,6 +247,9 @@ class SparseSynchronizer(EngineView):
             correction = None if warmup or group.dense or self.corrections is None or engine.overflowed \
                 else self.corrections[group.index]  # (after an overflow the bucket makes no call)
             if correction is not None:
+                if adam is not None:  # the velocity of the preconditioned gradient (Adam's first moment)
+                    adam.precondition_((pid, param.grad) for pid, param in zip(group.ids, params, strict=True)
+                                       if param.grad is not None)
                 # u = m u + g straight from the .grad tensors (the output tensor only gives the size, so
                 # no input buffer is made); u itself goes to the method, which only reads it
                 pieces = [(start, numel, param.grad)

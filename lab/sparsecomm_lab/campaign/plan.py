@@ -95,15 +95,17 @@ _HOOK: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_war
 FVA_WARMUP = 50
 
 
-def _fva(method: str, density: float | None, name: str, twin: str | None) -> Arm:
+def _fva(method: str, density: float | None, name: str, twin: str | None, corrected: bool = False) -> Arm:
     options: dict[str, Any] = {"method": method, "sync": "synchronizer", "freeze_adam_variance": True,
-                               "momentum_correction": False,
+                               "momentum_correction": corrected,
                                "dense_warmup_steps": FVA_WARMUP, "clip_norm": 1.0, "max_grad_norm": None}
     if density is not None:
         options["density"] = density
     what = "dense all-reduce" if density is None else f"{method} at {density:g}"
-    return Arm(name, "dense" if density is None else "sparse",
-               f"{what}, AdamW with the second moment frozen after {FVA_WARMUP} dense steps "
+    how = " and DGC momentum correction with masking" if corrected else ""
+    dense = density is None or density == 1
+    return Arm(name, "dense" if dense else "sparse",
+               f"{what}, AdamW with the second moment frozen after {FVA_WARMUP} dense steps{how} "
                "(synchronizer, freeze_adam_variance)", options, dense_twin=twin)
 
 
@@ -132,6 +134,8 @@ ARMS: dict[str, list[Arm]] = {
             {"method": "topka", "density": 0.01, **_HOOK}),
         _fva("topka", 0.01, "topka-fva@0.01", "dense-fva"),
         _fva("topka", 0.001, "topka-fva@0.001", "dense-fva"),
+        _fva("topka", 1.0, "topka-fvamc@1", None, corrected=True),
+        _fva("topka", 0.01, "topka-fvamc@0.01", "topka-fvamc@1", corrected=True),
     ],
     # the gradient is mostly a word embedding of which a step touches a few rows: the baselines a user
     # tries first are AdamW and nn.Embedding(sparse=True) (DDP all-gathers the touched rows)
