@@ -52,8 +52,8 @@ test-faults: $(STAMP)
 demo: $(STAMP) data
 	$(VENV)/bin/sparsecomm demo
 
-# the accuracy table `sparsecomm advise` checks candidates against, generated from the campaign in docs/
-CAMPAIGN_REPORT ?= docs/campaign-quiet/campaign.md
+# the accuracy table `sparsecomm advise` checks candidates against, generated from the every-method campaign in benchmarks/
+CAMPAIGN_REPORT ?= benchmarks/campaign-methods/report.md
 accuracy-table: $(STAMP)
 	$(PY) -m sparsecomm.simulator.accuracy $(CAMPAIGN_REPORT)
 

@@ -603,7 +603,7 @@ def test_simvalidate_merges_a_new_calibration_into_the_last_one(tmp_path, monkey
 def test_rests_on_names_each_methods_decompression_unit():
     """The GPU profile fits the dense methods' decompression per gradient element and the sparse
     ones' per entry touched: each prediction says which (not "byte swept" for both)."""
-    profile = Profile.load(Path(__file__).resolve().parents[1] / "docs/simulator/profile-h100-P2.json")
+    profile = Profile.load(Path(__file__).resolve().parents[1] / "benchmarks/projection-gpu/profile-h100.json")
     dense = predict("dense", 8, 25_000_000, 0.01, profile=profile, alpha=50e-6, beta=0.8e-9)
     sparse = predict("topka", 8, 25_000_000, 0.01, profile=profile, alpha=50e-6, beta=0.8e-9)
     assert "decompression per gradient element" in dense.rests_on
