@@ -22,8 +22,9 @@ def synthetic_profile(beta: float, sparse_work_ns: float) -> Profile:
     all-reduce on the same link; dense methods do 0.5 ns of work per element, sparse ones
     ``sparse_work_ns``."""
     link = {"alpha": 50e-6, "beta": beta}
-    methods = {name: {"P": 8, "density": 0.01, "w1": (0.5 if name in ("dense", "ring") else sparse_work_ns) * 1e-9,
-                      "w0": 0.0, "traffic_factor": 1.0, "comm_factor": 1.0} for name in METHODS}
+    methods = {name: {"P": 8, "density": 0.01, "s1": (0.5 if name in ("dense", "ring") else sparse_work_ns) * 1e-9,
+                      "s0": 0.0, "d1": 0.0, "d0": 0.0, "decompress_per": "byte", "traffic_factor": 1.0,
+                      "comm_factor": 1.0} for name in METHODS}
     return Profile(net="synthetic", cores=8, colocated=False, links={"inter": link},
                    dense_allreduce={**link, "rate_gbit": 8e-9 / beta, "at_n": 25_000_000}, methods=methods)
 

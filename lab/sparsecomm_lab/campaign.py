@@ -108,7 +108,7 @@ class RunSpec:
     method: str
     density: float = 0.01
     powersgd_rank: int = 2
-    recipe: str = ""  # a key of RECIPES, "" for the recommended one (training.sparse_recipe, docs/recipe.md)
+    recipe: str = ""  # a key of RECIPES, "" for the recommended one (training.sparse_recipe, docs/training.md)
     seed: int = 0
 
     @property
@@ -119,8 +119,8 @@ class RunSpec:
         return f"{label}+{self.recipe}" if self.recipe else label
 
 
-#: sparse-training recipes compared by ``bench time_to_accuracy --recipe METHOD`` (docs/campaign.md,
-#: docs/recipe.md): the DDP comm hook with the optimizer's momentum, without and with a dense warm-up
+#: sparse-training recipes compared by ``bench time_to_accuracy --recipe METHOD`` (docs/training.md,
+#: benchmarks/recipe): the DDP comm hook with the optimizer's momentum, without and with a dense warm-up
 #: of 10% of the steps (6 of the LSTM's 60); DGC momentum correction with factor masking (Lin et al.
 #: 2018, section 3.2; SparseSynchronizer, momentum-free optimizer), without and with that warm-up.
 #: A run without a recipe takes the recommended one (:func:`training.sparse_recipe`).
@@ -220,13 +220,6 @@ def record_path(out: str, spec: RunSpec) -> str:
                         safe_name(spec.label) + ".json")
 
 
-def _target(camp: dict[str, Any]) -> float:
-    """The target of a record's workload: the registry's (:data:`WORKLOADS`, which the report
-    applies to runs made before a target changed; runs never stop at the target), else the record's."""
-    known = WORKLOADS.get(camp["workload"])
-    return known.target if known is not None and known.metric == camp["metric"] else camp["target"]
-
-
 def metric_of(point: dict[str, Any], metric: str) -> float:
     """An evaluation point's accuracy (%) or perplexity."""
     return point["test_accuracy"] if metric == "accuracy" else math.exp(min(point["test_loss"], 700.0))
@@ -256,7 +249,7 @@ def best_sparse(out: str, workload: str, net: str | None, density: float | None 
             continue
         with open(path) as handle:
             record = json.load(handle)
-        metric, target = record["campaign"]["metric"], _target(record["campaign"])
+        metric, target = record["campaign"]["metric"], record["campaign"]["target"]
         ttt, _ = time_and_epochs_to_target(record["history"], metric, target)
         final = metric_of(record["history"][-1], metric)
         scored.append((ttt is None, ttt or 0.0, -final if metric == "accuracy" else final, method))
@@ -439,7 +432,7 @@ def campaign_rows(records: Sequence[dict[str, Any]], by_network: bool = True) ->
              if r["campaign"]["label"] == FLOOR}
     for rec in sorted(records, key=_order):
         camp, net = rec["campaign"], rec["config"]["net"]
-        metric, target = camp["metric"], _target(camp)
+        metric, target = camp["metric"], camp["target"]
         is_floor = camp["label"] == FLOOR
         ttt, ett = time_and_epochs_to_target(rec["history"], metric, target)
         base = ddp.get(key(rec))
@@ -609,18 +602,18 @@ def _plot_group(records: Sequence[dict[str, Any]], path: str) -> str:
         axes[1].plot([h["epoch"] for h in rec["history"]], values, marker="o", markersize=2,
                      label=rec["campaign"]["label"], **style)
     for ax in axes:
-        ax.axhline(_target(camp), color="grey", linestyle="--", linewidth=1)
+        ax.axhline(camp["target"], color="grey", linestyle="--", linewidth=1)
         ax.grid(alpha=0.3)
     if metric == "perplexity":
         axes[0].set_yscale("log")
         top = max(metric_of(r["history"][0], metric) for r in records)
-        axes[0].set_ylim(_target(camp) * 0.7, min(top * 1.1, _target(camp) * 6))
+        axes[0].set_ylim(camp["target"] * 0.7, min(top * 1.1, camp["target"] * 6))
     axes[0].set_xlabel("training wall time (s, evaluation excluded)")
     axes[1].set_xlabel("epoch")
     axes[0].set_ylabel(f"test {metric}" + (" (%)" if metric == "accuracy" else ""))
     axes[1].legend(fontsize=7, ncol=2)
     fig.suptitle(f"{cfg['model']} on {cfg['data']}, P={cfg['workers']}, {records[0]['network'].split(' (')[0]}, "
-                 f"seed {_seed(records[0])}; target {_target(camp):g} (dashed)")
+                 f"seed {_seed(records[0])}; target {camp['target']:g} (dashed)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
