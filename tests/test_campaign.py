@@ -238,7 +238,7 @@ def test_demo_pieces_train_and_report_on_a_tiny_config(tmp_path):
 
 
 def test_sparse_runs_take_the_recommended_recipe():
-    """docs/recipe.md: on the word LSTM, a method that reports the indices it sent (topka) runs DGC
+    """docs/training.md (the recipe): on the word LSTM, a method that reports the indices it sent (topka) runs DGC
     momentum correction through the synchronizer at lr 3.0; cltk (no last_sent) and models without a
     measured lr keep the DDP hook at the model's lr; an explicit hook or momentum choice wins."""
     lstm = campaign.WORKLOADS["lstm"]

@@ -4,16 +4,16 @@ P = 4 local workers on an emulated 1 Gbit/s switch (loopback when the machine ca
 said in the output) train the communication-heavy word-level LSTM (about 12M parameters, most
 of them in the word embedding) on the fortunes with plain DDP, DDP + PowerSGD (ranks 2 and 4, one
 bucket) and the sparse methods that reached the target first in the campaign
-(docs/campaign.md), for a short budget of steps (one epoch), and the no-synchronization floor
+(benchmarks/campaign-methods), for a short budget of steps (one epoch), and the no-synchronization floor
 (``nosync``: the same model, batch and workers, DDP with torch's no-op hook, nothing exchanged).
-The sparse methods run the recommended recipe (``training.sparse_recipe``, docs/recipe.md): TopkA
+The sparse methods run the recommended recipe (``training.sparse_recipe``, docs/training.md): TopkA
 with DGC momentum correction at lr 3.0, HiTopK and CLT-k (which do not report the indices they sent)
 with the DDP hook. The report opens with the perplexity-against-time plot and the speed-up to the
 target; every row gives its step as a multiple of the floor's (``x floor``) and the load average
 before the run, as in the campaign; runs that started above the threshold (``--max-load-per-core``)
 are named in the report. Unlike the campaign, the demo by default neither waits for a quiet machine
 nor redoes a run (``--max-wait``, ``--redo``): between its own runs the 1-minute load average mostly
-shows the decay of the run before, and waiting for it cost 3-4 of the demo's 10 minutes. The full
+shows the decay of the run before, and waiting for it would take minutes of the demo's ten. The full
 comparison is ``sparsecomm bench time_to_accuracy``.
 """
 
@@ -34,8 +34,8 @@ from sparsecomm_lab.training import recipe_densities_text
 
 HELP = "train the communication-heavy LSTM with DDP, PowerSGD and the best sparse methods; report the speed-up"
 
-#: from the campaign (docs/campaign.md): TopkA, the fastest to the target within 3% of DDP; HiTopK
-#: (Shi et al.), within 3% as well; CLT-k, the second fastest, at +4.8% perplexity
+#: from the campaign (benchmarks/campaign-methods): TopkA, the fastest to the target within 3% of DDP; HiTopK
+#: (Shi et al.), within 3% as well; CLT-k, the second fastest, at a larger loss of perplexity
 DEMO_SPARSE = ("topka", "hitopk", "cltk")
 
 
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training samples (sequences or images) per run (default 1920: 60 steps at P=4)")
     parser.add_argument("--epochs", type=int, default=1, help="epochs per run (default 1)")
     parser.add_argument("--out", default=None, help="output folder (default runs/demo-<time>)")
-    parser.add_argument("--copy-to", default=None, help="also copy the report folder here (e.g. docs/demo)")
+    parser.add_argument("--copy-to", default=None, help="also copy the report folder here (replacing it)")
     # no wait and no redo, so that the demo keeps to its 10 minutes (its report still records the load
     # before each run and names those that started above the threshold)
     campaign.add_quiet_arguments(parser, max_wait=DEMO_MAX_WAIT_S, redo=0)
