@@ -16,10 +16,10 @@ dir="benchmarks/$name"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 header=$(conditions "$@")
-if [ "$*" = "${*#sparsecomm demo}" ]; then
-  "$@" --out "$out/runs" --report "$out/runs/report"
+if [ "$1" = sparsecomm ] && [ "${2:-}" = demo ]; then
+  "$@" --out "$out/runs"                      # the demo writes its report into OUT/report
 else
-  "$@" --out "$out/runs"
+  "$@" --out "$out/runs" --report "$out/runs/report"
 fi
 rm -rf "$dir/records" "$dir"/*.png
 { head -n 1 "$out/runs/report/campaign.md"; echo; echo "$header"; tail -n +2 "$out/runs/report/campaign.md"; } > "$dir/report.md"
