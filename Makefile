@@ -11,7 +11,7 @@ STAMP := $(VENV)/.bootstrapped
 # the commands that need them then say how to install them.
 DATA_PACKAGES := dataset-fashion-mnist fortunes-min fortunes
 
-.PHONY: venv data lint test test-slow test-faults test-gpu demo bench clean accuracy-table
+.PHONY: venv data lint test test-slow test-faults test-gpu demo bench clean accuracy-table benchmarks-page
 
 venv: $(STAMP)
 
@@ -52,10 +52,14 @@ test-faults: $(STAMP)
 demo: $(STAMP) data
 	$(VENV)/bin/sparsecomm demo
 
-# the accuracy table `sparsecomm advise` checks candidates against, generated from the campaign in docs/
-CAMPAIGN_REPORT ?= docs/campaign-quiet/campaign.md
+# the accuracy table `sparsecomm advise` checks candidates against, generated from the every-method campaign in benchmarks/
+CAMPAIGN_REPORT ?= benchmarks/campaign-methods/report.md
 accuracy-table: $(STAMP)
 	$(PY) -m sparsecomm.simulator.accuracy $(CAMPAIGN_REPORT)
+
+# docs/benchmarks.md, from the benchmark folders (their commands, conditions and main tables)
+benchmarks-page: $(STAMP)
+	$(PY) benchmarks/make_page.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

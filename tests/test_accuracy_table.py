@@ -11,7 +11,7 @@ from sparsecomm.cli.table import markdown_table
 from sparsecomm.simulator import accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = "docs/campaign-quiet/campaign.md"
+SOURCE = "benchmarks/campaign-methods/report.md"
 
 
 def _record(label, seed, accuracy_values, megabytes=1.0, times=(1.0, 2.0)):

@@ -1,10 +1,12 @@
 """`sparsecomm advise`: the recommendation from a profile, and its check against measurement.
 
 The fast tests use a synthetic profile (work and link figures chosen here) and a tiny measured run;
-the slow test repeats one of the three checks of docs/advise.md on this machine.
+the slow test repeats one of the three checks of benchmarks/advise on this machine.
 """
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -20,8 +22,9 @@ def synthetic_profile(beta: float, sparse_work_ns: float) -> Profile:
     all-reduce on the same link; dense methods do 0.5 ns of work per element, sparse ones
     ``sparse_work_ns``."""
     link = {"alpha": 50e-6, "beta": beta}
-    methods = {name: {"P": 8, "density": 0.01, "w1": (0.5 if name in ("dense", "ring") else sparse_work_ns) * 1e-9,
-                      "w0": 0.0, "traffic_factor": 1.0, "comm_factor": 1.0} for name in METHODS}
+    methods = {name: {"P": 8, "density": 0.01, "s1": (0.5 if name in ("dense", "ring") else sparse_work_ns) * 1e-9,
+                      "s0": 0.0, "d1": 0.0, "d0": 0.0, "decompress_per": "byte", "traffic_factor": 1.0,
+                      "comm_factor": 1.0} for name in METHODS}
     return Profile(net="synthetic", cores=8, colocated=False, links={"inter": link},
                    dense_allreduce={**link, "rate_gbit": 8e-9 / beta, "at_n": 25_000_000}, methods=methods)
 
@@ -65,8 +68,16 @@ def test_a_method_the_profile_did_not_measure_is_not_ranked():
     assert "no measured work for this method" in alone.best.rests_on
 
 
-def test_advise_names_the_methods_its_profile_did_not_measure(capsys):
-    assert main(["advise", "--params", "2M", "-P", "4", "--profile", "docs/advise/profile-100mbit-P4-2M.json",
+#: a profile calibrated at P = 4, n = 2M on an emulated 100 Mbit/s link (benchmarks/advise)
+PROFILE_100MBIT = Path(__file__).resolve().parents[1] / "benchmarks/advise/profile-100mbit-1.json"
+
+
+def test_advise_names_the_methods_its_profile_did_not_measure(capsys, tmp_path):
+    data = json.loads(PROFILE_100MBIT.read_text())
+    del data["methods"]["oktopk"]  # a profile that did not measure Ok-Topk
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(data))
+    assert main(["advise", "--params", "2M", "-P", "4", "--profile", str(profile),
                  "--densities", "0.01", "--by-step-time"]) == 0
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("not ranked: "))
@@ -107,17 +118,16 @@ def test_advise_bad_options_are_one_line_errors(capsys):
 @pytest.mark.slow
 @pytest.mark.net
 def test_advice_at_100mbit_beats_every_dense_method_as_measured(capsys):
-    """docs/advise.md, configuration 3 (P = 4, emulated 100 Mbit/s, n = 2M, the committed profile), ranked
+    """benchmarks/advise's 100 Mbit/s configuration (P = 4, emulated 100 Mbit/s, n = 2M, its stored profile), ranked
     by step time as the checks of that page are: the advised sparse method, measured interleaved with
     all others, is faster than every dense all-reduce. (By time to accuracy the advice at 1% alone is a
     dense method: every measured sparse method lost more than the tolerance at 1% in the campaign.
-    Whether the advice is within 10% of the fastest sparse method is recorded in docs/advise.md: on
-    this loaded 2-core machine it was not.)"""
+    Whether the advice is within 10% of the fastest sparse method is recorded in benchmarks/advise.)"""
     from sparsecomm.launch.netemu import unavailable_reason
 
     if unavailable_reason() is not None:
         pytest.skip(f"network emulation unavailable: {unavailable_reason()}")
-    assert main(["advise", "--params", "2M", "-P", "4", "--profile", "docs/advise/profile-100mbit-P4-2M.json",
+    assert main(["advise", "--params", "2M", "-P", "4", "--profile", str(PROFILE_100MBIT),
                  "--densities", "0.01", "--by-step-time", "--top", "17", "--measure", "--net", "100mbit",
                  "--rounds", "5"]) == 0
     out = capsys.readouterr().out

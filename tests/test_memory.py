@@ -17,7 +17,7 @@ out before it maps anything, so a call's freed temporaries stayed resident and w
 in CI, against 4.3-4.5). Transparent huge pages are turned off for the workers
 (``PR_SET_THP_DISABLE``), so that where the kernel's setting is ``always`` a buffer the method
 touches only in part (the agreement's 4 MiB receive buffers) is not read in 2 MiB pages (spardl's
-peak read 4.9 with ``always``). ``python tests/test_memory.py`` prints the table of docs/memory.md.
+peak read 4.9 with ``always``). ``python tests/test_memory.py`` prints the table of benchmarks/memory.
 """
 
 import ctypes
@@ -144,7 +144,7 @@ def test_memory_at_five_million(name):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--row"]:  # one method's row, for _row
     print(json.dumps(_measured_row(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
-elif __name__ == "__main__":  # the table of docs/memory.md
+elif __name__ == "__main__":  # the table of benchmarks/memory
     P = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     print(f"n = {N}, density {DENSITY}, P = {P}; gradient-sized buffers (4n = {4 * N / 2 ** 20:.1f} MiB), "
           "max over ranks")

@@ -1,5 +1,6 @@
 """The simulator: calibration fits, predictions against the cost formulas, the simulate/calibrate/advise CLI."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -52,13 +53,15 @@ def _synthetic_profile(P=2, density=0.01, work_per_element=2e-9):
         k = selection_count(density, n) if method_class(name).sparse else 0
         sent = max(cost(name, P=P, n=n, k=k, rank=r, density=density).bytes_sent for r in range(P))
         runs.append({"method": name, "n": n, "times": [0.01 + work_per_element * n] * 3, "time_comm": [0.01] * 3,
-                     "bytes_sent": sent})
+                     "time_select": [work_per_element * n] * 3, "time_decompress": [0.0] * 3,
+                     "time_agreement": [0.0] * 3, "cpu": [0.01 + work_per_element * n] * 3,
+                     "bytes_sent": sent, "bytes_per_call": [sent] * 3})
     dense = [{"n": m, "rounds": cost("dense", P=P, n=m, rank=0).rounds,
               "bytes": cost("dense", P=P, n=m, rank=0).bytes_sent,
               "seconds": 2 * ALPHA + 4 * m * BETA} for m in (1_000, 1_000_000)]
     records = [{"P": P, "links": _link_record(r, P), "dense": dense, "runs": runs} for r in range(P)]
     return profile_from_records(records, density=density, net="loopback", device="cpu", cores=2, colocated=True,
-                                selectors={"exact_topk": 1e-9}, recv_element_s=5e-9, meta={})
+                                selectors={"exact_topk": 1e-9}, meta={})
 
 
 def test_profile_round_trips_through_json(tmp_path):
@@ -69,6 +72,19 @@ def test_profile_round_trips_through_json(tmp_path):
     assert again == profile
     assert again.alpha == pytest.approx(ALPHA) and again.beta == pytest.approx(BETA)
     assert again.methods["topka"]["w1"] == pytest.approx(2e-9)
+
+
+def test_profile_load_refuses_a_profile_without_the_split_of_the_work(tmp_path):
+    """A method fitted with one per-element figure for all its work (no selection and decompression
+    apart) is a calibration the model no longer reads: loading it says to calibrate again."""
+    data = json.loads(json.dumps(dataclasses.asdict(_synthetic_profile())))
+    for fit in data["methods"].values():
+        for key in ("s1", "s0", "d1", "d0", "decompress_per"):
+            fit.pop(key)
+    path = tmp_path / "unsplit.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"no split of the work .* calibrate again"):
+        Profile.load(path)
 
 
 def test_profile_load_rejects_other_json(tmp_path):
@@ -107,11 +123,9 @@ def test_prediction_with_profile_adds_contended_work_and_overlap():
     assert predict("topka", 2, 100_000, 0.01, profile=profile).comm_s == pytest.approx(0.01)
     assert predict("topka", 2, n, 0.01, profile=profile, use_comm_factor=False).comm_s == pytest.approx(formula)
     crowded = predict("topka", 8, n, 0.01, profile=profile)  # 8 workers on 2 cores: 4x the work time
-    received = (cost("topka", P=8, n=n, k=10_000, rank=0).bytes_recv - cost("topka", P=2, n=n, k=10_000,
-                                                                               rank=0).bytes_recv) / 8
-    assert crowded.work_s == pytest.approx(4 * 2e-9 * n + 5e-9 * received, rel=1e-6)
+    assert crowded.work_s == pytest.approx(4 * 2e-9 * n, rel=1e-6)
     cluster = predict("topka", 8, n, 0.01, profile=profile, colocated=False, compute_scale=10)
-    assert cluster.work_s == pytest.approx((2e-9 * n + 5e-9 * received) / 10, rel=1e-6)
+    assert cluster.work_s == pytest.approx(2e-9 * n / 10, rel=1e-6)
     assert "ASSUMED" in cluster.rests_on
     hidden = predict("topka", 8, n, 0.01, profile=profile, overlap=0.5, backward_s=1.0)
     assert hidden.total_s == pytest.approx(crowded.total_s - 0.5 * crowded.comm_s)
@@ -229,13 +243,14 @@ def test_work_is_the_critical_ranks_own_time_and_the_least_over_calls():
     """Rank 1 waits 50 ms for rank 0 inside its comm; rank 0's second call is disturbed by 1 s."""
     P, n = 2, 100_000
     sent = cost("topka", P=P, n=n, k=1_000, rank=0).bytes_sent
-    rank0 = {"method": "topka", "n": n, "times": [0.080, 1.080, 0.080], "time_comm": [0.020] * 3, "bytes_sent": sent}
-    rank1 = {"method": "topka", "n": n, "times": [0.080, 1.080, 0.080], "time_comm": [0.070] * 3, "bytes_sent": sent}
+    calls = {"time_decompress": [0.0] * 3, "bytes_sent": sent, "bytes_per_call": [sent] * 3}
+    rank0 = {"method": "topka", "n": n, "times": [0.080, 1.080, 0.080], "time_comm": [0.020] * 3, **calls}
+    rank1 = {"method": "topka", "n": n, "times": [0.080, 1.080, 0.080], "time_comm": [0.070] * 3, **calls}
     dense = [{"n": m, "rounds": 2, "bytes": 4 * m, "seconds": 2 * ALPHA + 4 * m * BETA} for m in (1_000, 1_000_000)]
     records = [{"P": P, "links": _link_record(r, P), "dense": dense, "runs": [run]}
                for r, run in enumerate((rank0, rank1))]
     profile = profile_from_records(records, density=0.01, net="1gbit", device="cpu", cores=2, colocated=True,
-                                   selectors={}, recv_element_s=0.0, meta={})
+                                   selectors={}, meta={})
     fit = profile.methods["topka"]
     assert fit["work_s"][str(n)] == pytest.approx(0.060)      # rank 0's own 80 - 20 ms, not rank 1's 10 ms
     assert fit["comm_s"][str(n)] == pytest.approx(0.020)      # the best call's 80 ms less that work
@@ -322,7 +337,7 @@ def _split_records(P, sizes, density, select_per_element, decompress_per_byte, m
             runs.append({"method": name, "n": n, "times": [0.01 + work] * 3, "time_comm": [0.01] * 3,
                          "time_select": [select_per_element * n] * 3, "time_decompress": [decompress] * 3,
                          "time_agreement": [agree] * 3, "agreement_folded": name != "dense",
-                         "bytes_sent": sent})
+                         "bytes_sent": sent, "bytes_per_call": [sent] * 3})
     dense = [{"n": m, "rounds": cost("dense", P=P, n=m, rank=0).rounds,
               "bytes": cost("dense", P=P, n=m, rank=0).bytes_sent,
               "seconds": 2 * ALPHA + 4 * m * BETA} for m in (1_000, 1_000_000)]
@@ -339,7 +354,7 @@ def test_work_is_modelled_by_what_it_touches_selection_by_n_decompression_by_its
     density, select, per_byte = 0.01, 2e-9, 0.1e-9
     records = _split_records(2, [1_000_000], density, select, per_byte)
     profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
-                                   selectors={}, recv_element_s=5e-9, meta={})
+                                   selectors={}, meta={})
     fit = profile.methods["topka"]
     assert fit["s1"] == pytest.approx(select) and fit["d1"] == pytest.approx(per_byte)
     assert fit["decompress_per"] == "byte"
@@ -385,7 +400,7 @@ def test_agreement_is_costed_per_round_and_the_messages_cpu_shares_the_cores():
             sample["bytes_recv"] = cost(sample["algorithm"], P=2, n=sample["n"], rank=r).bytes_recv
             sample["cpu"] = 300e-6 * sample["rounds"] + 0.5e-9 * (sample["bytes"] + sample["bytes_recv"])
     profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
-                                   selectors={}, recv_element_s=0.0, meta={})
+                                   selectors={}, meta={})
     link = profile.links["intra"]
     assert link["cpu_round_s"] == pytest.approx(300e-6) and link["cpu_byte_s"] == pytest.approx(0.5e-9)
     fit = profile.methods["topka"]
@@ -431,7 +446,7 @@ def test_the_comm_excess_over_the_formula_is_per_call_where_the_messages_cpu_is_
             sample["bytes_recv"] = cost(sample["algorithm"], P=2, n=sample["n"], rank=r).bytes_recv
             sample["cpu"] = 300e-6 * sample["rounds"] + 0.5e-9 * (sample["bytes"] + sample["bytes_recv"])
     kept = {"density": density, "device": "cpu", "cores": 2, "colocated": True, "selectors": {},
-            "recv_element_s": 0.0, "meta": {}}
+            "meta": {}}
     for net, per_call in (("1gbit", True), ("loopback", False)):
         profile = profile_from_records(records, net=net, **kept)
         measured = profile.methods["topka"]["comm_s"][str(n)]
@@ -493,10 +508,10 @@ def test_a_gpu_calibration_fits_decompression_per_entry_touched():
     """On a GPU the decompression is an ``index_add_`` per chunk, not the CPU's blocked sweep."""
     records = _split_records(2, [1_000_000], 0.01, 2e-9, 0.1e-9, methods=("topka",))
     gpu = profile_from_records(records, density=0.01, net="loopback", device="cuda (a GPU)", cores=1,
-                               colocated=False, selectors={}, recv_element_s=0.0, meta={})
+                               colocated=False, selectors={}, meta={})
     assert gpu.methods["topka"]["decompress_per"] == "entry"
     cpu = profile_from_records(records, density=0.01, net="loopback", device="cpu", cores=2, colocated=True,
-                               selectors={}, recv_element_s=0.0, meta={})
+                               selectors={}, meta={})
     assert cpu.methods["topka"]["decompress_per"] == "byte"
 
 
@@ -510,7 +525,7 @@ def test_a_one_size_calibration_keeps_the_selectors_fixed_part_out_of_the_per_el
     for record in records:
         record["runs"][0]["selector"] = "exact_topk"
     profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
-                                   selectors={}, recv_element_s=0.0, meta={},
+                                   selectors={}, meta={},
                                    selector_fixed_s={"exact_topk": fixed})
     fit = profile.methods["topka"]
     assert fit["s0"] == pytest.approx(fixed) and fit["s1"] == pytest.approx((select * 1e6 - fixed) / 1e6)
@@ -541,7 +556,7 @@ def test_the_agreement_is_the_last_arriving_ranks_not_the_wait_of_the_others():
     records[0] = {**records[0], "runs": [{**run0, "time_agreement": [t + 0.005 for t in run0["time_agreement"]],
                              "time_select": [t - 0.005 for t in run0["time_select"]]}]}
     fit = profile_from_records(records, density=0.01, net="1gbit", device="cpu", cores=2, colocated=True,
-                               selectors={}, recv_element_s=0.0, meta={}).methods["topka"]
+                               selectors={}, meta={}).methods["topka"]
     assert fit["agreement_round_s"] == pytest.approx(0.3e-3)
     assert fit["s1"] == pytest.approx(2e-9)  # the critical rank's work: its selection and its agreement
 
@@ -556,7 +571,7 @@ def test_on_an_emulated_rate_a_formula_over_estimate_is_the_buckets_burst_a_fixe
     run["times"] = [t - 0.01 + measured for t in run["times"]]
     run["time_comm"] = [measured] * len(run["time_comm"])
     profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
-                                   selectors={}, recv_element_s=0.0, meta={})
+                                   selectors={}, meta={})
     formula = {P: predict("topka", P, n, density, alpha=ALPHA, beta=BETA)
                for P, n in ((2, 1_000_000), (6, 5_000_000))}
     assert formula[2].comm_s > measured
@@ -587,7 +602,7 @@ def test_simvalidate_merges_a_new_calibration_into_the_last_one(tmp_path, monkey
         made.append(P)
         return profile_from_records(_split_records(P, sizes, density, 1e-9, 1e-10, methods=tuple(methods)),
                                     density=density, net="1gbit", device="cpu", cores=2, colocated=True,
-                                    selectors={}, recv_element_s=0.0,
+                                    selectors={},
                                     meta={"P": P, "sizes": list(sizes), "when": f"call {len(made)}"})
 
     monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
@@ -603,7 +618,7 @@ def test_simvalidate_merges_a_new_calibration_into_the_last_one(tmp_path, monkey
 def test_rests_on_names_each_methods_decompression_unit():
     """The GPU profile fits the dense methods' decompression per gradient element and the sparse
     ones' per entry touched: each prediction says which (not "byte swept" for both)."""
-    profile = Profile.load(Path(__file__).resolve().parents[1] / "docs/simulator/profile-h100-P2.json")
+    profile = Profile.load(Path(__file__).resolve().parents[1] / "benchmarks/projection-gpu/profile-h100.json")
     dense = predict("dense", 8, 25_000_000, 0.01, profile=profile, alpha=50e-6, beta=0.8e-9)
     sparse = predict("topka", 8, 25_000_000, 0.01, profile=profile, alpha=50e-6, beta=0.8e-9)
     assert "decompression per gradient element" in dense.rests_on
@@ -627,7 +642,7 @@ def test_spardls_messages_riding_on_the_agreement_leave_it_the_rounds_it_agrees_
             run["time_agreement"] = [0.0] * 3
             run["agreement_ride"] = "ride"
     profile = profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=True,
-                                   selectors={}, recv_element_s=5e-9, meta={})
+                                   selectors={}, meta={})
     fit = profile.methods["spardl"]
     assert fit["agreement_ride"] == "ride" and fit["agreement_round_s"] == pytest.approx(round_s)
     assert fit["s1"] == pytest.approx(select)  # the rounds were not taken out of its work
@@ -636,8 +651,8 @@ def test_spardls_messages_riding_on_the_agreement_leave_it_the_rounds_it_agrees_
     def agreement_part(P):
         options = layout_options("spardl", P, "1gbit", True)
         alone = dict(fit, agreement_round_s=0.0)
-        return (work_seconds(fit, "spardl", P, n, density, options, {}, 0.0)[0]
-                - work_seconds(alone, "spardl", P, n, density, options, {}, 0.0)[0])
+        return (work_seconds(fit, "spardl", P, n, density, options, {})
+                - work_seconds(alone, "spardl", P, n, density, options, {}))
 
     assert [agreement_part(P) for P in (2, 3, 4, 6)] == pytest.approx([0.0, 2 * round_s, 0.0, 3 * round_s])
 
@@ -685,7 +700,7 @@ def test_spardls_selection_grows_with_the_blocks_it_takes_at_P():
     records = _split_records(2, [1_000_000], density, 2e-9, 0.0)
     block = {"per_element": 1e-9, "per_block": 1e-3}
     kept = {"density": density, "net": "1gbit", "device": "cpu", "cores": 2, "colocated": True, "selectors": {},
-            "recv_element_s": 0.0, "meta": {}}
+            "meta": {}}
     with_blocks = profile_from_records(records, block_topk_s=block, **kept)
     without = profile_from_records(records, **kept)
     grows = {name: predict(name, 6, n, density, profile=with_blocks, colocated=False).work_s
@@ -712,7 +727,7 @@ def _cpu_profile(cpu_per_element, sizes=(1_000_000, 4_000_000), colocated=True):
     for run in records[0]["runs"]:  # shared by the ranks' records
         run["cpu"] = [cpu_per_element * run["n"]] * 3
     return profile_from_records(records, density=density, net="1gbit", device="cpu", cores=2, colocated=colocated,
-                                selectors={}, recv_element_s=0.0, meta={})
+                                selectors={}, meta={})
 
 
 def test_the_cores_estimate_is_every_ranks_cpu_on_the_cores_plus_the_wire():
@@ -724,7 +739,7 @@ def test_the_cores_estimate_is_every_ranks_cpu_on_the_cores_plus_the_wire():
 
     # the formula: c (cpu - bytes' cpu) + max(wire, c bytes' cpu); cpu = the calibrated one plus P's growth
     link = {"cpu_round_s": 300e-6, "cpu_byte_s": 0.5e-9}
-    calib = {"P": 2, "cpu1": 4e-9, "cpu0": 1e-3, "s1": 0.0, "s0": 0.0, "d1": 0.0, "d0": 0.0}
+    calib = {"P": 2, "cpu1": 4e-9, "cpu0": 1e-3, "s1": 0.0, "s0": 0.0, "d1": 0.0, "d0": 0.0, "decompress_per": "byte"}
     n, density = 5_000_000, 0.01
     at_6, at_2 = (mean_comm_cpu_seconds("topka", P, n, density, link, {"local_size": 1}) for P in (6, 2))
     cpu = 4e-9 * n + 1e-3 + sum(at_6) - sum(at_2)
@@ -774,8 +789,9 @@ def test_the_calibration_records_each_calls_cpu_and_bytes_and_takes_the_median_c
                                     "bytes_sent": max(factors) * formula}]}
                for record, factors in zip(records, per_rank, strict=True)]
     kept = {"density": density, "net": "1gbit", "device": "cpu", "cores": 2, "colocated": True, "selectors": {},
-            "recv_element_s": 0.0, "meta": {}}
+            "meta": {}}
     assert profile_from_records(records, **kept).methods["topka"]["traffic_factor"] == pytest.approx(1.2)
-    older = [{**record, "runs": [{k: v for k, v in record["runs"][0].items() if k != "bytes_per_call"}]}
-             for record in records]
-    assert profile_from_records(older, **kept).methods["topka"]["traffic_factor"] == pytest.approx(1.5)
+    without = [{**record, "runs": [{k: v for k, v in record["runs"][0].items() if k != "bytes_per_call"}]}
+               for record in records]
+    with pytest.raises(ValueError, match="lack bytes_per_call: .* calibrate again"):
+        profile_from_records(without, **kept)

@@ -133,7 +133,7 @@ def test_momentum_correction_at_full_density_is_sgd_without_momentum(P):
     """DGC's momentum factor masking (Lin et al. 2018, section 3.2) zeroes the velocity wherever an
     entry was sent: an entry sent every step keeps no momentum. At density 1 every entry is sent
     every step, so the update is plain SGD on the average gradient. That is why momentum correction
-    needs a larger lr than momentum SGD where entries are sent often (docs/campaign.md, "Recipe")."""
+    needs a larger lr than momentum SGD where entries are sent often (docs/training.md, the recipe)."""
     for corrected, plain in run_workers(P, _momentum_corrected_at_full_density, P):
         for a, b in zip(corrected, plain, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""The lab: the experiments behind the measurements in ``docs/``, never loaded by ``import sparsecomm``.
+"""The lab: the experiments behind the measurements in ``benchmarks/``, never loaded by ``import sparsecomm``.
 
 * the training harness: :mod:`.training` (a training run of a workload under a method), :mod:`.models`,
   :mod:`.data`, :mod:`.checkpoint`, :mod:`.progress`;

@@ -9,7 +9,7 @@ bit-identical replicas.
 
 :func:`fault_worker` runs every case for several methods in one worker launch (cheap: one process
 group per P); :func:`evaluate` turns the per-rank records into one verdict per (method, case);
-``sparsecomm bench faults`` prints the table (docs/reliability.md).
+``sparsecomm bench faults`` prints the table (benchmarks/faults).
 """
 
 from __future__ import annotations

@@ -346,7 +346,7 @@ MODEL_DATA: dict[str, list[str]] = {
 }
 
 #: tuned training hyperparameters per (model, data set), keyed by model (its default data) or
-#: ``"model/data"``; SGD with momentum 0.9 and the cosine schedule (see docs/campaign.md for the
+#: ``"model/data"``; SGD with momentum 0.9 and the cosine schedule (see benchmarks/lr-sweep for the
 #: runs that chose them). Per-worker batch size.
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "mlp": {"lr": 0.05, "batch_size": 16, "epochs": 5},

@@ -149,8 +149,7 @@ def run(argv: list[str] | None = None) -> None:
     workers do, without finalizing the interpreter (``os._exit``, after flushing output and logs):
     every gloo collective's work object holds the Python context it was issued in, and the group's
     worker thread that drops the last one as the interpreter finalizes aborts the process
-    ("terminate called without an active exception", exit -6; about 1 run in 10 of ``sparsecomm
-    train`` under torchrun on the 2-core test machine, 2026-11-27)."""
+    ("terminate called without an active exception", exit -6)."""
     code = main(argv)
     import torch.distributed as dist
 

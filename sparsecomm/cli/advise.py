@@ -8,9 +8,10 @@ for is not ranked (the output names it): its prediction would leave out its work
 
 The recommendation is by time to accuracy, not by step time alone: each (method, density) is
 checked against the time-to-accuracy campaign (:mod:`sparsecomm.simulator.accuracy`, a table generated
-from the campaign report in docs/). A candidate that lost more than ``--accuracy-tolerance`` there
-(against the best PowerSGD rank's loss, or DDP's with ``--accuracy-reference ddp``), or did not reach
-the target, is not recommended, and the output names the faster candidates it passed over and why.
+from the every-method campaign's report, benchmarks/campaign-methods). A candidate that lost more than
+``--accuracy-tolerance`` there (against the best PowerSGD rank's loss, or DDP's with
+``--accuracy-reference ddp``), or did not reach the target, is not recommended, and the output names
+the faster candidates it passed over and why.
 The others are ranked by predicted step time times their epochs to the target over DDP's in the
 campaign (1 for exact methods and for candidates the campaign did not run, which the output marks
 "accuracy unknown"). A method's density is the largest candidate whose predicted time to accuracy is
@@ -22,7 +23,7 @@ forked workers (on ``--net``, an emulated link, or loopback), interleaved: each 
 calls every method once, in a rotated order, so that the load of a shared machine falls on all of them
 alike. A method's measured time is its best round (the least of the slowest rank's call times: the call
 least disturbed by other processes, the statistic ``calibrate`` fits the profile on); the median is
-shown beside it. The advised method's time is compared with the measured fastest (docs/advise.md).
+shown beside it. The advised method's time is compared with the measured fastest (benchmarks/advise).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def add_arguments(parser) -> None:
                         help="what the loss is allowed beyond: the best PowerSGD rank's loss against DDP, or DDP "
                         "(default: %(default)s)")
     parser.add_argument("--accuracy-table", default=None,
-                        help="the campaign's accuracy table (default: the one shipped, generated from docs/)")
+                        help="the campaign's accuracy table (default: the one shipped, generated from "
+                        "benchmarks/campaign-methods)")
     parser.add_argument("--by-step-time", action="store_true",
                         help="rank by predicted step time alone, without the campaign's accuracy")
     add_model_arguments(parser, methods="all")
@@ -143,8 +145,7 @@ def advise(methods: list[str], P: int, n: int, densities: list[float], slack: fl
 
     With a profile (``kwargs["profile"]``), a method it has no measured work for is not ranked (it is
     listed in ``Advice.unmeasured``): its prediction would be its communication alone, without the
-    selection and decompression every measured method carries, and so would win unfairly (Ok-Topk,
-    absent from the committed profiles, was predicted at 40 ms and measured at 266-281 ms). Where the
+    selection and decompression every measured method carries, and so would win unfairly. Where the
     profile has none of the methods asked for, they are all ranked, on their formulas."""
     from ..methods import is_sparse
 
@@ -308,7 +309,7 @@ def run(args) -> int:
     print("Predicted communication and sparsification time per step only: forward/backward compute is "
           "not included" + ("; time to accuracy multiplies it by the epochs to the target over DDP's in the "
                             "campaign." if table is not None else
-                            "; lower densities save time but cost accuracy (docs/training.md)."))
+                            "; lower densities save time but cost accuracy (docs/choosing-a-method.md)."))
     if args.measure:
         # the candidates passed over for their accuracy are measured too (one density each), but the
         # advice is checked against the fastest of those it may recommend

@@ -44,13 +44,11 @@ def _torchrun(args, methods, sizes) -> int:
     import torch
     import torch.distributed as dist
 
-    from ..methods.base import selection_count
     from ..simulator.calibration import (
         available_cores,
         calibration_worker,
         device_name,
         measure_block_topk,
-        measure_recv_element,
         measure_selector_fixed,
         measure_selectors,
         profile_from_records,
@@ -75,7 +73,6 @@ def _torchrun(args, methods, sizes) -> int:
                 records, density=args.density, net=f"torchrun ({dist.get_world_size()} ranks)",
                 device=device_name(device), cores=available_cores(), colocated=False,
                 selectors=measure_selectors(n_sel, args.density, device=device),
-                recv_element_s=measure_recv_element(n_sel, selection_count(args.density, n), device=device),
                 selector_fixed_s=measure_selector_fixed(n_sel, args.density, device=device),
                 block_topk_s=measure_block_topk(n, args.density, device=device),
                 meta={"P": dist.get_world_size(), "sizes": sizes, "density": args.density,
@@ -89,14 +86,12 @@ def _torchrun(args, methods, sizes) -> int:
 
 def _work_line(m: dict) -> str:
     """A method's fitted work: selection per gradient element, decompression per byte of its sweep
-    (per touched entry in profiles fitted before the sweep) and the agreement per round."""
-    if "d1" in m:
-        per = {"entry": "entry", "byte": "byte swept"}.get(m["decompress_per"], "elem")
-        line = f"select {m['s1'] * 1e9:.2f} ns/elem, decompress {m['d1'] * 1e9:.3f} ns/{per}, "
-        if "agreement_round_s" in m:
-            line += f"agreement {m['agreement_round_s'] * 1e6:.0f} us/round, "
-        return line + f"traffic x{m['traffic_factor']:.2f}"
-    return f"{m['w1'] * 1e9:.2f} ns/elem, traffic x{m['traffic_factor']:.2f}"
+    (per entry touched on a GPU, per element for a dense method) and the agreement per round."""
+    per = {"entry": "entry", "byte": "byte swept"}.get(m["decompress_per"], "elem")
+    line = f"select {m['s1'] * 1e9:.2f} ns/elem, decompress {m['d1'] * 1e9:.3f} ns/{per}, "
+    if "agreement_round_s" in m:
+        line += f"agreement {m['agreement_round_s'] * 1e6:.0f} us/round, "
+    return line + f"traffic x{m['traffic_factor']:.2f}"
 
 
 def _summary(profile, path: str) -> None:

@@ -9,8 +9,7 @@ call to the next is therefore advised to the kernel as a huge-page region (``mad
 :data:`MIN_BYTES` on Linux. The advice changes no value and no bit; where the kernel offers no
 transparent huge pages (``/sys/kernel/mm/transparent_hugepage/enabled`` set to ``never``, another
 operating system) the buffer is an ordinary one. The setting ``always`` gives every large allocation
-huge pages anyway; ``madvise``, a common default, gives them only to regions advised so. Measured in
-docs/results.md ("Long-lived buffers on huge pages").
+huge pages anyway; ``madvise``, a common default, gives them only to regions advised so.
 
 Only the library's own buffers are advised: the caller's gradient and ``out=`` tensor are not.
 """

@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 _STATE_VERSION = 2
 #: The values of ``SparseHookState(granularity=...)``.
 GRANULARITIES = ("bucket", "model")
-#: Default ``dense_below``: 0, every parameter goes to the method (see docs/training.md).
+#: Default ``dense_below``: 0, every parameter goes to the method (see docs/hook-and-synchronizer.md).
 DENSE_BELOW = 0
 
 

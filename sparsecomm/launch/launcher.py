@@ -23,9 +23,8 @@ The FileStore lives in a temporary directory that a small janitor process remove
 launcher ends by any path, SIGKILL included (it waits for the end of a pipe that only the launcher
 and its workers hold open).
 
-Start-up: under heavy load gloo's full-mesh connect occasionally fails on one rank (seen about once
-in 60 launches of P = 8 on a 2-core machine running 6 busy processes). All ranks then agree, through
-the store, to give up before running ``fn``, and the launcher starts them again (3 attempts).
+Start-up: under heavy load gloo's full-mesh connect occasionally fails on one rank. All ranks then
+agree, through the store, to give up before running ``fn``, and the launcher starts them again (3 attempts).
 
 With ``net="1gbit"`` (any tc rate), every worker lives in its own network namespace on an emulated
 switch whose links are rate-limited (see :mod:`sparsecomm.launch.netemu`); gloo binds that namespace's

@@ -47,8 +47,8 @@ interpreter exit (``atexit``) and on SIGTERM in the creating process if the bloc
 what a SIGKILLed creator leaves behind is removed by :func:`cleanup_stale`, which every new network
 runs first.
 
-Delay is not emulated: ``sch_netem`` is often missing from minimal kernels (it is missing on the machine
-where this was measured), so the one-way latency is the software stack's (tens of microseconds).
+Delay is not emulated: ``sch_netem`` is often missing from minimal kernels, so the one-way latency is
+the software stack's (tens of microseconds).
 """
 
 from __future__ import annotations

@@ -3,17 +3,17 @@
 
 The table (``accuracy_table.json`` beside this module) is generated, not typed: run
 
-    python -m sparsecomm.simulator.accuracy docs/campaign-quiet/campaign.md
+    python -m sparsecomm.simulator.accuracy benchmarks/campaign-methods/report.md
 
-which reads the per-run tables of a campaign report (:func:`sparsecomm.experiments.campaign.write_campaign_report`:
-its "All runs" or "Every run" tables) and writes, per workload, each run's loss against DDP after the
-same epochs ("vs DDP, same epochs": accuracy points lost, or perplexity percent gained; positive is
-worse), whether it reached the workload's target and in how many epochs. Several seeds of one run
-give the median.
+(``make accuracy-table``), which reads the per-run tables of a campaign report (the lab's
+``campaign.write_campaign_report``: its "All runs" or "Every run" tables) and writes, per workload,
+each run's loss against DDP after the same epochs ("vs DDP, same epochs": accuracy points lost, or
+perplexity percent gained; positive is worse), whether it reached the workload's target and in how
+many epochs. Several seeds of one run give the median.
 
 A (method, density) is **within tolerance** on a workload when its loss is at most the reference's
-loss plus the tolerance: the reference is the best PowerSGD rank of the same campaign (the recipe of
-the project's goal: no worse than PowerSGD's best rank plus 0.5% perplexity, minus 0.5 accuracy points), or
+loss plus the tolerance: the reference is the best PowerSGD rank of the same campaign (a sparse
+method worth recommending loses no more than PowerSGD's best rank, give or take the tolerance), or
 DDP (loss 0). :func:`assess` gives the worst over the workloads the campaign measured, and the
 epochs to the target over DDP's (time to accuracy is step time times that). A run that sent as much
 as a dense one (a dense warm-up that outlasted the budget) gives no verdict: its accuracy is not its
@@ -114,7 +114,7 @@ def _mark_dense_runs(runs: dict[str, dict[str, Any]]) -> None:
     """Mark (``ran_dense``) the sparse runs whose metered traffic is more than
     :data:`DENSE_TRAFFIC_FACTOR` times the median of the runs at their density: they synchronized
     densely for the whole budget (a dense warm-up that outlasted it, e.g. Ok-Topk's public default of
-    512 warm-up calls, docs/baselines.md), so their accuracy is not their sparse one."""
+    512 warm-up calls), so their accuracy is not their sparse one."""
     by_density: dict[float, list[float]] = {}
     for r in runs.values():
         if r["density"] is not None and r["megabytes_per_step"] is not None:

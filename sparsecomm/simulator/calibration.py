@@ -44,7 +44,6 @@ from .model import (
 )
 
 __all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_selector_fixed",
-           "measure_recv_element",
            "profile_from_records", "refit", "merge_records", "method_runs", "time_method_in_worker", "slowest_best",
            "split_work",
            "LINK_SIZES"]
@@ -258,11 +257,11 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
     * work: for each rank the least over calls of its wall time less its own ``time_comm`` (a rank's
       ``time_comm`` includes waiting for its peers' work, its own selection and decompression do not),
       then the largest over ranks (the critical rank); comm: total less work;
-    * decompression: the same estimator on ``time_decompress`` (where the calibration recorded it),
-      fitted per byte of the blocked sweep's memory traffic (``d1``, ``d0``:
-      :func:`~.simulator.decompress_bytes` of the entries the rank touches, its own k and the P x k
-      or so it receives), on a GPU ``device`` (no sweep: one ``index_add_`` per chunk) per entry
-      touched (:func:`~.simulator.touched_entries`), or per gradient element for a dense method;
+    * decompression: the same estimator on ``time_decompress``, fitted per byte of the blocked
+      sweep's memory traffic (``d1``, ``d0``: :func:`~.simulator.decompress_bytes` of the entries the
+      rank touches, its own k and the P x k or so it receives), on a GPU ``device`` (no sweep: one
+      ``index_add_`` per chunk) per entry touched (:func:`~.simulator.touched_entries`), or per
+      gradient element for a dense method;
     * agreement: the least over calls and over ranks of the agreement's time (where recorded: the
       rank that arrives last waits least, so its time is the messages' own), per agreement round
       (``agreement_round_s``; :func:`~.simulator.agreement_rounds` at this P). A method that agrees
@@ -280,17 +279,18 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
       rank's: a rank that does more, CLT-k's leader, does not stand for the others), fitted per gradient
       element (``cpu1``, ``cpu0``; where the calibration recorded it, at two sizes or more: at one
       size the CPU's fixed part per call, gloo's threads and the messages' set-up, would be scaled with
-      n, 5-7x from 1M to 5M-7M): what the cores must do for one rank's call, the model's cores'
+      n): what the cores must do for one rank's call, the model's cores'
       estimate (:func:`~.model.cores_seconds`);
     * traffic factor: metered bytes over the formula's (data-dependent counts: the measured density),
       the bytes of the median call (each call's largest over ranks; the calls of a data-dependent
-      method vary: ExDyna's threshold controller sends 0.7-1.6x its formula from call to call on
-      the calibration's gradient, and the least call, which the estimators and the validation take,
-      is not the one that sent the most; calibrations before 2026-11-28 kept only the most);
+      method vary, ExDyna's threshold controller's around its formula from call to call, and the
+      least call, which the estimators and the validation take, is not the one that sent the most,
+      so the median stands for them);
     * comm factor: comm, with ``contention`` (:func:`~.simulator.comm_contention` at this P) divided
       out, over the formula's time of the slowest rank under the fitted link (the native all-reduce's
       for dense) alpha and beta at the measured traffic: what the formula's rounds leave out (size
       headers, index and value messages sent apart, per-call setup)."""
+    _check_per_call(records)
     P = records[0]["P"]
     link = links.get("inter", links.get("intra", {"alpha": 0.0, "beta": 0.0}))
     per: dict[str, list[tuple[int, float, float, float, float]]] = {}
@@ -308,11 +308,10 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
         own = max(min(t - c for t, c in zip(r["runs"][i]["times"], r["runs"][i]["time_comm"], strict=True))
                   for r in records)
         work = min(max(0.0, own), total)
-        if "time_decompress" in run:  # older calibrations did not record it
-            seconds = min(work, max(min(r["runs"][i]["time_decompress"]) for r in records))
-            units = (decompress_bytes if device == "cpu" else touched_entries)(name, P, n, k, density, layout)
-            decompress.setdefault(name, {})[n] = (units, seconds)
-        if "cpu" in run:  # older calibrations did not record it
+        seconds = min(work, max(min(r["runs"][i]["time_decompress"]) for r in records))
+        units = (decompress_bytes if device == "cpu" else touched_entries)(name, P, n, k, density, layout)
+        decompress.setdefault(name, {})[n] = (units, seconds)
+        if "cpu" in run:  # the process CPU per call, where the workers could read it
             cpu.setdefault(name, {})[n] = statistics.mean(min(r["runs"][i]["cpu"]) for r in records)
         if "time_agreement" in run:
             # the rank that arrives last waits least: its agreement is the messages' own cost (the others'
@@ -321,11 +320,9 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
             folded[name] = bool(run.get("agreement_folded"))
             ride[name] = run.get("agreement_ride", "")
         comm = (total - work) / contention
-        if all("bytes_per_call" in r["runs"][i] for r in records):  # the slowest rank's bytes, the median call
-            sent = statistics.median(max(r["runs"][i]["bytes_per_call"][c] for r in records)
-                                     for c in range(len(run["bytes_per_call"])))
-        else:  # older calibrations kept only the most any call sent
-            sent = max(r["runs"][i]["bytes_sent"] for r in records)
+        # the slowest rank's bytes, the median call
+        sent = statistics.median(max(r["runs"][i]["bytes_per_call"][c] for r in records)
+                                 for c in range(len(run["bytes_per_call"])))
         costs = [cost(name, P=P, n=n, k=k, rank=r, density=density, **layout) for r in range(P)]
         formula = max(c.bytes_sent for c in costs)
         traffic = sent / formula if formula else 1.0
@@ -365,11 +362,10 @@ def _fit_methods(records: Sequence[dict[str, Any]], density: float, links: dict[
             out[name]["agreement_round_s"] = round_s
             if ride.get(name):
                 out[name]["agreement_ride"] = ride[name]
-        if name in decompress:
-            out[name].update(split_work([(n, w) for n, w, *_ in samples], decompress[name],
-                                        None if round_s is None else {n: round_s * in_work for n, *_ in samples},
-                                        unit="byte" if device == "cpu" else "entry",
-                                        fixed=(selector_fixed or {}).get(selectors.get(name, ""), 0.0)))
+        out[name].update(split_work([(n, w) for n, w, *_ in samples], decompress[name],
+                                    None if round_s is None else {n: round_s * in_work for n, *_ in samples},
+                                    unit="byte" if device == "cpu" else "entry",
+                                    fixed=(selector_fixed or {}).get(selectors.get(name, ""), 0.0)))
     return out
 
 
@@ -494,37 +490,38 @@ def measure_block_topk(n: int, density: float, repeat: int = 5, device: str = "c
     return {"per_element": per_element, "per_block": max(0.0, per_block)}
 
 
-def measure_recv_element(n: int, received: int, repeat: int = 3, device: str = "cpu") -> float:
-    """Seconds per received sparse element: scatter-add of ``received`` random pairs into n zeros."""
-    gen = torch.Generator().manual_seed(1)
-    indices = torch.randint(0, n, (received,), generator=gen).to(device)
-    values = torch.randn(received, generator=gen).to(device)
-    out = torch.zeros(n, device=device)
-    times = []
-    for _ in range(repeat + 1):
-        start = _wall(device)
-        out.index_add_(0, indices, values)
-        times.append(_wall(device) - start)
-    return statistics.median(times[1:]) / received
-
-
 def profile_from_records(records: Sequence[dict[str, Any]], *, density: float, net: str, device: str,
-                         cores: int, colocated: bool, selectors: dict[str, float], recv_element_s: float,
-                         meta: dict[str, Any], selector_fixed_s: dict[str, float] | None = None,
+                         cores: int, colocated: bool, selectors: dict[str, float], meta: dict[str, Any],
+                         selector_fixed_s: dict[str, float] | None = None,
                          block_topk_s: dict[str, float] | None = None) -> Profile:
     """The profile from every rank's :func:`calibration_worker` result and the one-process figures."""
     links, dense = fit_links(records), _fit_dense(records)
     contention = comm_contention(records[0]["P"], cores, colocated, net)
     return Profile(net=net, device=device, cores=cores, colocated=colocated, links=links,
-                   dense_allreduce=dense, selectors=selectors, recv_element_s=recv_element_s,
+                   dense_allreduce=dense, selectors=selectors,
                    methods=_fit_methods(records, density, links, dense, contention, net, colocated, device,
                                         selector_fixed_s),
                    selector_fixed_s=dict(selector_fixed_s or {}), block_topk_s=dict(block_topk_s or {}), meta=meta,
                    records=[dict(r) for r in records])
 
 
-#: a method run's per-call lists besides ``times`` and ``time_comm`` (older calibrations lack some)
+#: a method run's per-call lists besides ``times`` and ``time_comm``
 _PER_CALL = ("time_select", "time_decompress", "time_agreement", "cpu", "bytes_per_call")
+
+
+#: the per-call lists every method run must hold: its time, its communication, its decompression
+#: (the split of the work the model rests on) and its bytes (the median call's traffic)
+_REQUIRED = ("times", "time_comm", "time_decompress", "bytes_per_call")
+
+
+def _check_per_call(records: Sequence[dict[str, Any]]) -> None:
+    """ValueError unless every method run of every rank holds the per-call lists the fit needs."""
+    for record in records:
+        for run in record["runs"]:
+            missing = [key for key in _REQUIRED if key not in run]
+            if missing:
+                raise ValueError(f"the calibration's records of {run['method']} at n={run['n']} lack "
+                                 f"{', '.join(missing)}: they were made by an older sparsecomm; calibrate again")
 
 
 def merge_records(first: Sequence[dict[str, Any]], second: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -564,10 +561,10 @@ def refit(profile: Profile) -> Profile:
     """The profile fitted again from the raw timings it keeps (``records``): a change of the
     estimators applies to an old calibration without measuring again."""
     if not profile.records:
-        raise ValueError("this profile keeps no raw timings (made before they were stored); calibrate again")
+        raise ValueError("this profile keeps no raw timings to fit again; calibrate again")
     return profile_from_records(profile.records, density=profile.meta["density"], net=profile.net,
                                 device=profile.device, cores=profile.cores, colocated=profile.colocated,
-                                selectors=profile.selectors, recv_element_s=profile.recv_element_s,
+                                selectors=profile.selectors,
                                 selector_fixed_s=profile.selector_fixed_s, block_topk_s=profile.block_topk_s,
                                 meta=profile.meta)
 
@@ -607,7 +604,5 @@ def calibrate(P: int, methods: Sequence[str], sizes: Sequence[int], density: flo
         selectors=measure_selectors(n_sel if gpu else min(n_sel, 4_000_000), density, device=device),
         selector_fixed_s=measure_selector_fixed(n_sel if gpu else min(n_sel, 4_000_000), density, device=device),
         block_topk_s=measure_block_topk(n_sel, density, device=device),
-        recv_element_s=measure_recv_element(n_sel if gpu else min(n_sel, 4_000_000),
-                                            max(1, selection_count(density, n_sel)) * P, device=device),
         meta={"P": P, "sizes": list(sizes), "density": density, "repeat": repeat,
               "torch_threads_per_worker": 1, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})

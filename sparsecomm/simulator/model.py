@@ -6,88 +6,60 @@ A method's predicted time for one call on a flat gradient of ``n`` elements at `
     comm = f * (rounds * alpha * c_s + link_contention(P) * traffic_factor * bytes_sent * beta) + excess * c_s
            - burst + shared_cpu(cpu_comm(P, n), wire, c_r)
            (rounds, bytes_sent: the slowest of a few sampled ranks; wire: the bytes' term less the burst)
-    work = (s1 * n + s0 + blocks(P, n) - blocks(P_cal, n) + d1 * swept(P, n) + d0 + a_r * ceil(log2 P))
+    work = (s1 * n + s0 + blocks(P, n) - blocks(P_cal, n) + d1 * swept(P, n) + d0 + a_r * agreement_rounds(P))
            * contention(P) / contention(P_cal)
 
 * ``rounds`` and ``bytes_sent`` come from the formula registered with the method
-  (:func:`sparsecomm.methods.cost`). The dense method (the backend's own all-reduce) uses the
-  profile's fitted alpha and beta of that all-reduce instead of the point-to-point ones.
-* ``traffic_factor`` is the median call's measured bytes over the formula's bytes in the calibration run: 1 for
-  exact formulas, below 1 where the formula is an upper bound (threshold counts, unions, ExDyna's
-  density, B-SAG's h). Without a profile it is 1 (the documented bound).
-* Work is modelled by what it touches. ``s1``, ``s0``: selection, residual, compression (the
-  call's wall time less its ``time_comm``, ``time_decompress`` and the agreement's rounds), per
-  element of the gradient (n) and per call (calibrated at one size, ``s0`` is the fixed part of the
-  method's selector measured in one process, ``Profile.selector_fixed_s``: exact top-k's sampled
-  floor costs the same at any n). ``d1``, ``d0``: decompression (the method's ``time_decompress``) per
-  byte of its blocked sweep's memory traffic, ``swept(P, n)`` (:func:`decompress_bytes`: the pairs
-  the rank touches, its own k and what it receives by the cost formula, read once, and the output's
-  cache lines, touched in place or streamed whole, at most one write of the output: it grows with
-  the P x k pairs of the all-gather family until the output is written once, then with n).
-  ``a_r``: the agreement's cost per round (``agreement_round_s``), its ceil(log2 P) small messages
-  (:func:`agreement_rounds`; 0 for a method whose all-gather rides on the agreement, whose messages
-  are then its comm); a method that agrees before its selection also makes a pass over the
-  gradient, which stays in ``s1``. All are fitted over the calibrated sizes at P_cal. (A dense
-  method touches no sparse entries; its decompression, if any, is per gradient element.) Profiles
-  fitted before the sweep (``decompress_per`` "entry") keep ``d1`` per touched entry
-  (:func:`touched_entries`), and those calibrated before the agreement was timed keep it in ``s1``.
-  Profiles calibrated before the split was recorded have one ``w1``, ``w0`` per gradient element and
-  ``g`` (``recv_element_s``, a one-process scatter-add) per extra received entry:
-  ``work = (w1 * n + w0) * contention(P) / contention(P_cal) + g * (received(P) - received(P_cal))``.
-* ``blocks(P, n)``: the top-k selections of one block each that a method makes per call
-  (:meth:`~sparsecomm.methods.base.Method.topk_blocks`: SparDL's Spar-Reduce-Scatter, one block at
-  P = 2, four at P = 6; none for the other methods), at the profile's one-process cost of a block's
-  top-k (``block_topk_s``, :func:`block_topk_seconds`).
-* ``cores``: where P colocated workers share fewer cores than in the calibration, the cores do every
-  rank's CPU (its process CPU per call as calibrated, ``cpu1 * n + cpu0``, every thread, plus what P
-  adds by the model) and the wire passes on top (:func:`cores_seconds`); the larger of it and the
-  critical path ``comm + work`` is the prediction. Profiles without the CPU (before 2026-11-28, or
-  calibrated at one size) have the critical path alone.
+  (:func:`sparsecomm.methods.cost`); the dense method (the backend's own all-reduce) uses the
+  profile's alpha and beta fitted on that all-reduce instead of the point-to-point ones.
+* ``traffic_factor``: the calibration's median call's metered bytes over the formula's (1 for exact
+  formulas; below 1 where the formula is an upper bound). Without a profile it is 1.
+* Work is modelled by what it touches, each part fitted over the calibrated sizes at ``P_cal``:
+  ``s1``, ``s0`` the selection, residual and compression per gradient element and per call (at one
+  size ``s0`` is the method's selector's fixed part measured in one process,
+  ``Profile.selector_fixed_s``, since one size cannot tell the two apart); ``d1``, ``d0`` the
+  decompression per byte of its blocked sweep's memory traffic (:func:`decompress_bytes`), or per
+  entry touched (a GPU calibration, no sweep), or per gradient element (a dense method); ``a_r`` the
+  agreement per round (:func:`agreement_rounds`: none where the method's first message travels in
+  it); ``blocks`` SparDL's top-k selections of one block each, more of them as P grows
+  (:func:`block_topk_seconds`).
+* ``cores``: where P colocated workers share fewer cores than in the calibration, nothing is idle,
+  so the cores do every rank's CPU (the calibrated process CPU per call plus what P adds by the
+  model) and the wire passes on top (:func:`cores_seconds`); the larger of it and the critical path
+  ``comm + work`` is the prediction. It needs the CPU fitted at two sizes or more: at one size its
+  fixed part per call cannot be told from the part that grows with n.
 * ``contention(P)`` is ``max(1, P / cores)`` when the P workers share one machine of ``cores``
-  cores (as in this repository's validation), 1 for a cluster with a device per worker.
-* ``compute_scale`` (an assumption the user gives, e.g. a GPU's memory bandwidth over this
-  machine's) divides the work term.
-* ``excess`` and ``f`` compare the method's measured communication time at the calibration P with
-  the formula's there. Where the measurement is longer, the difference is what the formula leaves
-  out. On a rate-limited network, where the messages' CPU is its own term (``cpu_comm`` below, per
-  message and per byte), it is a cost per call, added once at any P (``excess`` = the difference):
-  set-up, CPU work inside the comm's timers (ExDyna's union of the gathered indices), the wait for a
-  peer's imbalance (on this machine's emulated 1 Gbit/s the link's fitted alpha is 0: no cost per
-  message shows beyond the CPU term). Costed per round there, as until 2026-11-28, ExDyna's and
-  CLT-k's excess, measured over 2 rounds at P = 2, counted 4 times at P = 6 (8 rounds). Elsewhere
-  (loopback, where the messages' CPU is not measured apart) it is a cost per message (a round's size
-  header, index and value messages sent apart, a peer process's wake-up): ``excess`` = difference x
-  rounds / rounds at P_cal, f = 1. Where the measurement is shorter (the formula over-estimates),
-  excess = 0 and f = measured / formula (the profile's ``comm_factor``), except on an emulated rate
-  (:func:`tc_rate`), where the over-estimate is the token bucket's burst (bytes that pass at once at
-  the start of a call): f = 1 and ``burst`` = formula - measured, that much less time per call at
-  any P (a fixed credit, not a fraction of the bytes). Only on the profile's own network: with a
-  given alpha and beta, excess = 0 and f = 1 (the traffic factor still applies).
+  cores (as in a local validation), 1 for a cluster with a device per worker; ``c_r`` is
+  ``contention(P) / contention(P_cal)``. ``compute_scale`` (an assumption the user gives, e.g. a
+  GPU's memory bandwidth over this machine's) divides the work term.
+* ``excess`` and ``f`` compare the method's measured communication time at ``P_cal`` with the
+  formula's. A longer measurement leaves out something the formula does not count: under an
+  emulated rate, where the messages' CPU is its own term, a cost per call (set-up, CPU work inside
+  the communication's timers, the wait for a peer's imbalance), added once at any P; on loopback a
+  cost per message (size headers, index and value messages sent apart, a peer's wake-up), scaled by
+  rounds(P) / rounds(P_cal). A shorter one scales the formula down (``f``, the profile's
+  ``comm_factor``), except under an emulated rate, where the difference is the token bucket's burst,
+  a fixed credit per call (``burst``). All of these are the profile's network's: with a given alpha
+  and beta, excess = 0 and f = 1 (the traffic factor still applies).
 * ``link_contention(P)`` (:func:`comm_contention`) is ``P / cores`` on loopback with colocated
-  workers (moving a byte over loopback is a kernel copy: CPU work the P processes share), 1 under a
-  rate limit.
-* ``c_r = contention(P) / contention(P_cal)``: communication costs CPU time (gloo's work per
-  message, the copies of the bytes, waking the peer), which P colocated processes share on any
-  network, emulated rates included. On a rate-limited network, where the calibration recorded the
-  calls' CPU time, ``cpu_comm(P, n)`` is that CPU time at (P, n): the link's fitted CPU per message
-  and per byte moved (:func:`comm_cpu_seconds`, by the method's cost formula). A per-method factor
-  (the call's CPU less its own work at P_cal, over that figure) was tried and dropped: a ratio of a
-  few milliseconds of process CPU time (gloo's threads included) to a fraction of one, it swung 6x
-  between calibrations of one quiet hour and over-predicted the held-out point by up to 261%
-  (docs/simulator.md). :func:`shared_cpu` adds what the contention
-  makes of it: ``(c_r - 1)`` times the per-message part (on the call's path), and of the per-byte
-  part (spread over the transfer) only what ``c_r`` times it takes beyond the wire time; the rounds
-  keep their time (``c_s = 1``). Otherwise (loopback, where ``link_contention`` already
-  counts the bytes' copies, and older profiles) each round's fixed cost is taken as CPU time:
-  ``c_s = c_r``, no ``cpu_comm`` term. Without a CPU term the validation under-predicted every sparse
-  method at P >= 4 by a median 31-47%, and with ``c_s = c_r`` alone the held-out point (P = 6,
-  n = 5M at 1 Gbit/s) still lacked the messages' CPU wherever alpha and ``o`` fitted to 0
-  (docs/simulator.md).
+  workers (a byte over loopback is a kernel copy: CPU work the P processes share), 1 under a rate
+  limit.
+* The messages' CPU (gloo's work per message, the copies of the bytes, waking the peer) is shared by
+  the P colocated processes. Under an emulated rate the calibration fits it per message and per byte
+  (``cpu_comm(P, n)``, :func:`comm_cpu_seconds`, by the method's cost formula) and :func:`shared_cpu`
+  adds what the contention makes of it: ``(c_r - 1)`` times the per-message part (on the call's
+  path), and of the per-byte part (spread over the transfer) only what ``c_r`` times it takes beyond
+  the wire time; the rounds keep their time (``c_s = 1``). A single factor per method on that CPU
+  (the call's CPU less its own work, over the fitted figure) would divide milliseconds of process
+  CPU time by a fraction of one: it is noise, and the fit per message and byte replaces it. On
+  loopback, where ``link_contention`` already counts the bytes' copies, each round's fixed cost is
+  taken as CPU time: ``c_s = c_r``, no ``cpu_comm`` term.
 * ``overlap`` in [0, 1] with a backward time ``backward_s``: the fraction of communication that can
   run behind backward, hidden up to the backward time (the overlapped DDP hook).
   ``T = work + comm - min(overlap * comm, backward_s)``.
 
 The :class:`Profile` is the JSON that ``sparsecomm calibrate`` writes; :mod:`.calibration` measures it.
+How far the model holds: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -112,6 +84,9 @@ __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", 
            "mean_comm_cpu_seconds"]
 
 PROFILE_VERSION = 1
+
+#: what a method's fit in a profile holds: its work split into selection and decompression
+SPLIT_WORK = ("s1", "s0", "d1", "d0", "decompress_per")
 
 class UnknownMethodError(ValueError):
     """A method name that is not in :func:`available_methods`."""
@@ -143,18 +118,22 @@ class Profile:
     dense_allreduce: dict[str, float] = field(default_factory=dict)
     #: selector name -> seconds per element (one process, this device)
     selectors: dict[str, float] = field(default_factory=dict)
-    #: seconds per received sparse element (scatter-add into the output)
-    recv_element_s: float = 0.0
     #: selector name -> seconds per call that do not grow with n at the calibration's density
     selector_fixed_s: dict[str, float] = field(default_factory=dict)
     #: one block's top-k as SparDL takes it (one process): {"per_element": s, "per_block": s}
     block_topk_s: dict[str, float] = field(default_factory=dict)
-    #: method -> {"w1": s per element, "w0": s, "traffic_factor": f, "P": P_cal, "density": d, ...}
+    #: method -> its fit at P_cal: {"s1", "s0", "d1", "d0", "decompress_per", "traffic_factor", "P", ...}
     methods: dict[str, dict[str, Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     #: every rank's raw calibration timings (links, native all-reduce, method calls): a refit source
     records: list[dict[str, Any]] = field(default_factory=list)
     version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        unsplit = sorted(name for name, fit in self.methods.items() if not set(SPLIT_WORK) <= set(fit))
+        if unsplit:
+            raise ValueError(f"no split of the work into selection and decompression for {', '.join(unsplit)} "
+                             "(a calibration by an older sparsecomm): calibrate again with `sparsecomm calibrate`")
 
     @property
     def alpha(self) -> float:
@@ -182,7 +161,10 @@ class Profile:
             raise ValueError(f"profile {str(path)!r} is not a version-{PROFILE_VERSION} sparsecomm profile "
                              "(make one with `sparsecomm calibrate`)")
         names = set(cls.__dataclass_fields__)
-        return cls(**{key: value for key, value in data.items() if key in names})
+        try:
+            return cls(**{key: value for key, value in data.items() if key in names})
+        except ValueError as err:
+            raise ValueError(f"profile {str(path)!r}: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -308,9 +290,8 @@ def comm_cpu_seconds(name: str, P: int, n: int, density: float, link: dict[str, 
 def mean_comm_cpu_seconds(name: str, P: int, n: int, density: float, link: dict[str, float],
                           options: dict[str, Any]) -> tuple[float, float]:
     """:func:`comm_cpu_seconds` of the mean rank, not the slowest: what the cores spend on one rank's
-    messages on average (CLT-k's leader, the root of its broadcast, sends more than the others; at
-    P = 6 its messages' CPU is 2.5 ms against 1.6 for the mean rank). Over every rank up to P = 64,
-    over the sampled ranks beyond."""
+    messages on average (CLT-k's leader, the root of its broadcast, sends more than the others, and the
+    cores do every rank's share). Over every rank up to P = 64, over the sampled ranks beyond."""
     parts = _messages_cpu(name, P, n, density, link, options, range(P) if P <= 64 else _sample_ranks(P))
     return sum(x for x, _ in parts) / len(parts), sum(y for _, y in parts) / len(parts)
 
@@ -327,8 +308,7 @@ def shared_cpu(comm_cpu: tuple[float, float], wire_s: float, c_r: float) -> floa
 
 def cores_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: float, options: dict[str, Any],
                   calib_options: dict[str, Any], link: dict[str, float], wire_s: float, c_r: float,
-                  recv_element_s: float = 0.0, block_topk: dict[str, float] | None = None,
-                  scan: bool = True) -> float | None:
+                  block_topk: dict[str, float] | None = None, scan: bool = True) -> float | None:
     """The cores' estimate of a call at (P, n) where the P colocated workers share the cores ``c_r``
     times as densely as in the calibration (``contention(P) / contention(P_cal)``): the cores do
     every rank's CPU, ``c_r`` times the mean rank's, and the wire's time passes on top (the exchange
@@ -342,15 +322,15 @@ def cores_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: flo
     the other rank leaves idle) plus what P adds to it by the model: the work's growth
     (:func:`work_seconds`: the decompression's sweep, the agreement's rounds, SparDL's blocks' top-k)
     and the mean rank's messages' (:func:`mean_comm_cpu_seconds`, per message and per byte).
-    ``bytes_cpu``: the latter's per-byte part at P. ``None`` where the calibration did not record the
-    CPU time or the link's CPU fit (profiles made before 2026-11-28).
+    ``bytes_cpu``: the latter's per-byte part at P. ``None`` where the profile has no CPU fit: a
+    calibration at one size (whose CPU's fixed part per call cannot be told from the part that grows
+    with n) or on a network without a rate limit (no CPU fit of the link).
     """
     if "cpu1" not in calib or "cpu_round_s" not in link:
         return None
     P_cal = calib["P"]
-    work_P = sum(work_seconds(calib, name, P, n, density, options, calib_options, recv_element_s, block_topk, scan))
-    work_cal = sum(work_seconds(calib, name, P_cal, n, density, calib_options, calib_options, recv_element_s,
-                                block_topk, scan))
+    work_P = work_seconds(calib, name, P, n, density, options, calib_options, block_topk, scan)
+    work_cal = work_seconds(calib, name, P_cal, n, density, calib_options, calib_options, block_topk, scan)
     messages_P = mean_comm_cpu_seconds(name, P, n, density, link, options)
     messages_cal = mean_comm_cpu_seconds(name, P_cal, n, density, link, calib_options)
     cpu = calib["cpu1"] * n + calib["cpu0"] + (work_P - work_cal) + (sum(messages_P) - sum(messages_cal))
@@ -381,32 +361,25 @@ def block_topk_seconds(name: str, P: int, n: int, options: dict[str, Any], block
 
 
 def work_seconds(calib: dict[str, Any], name: str, P: int, n: int, density: float, options: dict[str, Any],
-                 calib_options: dict[str, Any], recv_element_s: float, block_topk: dict[str, float] | None = None,
-                 scan: bool = True) -> tuple[float, float]:
-    """A method's work at (P, n) from its calibration entry ``calib``, as (the part that P colocated
-    workers share the cores for, the rest) before the contention factor (the module docstring's
-    ``work``): where the calibration split them (``d1``), selection per gradient element,
-    decompression per byte of its sweep's memory traffic (:func:`decompress_bytes`; per gradient
-    element for a dense method; per touched entry in profiles fitted before the sweep,
-    ``decompress_per`` "entry") and the agreement per round (:func:`agreement_rounds`, where
-    recorded: ``agreement_round_s``); else the legacy per-element work, and ``recv_element_s`` per
-    extra received entry (a one-process figure: the rest). A method that selects from blocks whose
-    number changes with P (SparDL) adds its blocks' top-k at P less those at P_cal
-    (:func:`block_topk_seconds`, ``block_topk`` being the profile's one-process cost; ``scan``: the
-    compiled CPU scan selects the first blocks)."""
+                 calib_options: dict[str, Any], block_topk: dict[str, float] | None = None,
+                 scan: bool = True) -> float:
+    """A method's work at (P, n) from its calibration entry ``calib``, before the contention factor
+    (the module docstring's ``work``): selection per gradient element, decompression per byte of its
+    sweep's memory traffic (:func:`decompress_bytes`; per gradient element for a dense method; per
+    touched entry for a GPU calibration, ``decompress_per`` "entry") and the agreement per round
+    (:func:`agreement_rounds`, where the calibration timed it: ``agreement_round_s``). A method that
+    selects from blocks whose number changes with P (SparDL) adds its blocks' top-k at P less those at
+    P_cal (:func:`block_topk_seconds`, ``block_topk`` being the profile's one-process cost; ``scan``:
+    the compiled CPU scan selects the first blocks)."""
     k = selection_count(density, n) if is_sparse(name) else 0
-    if "d1" in calib:
-        per = calib.get("decompress_per")
-        units = (n if per == "element" else touched_entries(name, P, n, k, density, options) if per == "entry"
-                 else decompress_bytes(name, P, n, k, density, options))
-        decompress = calib["d1"] * units + calib["d0"]
-        agreement = calib.get("agreement_round_s", 0.0) * agreement_rounds(P, calib.get("agreement_ride", ""))
-        blocks = (block_topk_seconds(name, P, n, options, block_topk, scan)
-                  - block_topk_seconds(name, calib["P"], n, calib_options, block_topk, scan))
-        return max(0.0, calib["s1"] * n + calib["s0"] + blocks) + max(0.0, decompress) + agreement, 0.0
-    extra = recv_element_s * (_received_elements(name, P, n, k, density, options)
-                              - _received_elements(name, calib["P"], n, k, density, calib_options))
-    return max(0.0, calib["w1"] * n + calib["w0"]), max(0.0, extra)
+    per = calib["decompress_per"]
+    units = (n if per == "element" else touched_entries(name, P, n, k, density, options) if per == "entry"
+             else decompress_bytes(name, P, n, k, density, options))
+    decompress = calib["d1"] * units + calib["d0"]
+    agreement = calib.get("agreement_round_s", 0.0) * agreement_rounds(P, calib.get("agreement_ride", ""))
+    blocks = (block_topk_seconds(name, P, n, options, block_topk, scan)
+              - block_topk_seconds(name, calib["P"], n, calib_options, block_topk, scan))
+    return max(0.0, calib["s1"] * n + calib["s0"] + blocks) + max(0.0, decompress) + agreement
 
 
 def predict_comm(name: str, P: int, n: int, density: float, alpha: float, beta: float,
@@ -484,14 +457,11 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
                     rests.append(f"rounds' CPU cost {contention_rounds:g}x (P workers on {profile.cores} cores"
                                  + ("; the messages' CPU measured per message and byte)" if comm_cpu is not None
                                     else ")"))
-            shared, alone = work_seconds(calib, name, P, n, density, options, calib_options, profile.recv_element_s,
-                                         profile.block_topk_s, scan=profile.device == "cpu")
-            work = (shared * contention / calib_contention + alone) / compute_scale
-            rests.append(f"work measured at P={calib['P']}, density={calib['density']:g}"
-                         + (f" (selection per element, decompression per "
-                            f"{_DECOMPRESS_UNIT.get(calib.get('decompress_per', 'byte'), 'byte swept')}"
-                            + (", agreement per round" if "agreement_round_s" in calib else "") + ")"
-                            if "d1" in calib else ""))
+            work = (work_seconds(calib, name, P, n, density, options, calib_options, profile.block_topk_s,
+                                 scan=profile.device == "cpu") * contention / calib_contention) / compute_scale
+            rests.append(f"work measured at P={calib['P']}, density={calib['density']:g} (selection per element, "
+                         f"decompression per {_DECOMPRESS_UNIT[calib['decompress_per']]}"
+                         + (", agreement per round" if "agreement_round_s" in calib else "") + ")")
             if factor != 1.0:
                 rests.append(f"traffic {factor:.2f} x formula (measured)")
             if comm_factor != 1.0:
@@ -534,7 +504,7 @@ def predict(name: str, P: int, n: int, density: float, *, profile: Profile | Non
             # the cores' estimate: P ranks' CPU on fewer cores, plus the wire (the larger one is the call)
             cores = cores_seconds(calib, name, P, n, density, options, calib_options, link,
                                   comm_factor * rounds * a + max(0.0, wire - burst_credit), contention_rounds,
-                                  profile.recv_element_s, profile.block_topk_s, scan=profile.device == "cpu")
+                                  profile.block_topk_s, scan=profile.device == "cpu")
             if cores is not None and cores > comm + work:
                 work = cores - comm
                 rests.append(f"the cores' estimate (P ranks' CPU on {profile.cores} cores, plus the wire)")

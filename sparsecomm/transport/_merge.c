@@ -162,20 +162,16 @@ MERGE_SUM_BODY(double)
 #define BLOCK 4096      /* elements per block: a float block in a quarter of L1, a double block in half */
 #define GROUP 16        /* elements per mask bit: a float cache line */
 #define MASK_WORDS_PER_BLOCK (BLOCK / GROUP / 64)
-/* in place at most 1/6 of a block's groups (a touched line in place costs about six streamed ones: its
- * read, its write-back and the hardware prefetcher's neighbours). Measured on this project's 2-core
- * test machine (2026-11-26; 25M float32 outputs, a new 1% of entries each call, four processes per setting):
- * 1.3-1.6 passes over the output with the cut-over at 1/3, 0.8-1.6 at 1/6 (the sweep then ran at one
- * of two speeds from one process to the next, 4K aliasing of the scratch, since placed by
- * half_page_away; at the slow one both took 1.5); 0.1-0.3% of entries stay in place either way. */
+/* in place at most 1/6 of a block's groups: a touched line in place costs about six streamed ones (its
+ * read, its write-back and the hardware prefetcher's neighbours), so past that share streaming the
+ * whole block is cheaper. */
 #define DENSE_NUM 1
 #define DENSE_DEN 6
 
-/* an in-place block's lines are fetched this many blocks before it is written (at 0.1% of entries a
- * block touches about eight lines; fetched just before it, the sweep waited for memory block by block).
- * 25M float32 outputs, one chunk of 0.1% sorted random entries a call and the last call's stale: 1.4 ms
- * against 2.3 fetching each block's lines just before it (2 to 16 blocks ahead gave 1.4-1.5; medians of
- * 7 calls, 2026-11-27, this project's 2-core AMD EPYC, a throwaway script timing both builds in turn) */
+/* an in-place block's lines are fetched this many blocks before it is written: at 0.1% of entries a
+ * block touches about eight lines, and fetched just before it the sweep would wait for memory block by
+ * block; several blocks' lines in flight at once hide that wait (the distance matters little between
+ * 2 and 16 blocks). */
 #define PREFETCH_BLOCKS 4
 
 enum { MASK_CLEAN = 0, MASK_STALE = 1, MASK_ALL = 2 }; /* the vector zero / zero outside the mask / anything */
@@ -189,10 +185,9 @@ static inline int written_in_place(int mode, int64_t received, int64_t stale, in
 /* The scratch block's offset into its allocation (of PAGE bytes more than the block): where its address
  * lies half a page from the vector's within a page, on a cache line. A dense block's finish loads
  * scratch[i] while it streams dst[i] out; with the two at nearly the same offset within their pages, a
- * load whose address matched a store just issued in its low 12 bits waited for that store (4K aliasing),
- * and the sweep took 2.3 times as long (25M float32 outputs, 1% of entries a call: 6.0 against 2.6 ms,
- * with the scratch wherever calloc put it; which one a process got depended on its heap, so on
- * PYTHONHASHSEED; 2026-11-27, this project's 2-core AMD EPYC). */
+ * load whose address matches a store just issued in its low 12 bits waits for that store (4K aliasing)
+ * and the sweep runs at a fraction of its speed. Where calloc puts the scratch depends on the process's
+ * heap, so the offset is chosen here rather than left to it. */
 #define PAGE 4096
 static inline size_t half_page_away(const void *memory, const void *vector) {
     const size_t want = ((uintptr_t)vector + PAGE / 2) % PAGE / 64 * 64;
@@ -442,11 +437,9 @@ AVERAGE_BODY(double, int64_t)
  * merge_average's, the stale groups zeroed first), the mask is rewritten with the covered groups.
  * Returns the non-zero results. Cost: the covered elements and the stale groups, plus the mask. */
 /* average_blocks fetches the stale groups STALE_AHEAD_WORDS mask words (1024 elements each) and the lines
- * of the block BLOCKS_AHEAD blocks before it writes them (each written line was otherwise waited for in
- * turn, as in merge_average's in-place blocks). 25M float32 outputs, a new 7.7% of the 32-element blocks
- * each call (S2 Reducer's union at P = 8, 1%) and the last call's zeroed: 4.8-5.1 ms against 6.0-6.3
- * without (medians of 22 calls, three alternating pairs of builds, 2026-11-27, this project's 2-core AMD
- * EPYC, a throwaway script); 1 to 4 words and 4 to 16 blocks ahead gave the same within the spread. */
+ * of the block BLOCKS_AHEAD blocks before it writes them: otherwise each written line is waited for in
+ * turn, as in merge_average's in-place blocks (the distances matter little within 1-4 words and 4-16
+ * blocks). */
 #define STALE_AHEAD_WORDS 2
 #define BLOCKS_AHEAD 8
 #define BLOCKS_BODY(T, I)                                                                                   \

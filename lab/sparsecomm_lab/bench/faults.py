@@ -1,4 +1,4 @@
-"""``sparsecomm bench faults``: the fault-injection table of docs/reliability.md.
+"""``sparsecomm bench faults``: the fault-injection table (benchmarks/faults; the policy: docs/reliability.md).
 
 For each worker count P, one launch of P local workers runs every case of
 :data:`sparsecomm.experiments.faults.CASES` on every method (rank P-1 gets the bad input); a cell shows the

@@ -14,7 +14,7 @@ them is kept. The profile is calibrated again before each run and the calibratio
 and validation sample the machine's load over the same period. The spread between runs (run-to-run
 noise) is printed with the error: it is the floor under which no model's error can be shown.
 
-The report (printed, and written to ``--report`` as markdown for docs/simulator.md) opens with when
+The report (printed, and written to ``--report`` as markdown, as benchmarks/simulator keeps it) opens with when
 the points were measured, the command and the machine's load average at each group's start, and
 gives each point's predicted communication and work, and (held-out points) whether it is within
 25%.
@@ -88,10 +88,6 @@ def calibration_sizes(text: str | None, sizes: list[int]) -> list[int]:
     return sorted(set(sizes))
 
 
-#: what a method run of the calibration must have recorded for the current model
-_TIMED = ("time_decompress", "time_agreement")
-
-
 def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
     """The network's profile, calibrated ``rounds`` times (at different times) and merged: the file
     keeps the merged raw timings and how many calibrations they hold; a missing one is added."""
@@ -103,10 +99,6 @@ def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
     path = Path(args.profile_dir) / (f"profile-{label}-{'-'.join(str(n) for n in sizes)}"
                                      f"-P{args.calibrate_workers}-r{repeat}.json")
     profile = Profile.load(path) if path.exists() else None
-    if profile is not None and not all(key in run for run in profile.records[0]["runs"] for key in _TIMED):
-        log.warning("%s was calibrated before decompression and the agreement were timed apart: calibrating "
-                    "afresh", path)
-        profile = None
     done = 0 if profile is None else int(profile.meta.get("calibrations", 1))
     while profile is None or done < rounds:
         new = calibrate(args.calibrate_workers, methods, sizes, args.density, net=net, repeat=repeat,
@@ -117,7 +109,7 @@ def _profile_for(net: str | None, args, methods, sizes, rounds: int = 1):
             new = profile_from_records(
                 merge_records(profile.records, new.records), density=args.density, net=new.net,
                 device=new.device, cores=new.cores, colocated=new.colocated, selectors=new.selectors,
-                recv_element_s=new.recv_element_s, selector_fixed_s=new.selector_fixed_s,
+                selector_fixed_s=new.selector_fixed_s,
                 block_topk_s=new.block_topk_s,
                 meta={**new.meta, "when": f"{profile.meta['when'].split(' .. ')[0]} .. {new.meta['when']}"})
         done += 1
@@ -211,18 +203,12 @@ def run(args) -> int:
 
 def report_header(rows: list[dict[str, Any]], command: str) -> str:
     """When the rows were measured (the first and last group's start), the 1-minute load average at
-    the groups' starts, and the command, as markdown (rows measured before these were stored say so)."""
-    stamped = [r for r in rows if "when" in r]
-    if stamped:
-        first, last = min(r["when"] for r in stamped), max(r["when"] for r in stamped)
-        loads = [r["load"] for r in stamped]
-        measured = (f"Measured {first}" + (f" .. {last}" if last != first else "")
-                    + f"; 1-minute load average at the groups' starts {min(loads):.1f} .. {max(loads):.1f} "
-                    f"(this machine: {os.cpu_count()} cores)")
-    else:
-        measured = "Measured before the date and load were stored with the points"
-    if len(stamped) < len(rows):
-        measured += f" ({len(rows) - len(stamped)} points without them)"
+    the groups' starts, and the command, as markdown."""
+    first, last = min(r["when"] for r in rows), max(r["when"] for r in rows)
+    loads = [r["load"] for r in rows]
+    measured = (f"Measured {first}" + (f" .. {last}" if last != first else "")
+                + f"; 1-minute load average at the groups' starts {min(loads):.1f} .. {max(loads):.1f} "
+                f"(this machine: {os.cpu_count()} cores)")
     return f"{measured}. Predictions from the model as of this report. Command:\n\n    {command}"
 
 
@@ -288,11 +274,8 @@ def repredict(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def held_out(row: dict[str, Any]) -> bool | None:
-    """Whether a measured point is held out: both its P and its n other than the calibration's
-    (None for rows measured before the calibration's P and sizes were stored with them)."""
-    if "calibrated_P" not in row:
-        return None
+def held_out(row: dict[str, Any]) -> bool:
+    """Whether a measured point is held out: both its P and its n other than the calibration's."""
     return row["P"] != row["calibrated_P"] and row["n"] not in row["calibrated_sizes"]
 
 
@@ -303,12 +286,11 @@ def validation_table(rows: list[dict[str, Any]], tolerance: float = 0.25) -> str
     table = []
     for r in sorted(rows, key=lambda r: (r["net"], r["n"], r["method"], r["P"])):
         error = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
-        out = held_out(r)
         table.append({"network": r["net"], "n": r["n"], "method": r["method"], "P": r["P"],
                       "predicted (ms)": 1e3 * r["predicted_s"], "pred. comm (ms)": 1e3 * r["comm_s"],
                       "pred. work (ms)": 1e3 * r["work_s"], "measured (ms)": 1e3 * r["measured_s"],
                       "rel. error": f"{100 * error:+.0f}%",
-                      "held out": "?" if out is None else "yes" if out else "no",
+                      "held out": "yes" if held_out(r) else "no",
                       f"within {100 * tolerance:.0f}%": "yes" if abs(error) <= tolerance else "no"})
     if not table:
         return "(no results)"

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync", choices=["ddp", "synchronizer"], default=None,
                         help="DDP with the comm hook, or SparseSynchronizer (needed for the DGC options); "
-                        "default: the recommended recipe (training.sparse_recipe, docs/recipe.md)")
+                        "default: the recommended recipe (training.sparse_recipe, docs/training.md)")
     parser.add_argument("--dense-warmup-steps", type=int, default=None, help="default: the recipe's (0)")
     parser.add_argument("--clip-norm", type=float, default=None, help="local gradient clipping (synchronizer)")
     parser.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--density-warmup", type=int, default=None, help="DGC density warm-up epochs (synchronizer)")
     parser.add_argument("--schedule", default=None,
                         help="method switches EPOCH:METHOD[,EPOCH:METHOD...], e.g. 13:torus2d: --method runs "
-                             "until the first (Shi et al. 5.6; docs/schedules.md)")
+                             "until the first (Shi et al. 5.6; docs/hook-and-synchronizer.md)")
     parser.add_argument("--method-options", default="{}", help='JSON dict of method options, e.g. \'{"teams": 2}\'')
     parser.add_argument("--train-size", type=int, default=None, help="subset of the training set (fashion-mnist, zipf)")
     parser.add_argument("--evals-per-epoch", type=int, default=1)

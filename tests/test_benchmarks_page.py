@@ -1,0 +1,29 @@
+"""docs/benchmarks.md is the page benchmarks/make_page.py builds from the benchmark folders: a result
+that changed without the page (or a folder without its README, command or report) fails here."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _make_page():
+    spec = importlib.util.spec_from_file_location("make_page", ROOT / "benchmarks" / "make_page.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmarks_page_is_generated_from_the_folders():
+    assert (ROOT / "docs" / "benchmarks.md").read_text() == _make_page().page(), \
+        "regenerate it: make benchmarks-page"
+
+
+def test_every_benchmark_folder_has_a_command_and_a_report_and_is_on_the_page():
+    listed = {name for _, _, entries in _make_page().SECTIONS for name, _ in entries}
+    folders = {path.name for path in (ROOT / "benchmarks").iterdir() if path.is_dir()}
+    assert folders == listed
+    for name in folders:
+        readme = (ROOT / "benchmarks" / name / "README.md").read_text()
+        assert "## Command" in readme and "## Current result" in readme, name
+        assert (ROOT / "benchmarks" / name / "report.md").is_file(), name
