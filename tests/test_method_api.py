@@ -170,17 +170,17 @@ def test_synchronizer_resumes_exactly_with_several_buckets(options):
 
 
 def test_nested_phase_timers_book_every_second_once(monkeypatch):
-    """A phase timed inside another (SparDL's selections inside the agreement steps that carry its
-    messages, timed as the comm) stops the outer one's clock: each second is booked to one phase."""
-    from sparsecomm.methods import base
+    """A phase timed inside another (SparDL's selections inside the steps of its messages, timed as
+    the comm) stops the outer one's clock: each second is booked to one phase."""
+    from sparsecomm.methods import stats
 
     clock = iter([0.0, 1.0, 3.0, 4.0, 10.0, 11.0])  # enter comm, enter select, leave, enter, leave, leave comm
-    monkeypatch.setattr(base.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(stats.time, "perf_counter", lambda: next(clock))
     times: dict[str, float] = {}
     running: list = []
-    with base.PhaseTimer(times, "comm", running):
-        with base.PhaseTimer(times, "select", running):
+    with stats.PhaseTimer(times, "comm", running):
+        with stats.PhaseTimer(times, "select", running):
             pass
-        with base.PhaseTimer(times, "select", running):
+        with stats.PhaseTimer(times, "select", running):
             pass
     assert times == {"comm": 1.0 + 1.0 + 1.0, "select": 2.0 + 6.0} and running == []
