@@ -30,9 +30,9 @@ FOLDED = ["topka", "topk", "cltk", "spardl", "threshold", "sidco", "exdyna", "re
           "gtopk", "s2reducer", "omnireduce"]
 
 
-def _skipped_step_changes_nothing(name, policy):
+def _skipped_step_changes_nothing(name, policy, options=None):
     rank = dist.get_rank()
-    options = OPTIONS.get(name, {})
+    options = OPTIONS.get(name, {}) if options is None else options
     method = make_method(name, density=0.01, nonfinite=policy, **options)
     reference = make_method(name, density=0.01, **options)  # the same calls without the poisoned one
     assert method.accumulates
@@ -139,3 +139,15 @@ def test_spardl_sending_its_messages_in_the_agreement_refuses_a_step_on_every_ra
     for message, unchanged in run_workers(P, _refused_step, "spardl", {}, timeout=120):
         assert "NaN/Inf in the gradient of rank 0 (rank 0: 1 non-finite elements)" in message
         assert unchanged
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_a_skipped_step_puts_back_the_state_its_accumulation_moved(P):
+    """SparDL with a selector that keeps state (DGC's sampling generator) selects the first step's bag
+    before the ranks agreed (``moved_by_accumulate``): a skipped step puts the selector back, so the
+    next step selects as without the skipped one, whether the messages rode on the agreement (P = 2, 4)
+    or not (P = 3)."""
+    for unchanged, skipped, result, next_equal, residual_equal in run_workers(
+            P, _skipped_step_changes_nothing, "spardl", "skip", {"selector": "dgc_sampled"}, timeout=120):
+        assert unchanged and skipped == 0
+        assert result and next_equal and residual_equal
