@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.launch.launcher import run_workers
-from sparsecomm.methods import checks, make_method
+from sparsecomm.methods import Method, checks, make_method, method_class, sparse_methods
 from sparsecomm.methods.exdyna import ExDyna
 from sparsecomm.methods.redsync import RedSync
 from sparsecomm.methods.select_allgather import SelectAllGather
@@ -24,10 +24,11 @@ def gradient(rank: int, call: int) -> torch.Tensor:
 #: options that make a method fold its agreement at these sizes: Ok-Topk past its dense warm-up (and
 #: estimating its threshold every other call, reusing it in between), HiTopKComm with one rank per node
 OPTIONS = {"oktopk": {"warmup_steps": 0, "threshold_interval": 2}, "hitopk": {"local_size": 1}}
-#: HiTopKComm with two ranks per node agrees before its intra-node reduce-scatter, as the base class does
+#: HiTopKComm with two ranks per node agrees before its intra-node reduce-scatter, as a method without
+#: an accumulation does
 ALIASES = {"hitopk-2-per-node": ("hitopk", {"local_size": 2})}
-FOLDED = ["topka", "topk", "cltk", "spardl", "threshold", "sidco", "exdyna", "redsync", "oktopk", "hitopk", "topkdsa",
-          "gtopk", "s2reducer", "omnireduce"]
+#: every method that hands the runner its accumulation (its class defines ``accumulate``)
+FOLDED = sorted(name for name in sparse_methods() if method_class(name).accumulate is not Method.accumulate)
 
 
 def _skipped_step_changes_nothing(name, policy, options=None):
@@ -151,3 +152,7 @@ def test_a_skipped_step_puts_back_the_state_its_accumulation_moved(P):
             P, _skipped_step_changes_nothing, "spardl", "skip", {"selector": "dgc_sampled"}, timeout=120):
         assert unchanged and skipped == 0
         assert result and next_equal and residual_equal
+
+
+def test_the_methods_that_accumulate_are_found():
+    assert {"topka", "threshold", "sidco", "spardl", "exdyna", "redsync", "oktopk", "gtopk"} <= set(FOLDED)
