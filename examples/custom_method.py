@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from sparsecomm.core.cost import Cost, register_cost
-from sparsecomm.methods.base import Layout, Method, register_method
+from sparsecomm.methods.base import Method, Output, register_method
 from sparsecomm.transport.collectives import allreduce, allreduce_cost
 
 
@@ -41,7 +41,7 @@ class RandomK(Method):
         super().__init__(comm, density=density)
         self.seed = int(seed)
 
-    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def reduce(self, grad: torch.Tensor, out: Output) -> torch.Tensor:
         n, P, k = grad.numel(), self.comm.size, self.k(grad.numel())
         with self.timer("residual"):
             acc = self.residual_for(grad).add_(grad)  # acc is self.residual, updated in place
@@ -51,13 +51,13 @@ class RandomK(Method):
         with self.timer("comm"):
             summed = allreduce(self.comm, acc[chosen], "rabenseifner")  # cost: _randk_cost below
         with self.timer("decompress"):
-            out = self.output_buffer(grad)
-            out[chosen] = summed.div_(P)
-            self.output_written(chosen)
+            result = out.zeros()  # the caller's out= tensor, zeroed where the last call wrote, or a new one
+            result[chosen] = summed.div_(P)
+            out.written(chosen)
         with self.timer("residual"):
             acc.index_fill_(0, chosen, 0)  # sent: nothing of it stays behind
         self.stats.update(selected=k, nnz_out=k)
-        return out
+        return result
 
 
 @register_cost("randk")

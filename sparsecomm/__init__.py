@@ -9,9 +9,9 @@ Inside a worker (``run_workers`` or torchrun)::
 See the README and ``docs/`` for the methods, the DDP hook and the CLI. The library is layered
 (``docs/architecture.md``): ``core`` < ``transport`` < ``selection`` < ``methods`` < ``integration``
 < ``launch`` < ``simulator`` < ``cli``; this module re-exports the public names, and
-``sparsecomm.selectors`` is the selector namespace. The experiments behind the measurements
-(``sparsecomm.experiments``) and the developer tools (``sparsecomm.devtools``) are never imported by
-``import sparsecomm``. Papers are cited by the keys of ``docs/references.md`` ([SparDL], [ShiCloud], ...).
+``sparsecomm.selectors`` is the selector namespace. The experiments behind the measurements (the lab,
+``sparsecomm_lab`` in the repository's ``lab/``) are never imported by the library. Papers are cited
+by the keys of ``docs/references.md`` ([SparDL], [ShiCloud], ...).
 """
 
 from . import selectors

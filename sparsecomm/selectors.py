@@ -5,6 +5,6 @@ lists the names; ``register_selector(name)`` adds one. The selectors, their fuse
 the C kernel live in :mod:`sparsecomm.selection` (see its docstring for the table of selectors).
 """
 
-from .selection import RENAMED, NonFiniteInputError, Selector, available, make, option_names, register_selector
+from .selection import NonFiniteInputError, Selector, available, make, option_names, register_selector
 
-__all__ = ["make", "available", "register_selector", "option_names", "RENAMED", "Selector", "NonFiniteInputError"]
+__all__ = ["make", "available", "register_selector", "option_names", "Selector", "NonFiniteInputError"]

@@ -1,7 +1,7 @@
-"""The all-gather that rides on the agreement (gloo): ``Communicator.agree_max_gathering`` delivers every
-rank's block with the maxima, in the steps and bytes of ``allgatherv``; a ``SelectAllGather`` call sends
-ceil(log2 P) messages in all and returns the same bits as when it agrees first; ranks that do not all
-gather disagree on every rank instead of misreading each other."""
+"""The first message that rides on the agreement (gloo): ``control.max_all_reduce_gathering`` delivers
+every rank's block with the maxima, in the steps and bytes of ``allgatherv``; a ``SelectAllGather`` call
+sends ceil(log2 P) messages in all and returns the same bits as when it agrees first; ranks that do not
+all carry it disagree on every rank instead of misreading each other."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from sparsecomm.launch.launcher import run_workers
 from sparsecomm.methods import make_method
+from sparsecomm.transport import control
 from sparsecomm.transport.agreement import AgreementError
 from sparsecomm.transport.comm import EAGER_LIMIT_BYTES, Communicator
 from sparsecomm.transport.sparse_collectives import allgatherv_traffic
@@ -27,7 +28,7 @@ def _gather(big: bool, without: int | None):
     comm = Communicator()
     rank, P = comm.rank, comm.size
     block = None if rank == without else _block_of(rank, big)
-    maxima, gathered, steps = comm.agree_max_gathering([rank, -rank, 7], block)
+    maxima, gathered, steps = control.max_all_reduce_gathering(comm, [rank, -rank, 7], block)
     expected = [torch.cat([t.contiguous().view(torch.uint8) for t in _block_of(q, big)]) for q in range(P)]
     same = gathered is not None and all(torch.equal(a, b) for a, b in zip(gathered, expected, strict=True))
     sizes = [int(b.numel()) for b in expected]
@@ -57,15 +58,17 @@ def test_a_rank_without_a_block_leaves_every_rank_without_blocks_but_with_the_ma
         assert none
 
 
+def _carries_nothing(comm: Communicator) -> bool:
+    """``control.carries_blocks`` of a rank whose agreement carries no payload (as on NCCL), with gloo's frames."""
+    return False
+
+
 def _calls(name: str, gathers: bool):
     """Three calls of ``name``; ``gathers=False`` makes every rank agree first and all-gather after (the
     NCCL path), with the same frames for the agreement."""
-    class AgreesFirst(Communicator):
-        gathers_in_agreement = False
-
     method = make_method(name, density=0.02)
     if not gathers:
-        method.comm.__class__ = AgreesFirst
+        control.carries_blocks = _carries_nothing  # this worker process only
     sends = []
     real_isend = Communicator._isend
 
@@ -103,9 +106,7 @@ def _mixed(kind: str):
     if rank == 1 and kind == "method":
         method = make_method("rabenseifner")
     if rank == 1 and kind == "gathers":
-        class AgreesFirst(Communicator):
-            gathers_in_agreement = False
-        method.comm.__class__ = AgreesFirst
+        control.carries_blocks = _carries_nothing  # this worker process only
     try:
         method(torch.randn(2000))
         return "went on"
@@ -114,7 +115,7 @@ def _mixed(kind: str):
 
 
 @pytest.mark.parametrize("kind, text", [("method", "method differs across ranks"),
-                                        ("gathers", "whether the first message rides on the agreement differs")])
+                                        ("gathers", "whether the agreement carries the first message differs")])
 def test_ranks_that_do_not_all_gather_disagree_on_every_rank(kind, text):
     for message in run_workers(3, _mixed, kind, timeout=60):
         assert text in message, message
@@ -139,9 +140,7 @@ def _spardl_beside(other: str):
     rank = dist.get_rank()
     method = make_method("spardl", density=0.05)
     if rank == 1 and other == "gathers":
-        class AgreesFirst(Communicator):
-            gathers_in_agreement = False
-        method.comm.__class__ = AgreesFirst
+        control.carries_blocks = _carries_nothing  # this worker process only
     elif rank == 1:
         method = make_method(other) if other == "rabenseifner" else make_method(other, density=0.05)
     grad = torch.randn(2000, generator=torch.Generator().manual_seed(rank))
@@ -155,7 +154,7 @@ def _spardl_beside(other: str):
 @pytest.mark.parametrize("P", [2, 4, 8])
 @pytest.mark.parametrize("other, text", [("topka", "method differs across ranks"),
                                          ("rabenseifner", "method differs across ranks"),
-                                         ("gathers", "whether the first message rides on the agreement differs")])
+                                         ("gathers", "whether the agreement carries the first message differs")])
 def test_a_rank_that_does_not_send_spardls_message_in_the_agreement_disagrees_on_every_rank(P, other, text):
     for message, residual_untouched in run_workers(P, _spardl_beside, other, timeout=60):
         assert text in message, message
@@ -177,14 +176,15 @@ def _riding(bad: int):
         mine[0] |= handed[-1]
         return [torch.tensor([mine[0]], dtype=torch.int64)]
 
-    maxima, last, moved = comm.agree_max_riding([value, -value], [torch.tensor([mine[0]], dtype=torch.int64)],
-                                                produce, lambda both: both[0] == -both[1])
+    maxima, last, moved = control.max_all_reduce_carrying(comm, [value, -value],
+                                                          [torch.tensor([mine[0]], dtype=torch.int64)],
+                                                          produce, lambda both: both[0] == -both[1])
     return maxima, handed, None if last is None else int(last[0].view(torch.int64)[0]), len(moved)
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_riding_messages_reach_produce_only_from_ranks_that_agree_so_far(P):
-    """``agree_max_riding``: with every header equal each step's message is made from the previous
+    """``max_all_reduce_carrying``: with every header equal each step's message is made from the previous
     one's and the last one carries every rank; where rank P - 1's header differs, no message it shaped
     is ever handed to ``produce`` (nor returned), and every rank still reaches the same maxima."""
     steps = (P - 1).bit_length()
@@ -228,15 +228,15 @@ def _preposted_agreements(big: bool, twice: bool):
 
     comm = Communicator()
     rank, P = comm.rank, comm.size
-    comm.prepost_agreement()
+    control.post_receives_ahead(comm)
     if twice:  # a leftover from a call that failed before its agreement: the next one uses it
-        comm.prepost_agreement()
-    posted = len(comm._preposted)
+        control.post_receives_ahead(comm)
+    posted = control.posted_ahead(comm)
     time.sleep(0.002 * rank)  # the peers' messages arrive while this rank still works
-    maxima, gathered, _ = comm.agree_max_gathering([rank, -rank, 7], _block_of(rank, big))
+    maxima, gathered, _ = control.max_all_reduce_gathering(comm, [rank, -rank, 7], _block_of(rank, big))
     expected = [torch.cat([t.contiguous().view(torch.uint8) for t in _block_of(q, big)]) for q in range(P)]
     same = gathered is not None and all(torch.equal(a, b) for a, b in zip(gathered, expected, strict=True))
-    left = len(comm._preposted)
+    left = control.posted_ahead(comm)
     after = comm.exchange((rank + 1) % P, torch.full((3,), float(rank)), (rank - 1) % P)
     return maxima, same, posted, left, after.tolist() == [float((rank - 1) % P)] * 3
 
@@ -260,16 +260,16 @@ def _method_preposts(name: str):
     method = make_method(name) if name == "rabenseifner" else make_method(name, density=0.02)
     comm = method.comm
     posts = []
-    real = comm.prepost_agreement
+    real = control.post_receives_ahead
 
-    def spy():
-        real()
-        posts.append(len(comm._preposted))
+    def spy(posting):
+        real(posting)
+        posts.append(control.posted_ahead(posting))
 
-    comm.prepost_agreement = spy
+    control.post_receives_ahead = spy  # this worker process only
     outputs = [method(torch.randn(3000, generator=torch.Generator().manual_seed(10 * comm.rank + c)))
                for c in range(3)]
-    return posts, len(comm._preposted), outputs
+    return posts, control.posted_ahead(comm), outputs
 
 
 @pytest.mark.parametrize("name", ["topka", "spardl", "cltk", "rabenseifner"])

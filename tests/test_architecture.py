@@ -61,7 +61,7 @@ def test_import_sparsecomm_loads_no_lab_module_and_no_optional_dependency():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert "sparsecomm.selectors" in loaded and "sparsecomm.methods.spardl" in loaded
     unwanted = [m for m in loaded if m.split(".")[0] in ("PIL", "tqdm", "matplotlib")
-                or m.startswith(("sparsecomm_lab", "sparsecomm.devtools", "sparsecomm.cli"))]
+                or m.startswith(("sparsecomm_lab", "sparsecomm.cli"))]
     assert unwanted == []
 
 

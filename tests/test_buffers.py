@@ -94,7 +94,8 @@ def _method_worker(name, n):
     for _ in range(3):
         method(grad)
     fresh = make_method(name, **options).residual_for(grad)  # the residual where no spare is used (NCCL)
-    return {part: _is_advised(t, calls) for part, t in (("residual", method.residual), ("spare", method._spare),
+    spare = method._runner.residuals.spare
+    return {part: _is_advised(t, calls) for part, t in (("residual", method.residual), ("spare", spare),
                                                          ("residual_for", fresh))}
 
 

@@ -61,7 +61,7 @@ def test_a_stuck_rank_is_named_under_the_hook_within_the_timeout(method):
 
 def _fails_after_agreement(name):
     """Rank 1's call raises after the agreement (a failure the local checks cannot foresee), in its
-    decompression: ``topkdsa`` still exchanges its streams with the others then, ``topk`` (on gloo)
+    ``reduce``: ``topkdsa`` still exchanges its streams with the others then, ``topk`` (on gloo)
     gathered everything inside the agreement."""
     rank = dist.get_rank()
     method = make_method(name, density=0.1)
@@ -69,10 +69,7 @@ def _fails_after_agreement(name):
     if rank == 1:
         def broken(*args, **kwargs):
             raise MemoryError("out of memory (injected)")
-        if name == "topk":
-            method.output_average = broken
-        else:
-            method.reduce = lambda grad, layout: (method.agree(grad, layout, 0), broken())
+        method.reduce = broken
     start = time.monotonic()
     calls = []
     for _ in range(2):
@@ -111,7 +108,7 @@ def _fails_before_agreement():
     """Rank 1's selection raises before the agreement of a method that agrees after its scan."""
     rank = dist.get_rank()
     method = make_method("topka", density=0.1)
-    assert method.agrees_in_reduce
+    assert method.accumulates
     method(torch.ones(100))
     residual = method.residual.clone()
     if rank == 1:

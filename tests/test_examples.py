@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 import sparsecomm
 from sparsecomm import run_workers
@@ -82,6 +83,47 @@ def test_the_custom_method_example_keeps_every_invariant(P):
     full = run_workers(P, _trace_custom_method, {"density": 1.0}, 2, N_CUSTOM, timeout=60)
     assert_equals_dense([trace for trace, _ in full])
     assert "randk" not in sparsecomm.available_methods()  # registered in the workers only
+
+
+def _gathering_method(carried: bool):
+    """Worker: "eftopk" (examples/gathering_method.py) traced, its cost formula, whether its first
+    message rode on the call's checks, and topka's outputs on the same gradients. ``carried=False``:
+    this rank's checks carry no payload (as on NCCL)."""
+    import torch.distributed as dist
+    from invariants import trace_method
+
+    from sparsecomm.transport import control
+
+    _load("gathering_method")
+    if not carried:
+        control.carries_blocks = lambda comm: False  # this worker process only
+    P, rank, k = dist.get_world_size(), dist.get_rank(), 51
+    expected = sparsecomm.cost("eftopk", P=P, n=N_CUSTOM, k=k, rank=rank)
+    traces = trace_method("eftopk", {"density": 0.05}, N_CUSTOM, 3)
+    reference = trace_method("topka", {"density": 0.05}, N_CUSTOM, 3)
+    same = all(torch.equal(a["out"], b["out"]) for a, b in zip(traces, reference, strict=True))
+    return traces, (expected.rounds, expected.bytes_sent, expected.bytes_recv), \
+        traces[-1]["stats"].get("gathered_in_agreement", 0), same
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8])
+def test_a_method_that_hands_the_runner_its_first_message_keeps_every_invariant(P):
+    """examples/gathering_method.py: the invariants, traffic = formula, the same bits as topka, and its
+    all-gather carried by the call's checks on gloo with no line of its own about it, or sent
+    by its own ``send`` where the checks carry nothing, with the same bits."""
+    from invariants import assert_conserved, assert_consistent
+
+    for carried in (True, False):
+        results = run_workers(P, _gathering_method, carried, timeout=60)
+        traces = [trace for trace, _, _, _ in results]
+        assert_consistent(traces)
+        assert_conserved(traces)
+        for trace, formula, gathered, same in results:
+            assert same
+            assert gathered == (1 if carried else 0)
+            for record in trace:
+                stats = record["stats"]
+                assert (stats["rounds"], stats["bytes_sent"], stats["bytes_recv"]) == formula
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from torch import nn
 
 import sparsecomm
 from sparsecomm import run_workers
-from sparsecomm.methods.agreement import NonFiniteGradientError
+from sparsecomm.methods.checks import NonFiniteGradientError
 
 NAN_STEPS = (0, 2)  # step 0 falls in the dense warm-up
 

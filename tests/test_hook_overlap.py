@@ -161,7 +161,7 @@ def _failing_method_raises_in_backward():
     net, state = _ddp({"method": "topka", "density": 0.02}, find_unused=False)
     _train(net, state, 0, 2)  # DDP has rebuilt its buckets: the groups are final
 
-    def broken(grad, layout):
+    def broken(grad, out):
         raise ValueError("broken on purpose")
 
     state.plan.groups[0].method.reduce = broken

@@ -1,7 +1,7 @@
 """Memory of every method (issue 16, item 6), in gradient-sized buffers (4n bytes for float32):
 
 * kept between calls, for a method with a residual: at most 2 (the residual and, for a method that
-  agrees after its selection's scan on CPU, ``Method.agrees_in_reduce``, its spare residual);
+  accumulates before its call's checks on CPU, ``Method.accumulates``, its spare residual);
 * at peak during a call, counting the caller's gradient and the returned output: at most 4, and 5
   for a method that keeps the spare residual.
 
@@ -85,7 +85,7 @@ def measure(name, n, calls=3):
     libc.malloc_trim(0)
     kept = _status_kib("VmRSS") - base - 4 * n / 1024  # less the caller's gradient
     return {"kept": kept / unit, "peak": (peak - base) / unit, "before": (before - base) / unit,
-            "spare": method.agrees_in_reduce}
+            "spare": method.accumulates}
 
 
 def _measured_row(name, n, P):

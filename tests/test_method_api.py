@@ -170,17 +170,38 @@ def test_synchronizer_resumes_exactly_with_several_buckets(options):
 
 
 def test_nested_phase_timers_book_every_second_once(monkeypatch):
-    """A phase timed inside another (SparDL's selections inside the agreement steps that carry its
-    messages, timed as the comm) stops the outer one's clock: each second is booked to one phase."""
-    from sparsecomm.methods import base
+    """A phase timed inside another (SparDL's selections inside the steps of its messages, timed as
+    the comm) stops the outer one's clock: each second is booked to one phase."""
+    from sparsecomm.methods import stats
 
     clock = iter([0.0, 1.0, 3.0, 4.0, 10.0, 11.0])  # enter comm, enter select, leave, enter, leave, leave comm
-    monkeypatch.setattr(base.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(stats.time, "perf_counter", lambda: next(clock))
     times: dict[str, float] = {}
     running: list = []
-    with base.PhaseTimer(times, "comm", running):
-        with base.PhaseTimer(times, "select", running):
+    with stats.PhaseTimer(times, "comm", running):
+        with stats.PhaseTimer(times, "select", running):
             pass
-        with base.PhaseTimer(times, "select", running):
+        with stats.PhaseTimer(times, "select", running):
             pass
     assert times == {"comm": 1.0 + 1.0 + 1.0, "select": 2.0 + 6.0} and running == []
+
+
+def test_no_method_module_knows_where_its_first_message_travels():
+    """A first message riding on the call's agreement is the runner's decision (methods/runner.py),
+    never a branch in a method: no method module names the agreement, riding or the control
+    messages' capabilities, nor saves state to put back (the runner does, ``moved_by_accumulate``)."""
+    import re
+    from pathlib import Path
+
+    import sparsecomm.methods as package
+    from sparsecomm.methods.catalog import SHARED_MODULES
+
+    root = Path(package.__file__).parent
+    modules = [p for p in root.rglob("*.py") if p.stem not in SHARED_MODULES and p.name != "__init__.py"
+               or p.parent != root and p.name == "__init__.py"]
+    assert len(modules) >= 18
+    banned = re.compile(r"agree|\brid(e|es|ing)\b|\brode\b|carries_|short_receives|post_receives_ahead|_runner|"
+                        r"kept_on_failure")
+    found = [f"{path.relative_to(root)}:{number}: {line.strip()}" for path in modules
+             for number, line in enumerate(path.read_text().splitlines(), start=1) if banned.search(line)]
+    assert found == []

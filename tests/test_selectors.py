@@ -301,11 +301,10 @@ def test_sampled_binary_search_reuses_then_searches_again():
     assert sel.state_dict()["threshold"] != threshold
 
 
-@pytest.mark.parametrize("old, new", sorted(selectors.RENAMED.items()))
-def test_the_old_selector_names_still_work_with_a_deprecation_warning(old, new):
-    with pytest.warns(DeprecationWarning, match=f"selector '{old}' is now called '{new}'"):
-        sel = selectors.make(old, **OPTIONS.get(new, {}))
-    assert type(sel) is type(selectors.make(new, **OPTIONS.get(new, {})))
+@pytest.mark.parametrize("old", ["topk", "threshold", "dgc"])
+def test_the_method_and_module_names_are_no_selector_names(old):
+    with pytest.raises(ValueError, match=f"unknown selector '{old}'; available: .*exact_topk"):
+        selectors.make(old)
     assert old not in selectors.available()
 
 

@@ -256,9 +256,9 @@ def _calls_lean_or_reference(reference: bool, n: int, calls: int):
     outside the final gradient's indices the new residual is G = gradient + residual."""
     import sparsecomm.methods.spardl as spardl_module
 
-    real_srs, real_fused = spardl_module.spar_reduce_scatter, spardl_module.SparDL._accumulate_selecting
+    real_srs, real_fused = spardl_module.SparReduceScatter, spardl_module.SparDL._accumulate_selecting
     if reference:
-        spardl_module.spar_reduce_scatter = lambda *args, **kwargs: real_srs(*args, **{**kwargs, "journal_own": True})
+        spardl_module.SparReduceScatter = lambda *args, **kwargs: real_srs(*args, **{**kwargs, "journal_own": True})
         spardl_module.SparDL._accumulate_selecting = lambda *args, **kwargs: None
     try:
         method = make_method("spardl", density=0.05)
@@ -272,7 +272,7 @@ def _calls_lean_or_reference(reference: bool, n: int, calls: int):
             results.append((out, method.residual.clone()))
         return results
     finally:
-        spardl_module.spar_reduce_scatter = real_srs
+        spardl_module.SparReduceScatter = real_srs
         spardl_module.SparDL._accumulate_selecting = real_fused
 
 

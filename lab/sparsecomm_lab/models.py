@@ -378,7 +378,7 @@ def available_models() -> list[str]:
 
 def make_model(name: str, info: dict, **options) -> nn.Module:
     """Build model ``name`` for a data set whose ``info`` is given
-    (see :class:`sparsecomm.experiments.data.Dataset`)."""
+    (see :class:`sparsecomm_lab.data.Dataset`)."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(available_models())}")
     missing = [key for key in _NEEDS[name] if key not in info]

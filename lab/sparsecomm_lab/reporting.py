@@ -1,6 +1,6 @@
 """Reports comparing training runs: a markdown (optionally HTML) page with PNG plots.
 
-:func:`write_report` reads run records (the JSON files :func:`sparsecomm.experiments.training.save_record`
+:func:`write_report` reads run records (the JSON files :func:`sparsecomm_lab.training.save_record`
 writes) and produces, in one folder: ``accuracy_vs_time.png`` (test accuracy against training wall
 time), ``time_breakdown.png`` (mean time per step split into compute / select / communicate /
 decompress), ``density.png`` (actual density of the synchronized gradient per step) and

@@ -1,6 +1,6 @@
 """DataCache: two-level caching of training data (Shi et al., MLSys 2021, section 4.1, Fig. 5 and 9).
 
-Training data sits on a slow networked source (here :class:`~sparsecomm.experiments.fileserver.FileServer`,
+Training data sits on a slow networked source (here :class:`~sparsecomm_lab.fileserver.FileServer`,
 an HTTP server behind a rate-limited emulated link). :class:`DataCache` puts two levels in front of it:
 
 1. a **local file-system cache**: the first read of a file fetches it from the source and writes it
@@ -81,7 +81,7 @@ class DataCache:
     """Samples by index through a memory store and a local file cache in front of a slow ``source``.
 
     Args:
-        source: has ``fetch(name) -> bytes`` (e.g. :class:`~sparsecomm.experiments.fileserver.FileClient`).
+        source: has ``fetch(name) -> bytes`` (e.g. :class:`~sparsecomm_lab.fileserver.FileClient`).
         names: the file name of each sample index.
         decode: (bytes, index) -> the pre-processed sample (what the memory store keeps).
         cache_dir: the local file-system cache (created if missing); ``None``: no file cache.

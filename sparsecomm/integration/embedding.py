@@ -52,6 +52,7 @@ from ..transport.block_aggregate import block_allreduce
 from ..transport.chunk import index_dtype
 from ..transport.collectives import allreduce, ring_cost
 from ..transport.comm import Communicator
+from ..transport.control import max_all_reduce
 from ..transport.merge import nonzero_positions
 from ..transport.sparse_collectives import allgatherv
 from ..transport.sparse_stream import Stream, dense_switch_count, dsa_allreduce, split_allreduce
@@ -146,7 +147,7 @@ class RowSparseReducer:
         stream = Stream.sparse(self.num_rows, ids, values, self.dim)
         variant = self.algorithm
         if variant == "auto":
-            most = self.comm.agree_max([ids.numel()])[0]
+            most = max_all_reduce(self.comm, [ids.numel()])[0]
             switch = dense_switch_count(self.num_rows, self.dim, values.element_size())
             variant = "split_allgather" if self.comm.size > 2 and self.comm.size * most >= switch \
                 else "recursive_doubling"
@@ -164,7 +165,7 @@ class RowSparseReducer:
         """S2's sketch with rows as the unit: one hash per row id, buckets of ``dim`` values (a block
         count-sketch; ``sketch_ratio`` x the largest touched count of cells, as S2's lambda)."""
         dim = self.dim
-        most = self.comm.agree_max([ids.numel()])[0]
+        most = max_all_reduce(self.comm, [ids.numel()])[0]
         cols = max(1, math.ceil(self.sketch_ratio * max(most, 1) / self.sketch_rows))
         sketch = CountSketch(self.num_rows, self.sketch_rows, cols, seed=self.seed * _SEED_STRIDE + self.calls)
         table = torch.zeros(self.sketch_rows, cols, dim, dtype=values.dtype, device=values.device)

@@ -75,6 +75,7 @@ from torch import nn
 from ..core.validate import check_int
 from ..methods import MethodSpec, Stats
 from ..transport.comm import Communicator
+from ..transport.control import max_all_reduce
 from .engine import EngineView, GroupingEngine
 from .nonfinite import HOOK_DEFAULT
 
@@ -223,8 +224,8 @@ class SparseReplicaState(EngineView):
         steps = int(state.get("iter", -1)) if problem is None else -1
         if self._world_comm is None:
             self._world_comm = Communicator(None)
-        worst, latest, neg_earliest = self._world_comm.agree_max([int(problem is not None), steps, -steps],
-                                                                  device=self.shard_groups[0].device)
+        worst, latest, neg_earliest = max_all_reduce(self._world_comm, [int(problem is not None), steps, -steps],
+                                                     device=self.shard_groups[0].device)
         if problem is not None:
             raise ValueError(f"sparse_replicas: cannot load this rank's state: {problem}")
         if worst:

@@ -122,8 +122,8 @@ class Group:
         tensor."""
         out = self.method(grad, self.layout if use_layout else None, out=self.outbuf())
         if self.residual is not None:
-            # a method that agrees after its selection keeps two residual buffers and alternates
-            # them (Method.commit_residual): the group's residual is the method's current one
+            # a method that accumulates before its call's checks keeps two residual buffers and
+            # alternates them (methods.residual.ResidualStore): the group's residual is the method's current one
             assert self.method.residual is not None
             self.residual = self.method.residual
         return out

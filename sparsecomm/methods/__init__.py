@@ -7,51 +7,30 @@ names; ``cost(name, P, n, k, ...)`` evaluates a method's registered cost formula
 ``@register_method("name")`` (:mod:`.base`) and its formula with ``@register_cost("name")``
 (:mod:`sparsecomm.core.cost`), next to the code that sends.
 
-Method modules never import each other; what several share lives in :mod:`.base`,
-:mod:`.stats`, :mod:`.select_allgather` or a lower layer.
+Method modules never import each other; what several share lives in the shared modules (:mod:`.base`,
+the interface; :mod:`.runner`, what runs around every call, with :mod:`.checks`, :mod:`.output`,
+:mod:`.residual`, :mod:`.accumulation` and :mod:`.stats`; :mod:`.select_allgather`; :mod:`.catalog`
+and :mod:`.spec`, which find and configure methods by name) or a lower layer.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import pkgutil
 from typing import Any
 
 from ..core.cost import COLLECTIVE_COSTS, METHOD_COSTS, Cost, evaluate
-from ..core.validate import check_options, keyword_options
-from ..selection import option_names as selector_option_names
 from ..transport import collectives, sparse_collectives  # noqa: F401  (register the collectives' formulas)
 from ..transport.comm import Communicator
-from .base import METHODS, Layout, Method, register_method
+from .base import Layout, Method, Output, register_method
+from .catalog import available_methods, check_method_options, load_all, method_class
 from .spec import MethodSpec, method_spec
 from .stats import Stats
 
-__all__ = ["Method", "MethodSpec", "method_spec", "Layout", "Stats", "register_method", "make_method",
+__all__ = ["Method", "Output", "MethodSpec", "method_spec", "Layout", "Stats", "register_method", "make_method",
            "available_methods", "sparse_methods", "is_sparse", "tracks_sent", "method_class", "dense_warmup",
            "check_method_options",
            "cost",
            "available_costs", "collective_cost", "available_collective_costs", "load_all"]
-
-_SHARED_MODULES = {"base", "spec", "stats", "select_allgather"}
-_loaded = False
-
-
-def load_all() -> None:
-    """Import every method module (registering its class and cost formula); idempotent."""
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for info in pkgutil.iter_modules(__path__):
-        if info.name not in _SHARED_MODULES:
-            importlib.import_module(f"{__name__}.{info.name}")
-
-
-def available_methods() -> list[str]:
-    """Names accepted by :func:`make_method`, sorted."""
-    load_all()
-    return METHODS.names()
 
 
 def sparse_methods() -> list[str]:
@@ -79,12 +58,6 @@ def dense_warmup(name: str) -> int:
     return default if isinstance(default, int) and not isinstance(default, bool) else 0
 
 
-def method_class(name: str) -> type[Method]:
-    """The class registered as ``name``; ``ValueError`` listing the available names otherwise."""
-    load_all()
-    return METHODS.get(name)
-
-
 def make_method(name: str | MethodSpec, comm: Communicator | None = None, **options: Any) -> Method:
     """Build method ``name`` (or a :class:`MethodSpec`) over ``comm`` (default: all ranks of the
     default process group).
@@ -97,28 +70,6 @@ def make_method(name: str | MethodSpec, comm: Communicator | None = None, **opti
     that all ranks built the method alike.
     """
     return MethodSpec.of(name, options).build(comm)
-
-
-def check_method_options(name: str, options: dict[str, Any]) -> None:
-    """Raise :class:`~sparsecomm.core.validate.UnknownOptionError` for an option method ``name`` does not
-    take: ``"spardl: unknown option 'x'; valid options: density, teams, sag, selector, nonfinite"``.
-
-    A method that passes further options on to its selector (``**selector_options``) also takes that
-    selector's options, and the message lists them under the selector's name."""
-    names, passes_on = keyword_options(method_class(name).__init__)
-    valid = [*names, "nonfinite"]
-    selector = options.get("selector", _default(method_class(name).__init__, "selector"))
-    if passes_on and isinstance(selector, str):
-        taken = selector_option_names(selector)
-        check_options(name, [option for option in options if option not in taken], valid,
-                      more=f"; and those of its selector {selector!r}: {', '.join(taken) if taken else 'none'}")
-    elif not passes_on:
-        check_options(name, options, valid)
-
-
-def _default(function: Any, parameter: str) -> Any:
-    found = inspect.signature(function).parameters.get(parameter)
-    return None if found is None else found.default
 
 
 def available_costs() -> list[str]:

@@ -23,12 +23,13 @@ import torch
 from ..core.cost import Cost, register_cost
 from ..selection import make as make_selector
 from ..selection.metrics import SparsificationMetrics
-from ..selection.scan import take_and_clear
+from ..selection.scan import Scratch, take_and_clear
 from ..transport.chunk import index_dtype
 from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator
 from ..transport.merge import ascending
-from .base import Layout, Method, register_method
+from .accumulation import add_checked
+from .base import Layout, Method, Output, register_method
 
 __all__ = ["CyclicLocalTopk", "binomial_broadcast"]
 
@@ -82,7 +83,6 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
 
     sparse = True
     has_residual = True
-    agrees_in_reduce = True  # after acc = grad + residual (the leader's selection scan)
 
     def __init__(self, comm=None, *, density: float, allreduce: str = "rabenseifner",
                  global_error: bool = False) -> None:
@@ -90,17 +90,26 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
         self.allreduce = check_allreduce(allreduce, "cltk")
         self.track_global_error = bool(global_error)
         self.selector = make_selector("exact_topk")
+        self._scratch = Scratch()  # the plain fused scan's buffers (the ranks that do not lead)
 
-    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def accumulate(self, residual: torch.Tensor, grad: torch.Tensor, acc: torch.Tensor,
+                   layout: Layout) -> torch.Tensor | None:
+        """``acc = residual + grad``: in the leader's selection scan (its top-k returned), elsewhere in
+        the plain fused scan."""
+        if self.comm.rank == self.step % self.comm.size:
+            return self.selector.accumulate(residual, grad, self.k(grad.numel()), dest=acc)
+        with self.timer("residual"):
+            add_checked(residual, grad, acc, self._scratch, self.name)
+        return None
+
+    def reduce(self, grad: torch.Tensor, out: Output) -> torch.Tensor:
         n, P, r = grad.numel(), self.comm.size, self.comm.rank
         k = self.k(n)
         leader = self.step % P
-        # acc = grad + residual, in the leader's selection scan (the plain scan elsewhere); the agreement follows it
+        acc, selected, _ = out.accumulated  # acc is the residual from here on
         if r == leader:
-            acc, selected = self.accumulate_select_and_agree(grad, layout, self.selector, k)
             indices = ascending(selected).to(index_dtype(n))
         else:
-            acc, _ = self.accumulate_and_agree(grad, layout)
             indices = torch.empty(k, dtype=index_dtype(n), device=grad.device)
         with self.timer("comm"):
             binomial_broadcast(self.comm, indices, leader)
@@ -110,10 +119,10 @@ class CyclicLocalTopk(SparsificationMetrics, Method):
         with self.timer("comm"):
             summed = allreduce(self.comm, taken, self.allreduce)
         with self.timer("decompress"):
-            out = self.output_average(grad, [chosen], [summed], P, keep_sign=True)  # summed / P, 0 elsewhere
+            result = out.average([chosen], [summed], P, keep_sign=True)  # summed / P, 0 elsewhere
         self.stats.update(selected=k if r == leader else 0, nnz_out=k, leader=leader,
                           counts=[k if q == leader else 0 for q in range(P)], padding_overhead=1.0)
-        return out
+        return result
 
 
 @register_cost("cltk")

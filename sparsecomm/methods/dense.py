@@ -13,21 +13,21 @@ import torch
 
 from ..core.cost import Cost, register_cost
 from ..transport.collectives import rabenseifner_allreduce, rabenseifner_cost, ring_allreduce, ring_cost
-from .base import Layout, Method, register_method
+from .base import Method, Output, register_method
 
 
 @register_method("dense")
 class DenseAllReduce(Method):
     """``torch.distributed.all_reduce`` of the whole bucket, divided by P (what plain DDP does)."""
 
-    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def reduce(self, grad: torch.Tensor, out: Output) -> torch.Tensor:
         with self.timer("comm"):
-            out = self.comm.native_all_reduce(self.output_copy(grad))
+            total = self.comm.native_all_reduce(out.copy_of(grad))
         with self.timer("decompress"):
-            out.div_(self.comm.size)
+            total.div_(self.comm.size)
         modelled = ring_cost(P=self.comm.size, n=grad.numel(), rank=self.comm.rank, itemsize=grad.element_size())
         self.stats.update(bytes_sent=modelled.bytes_sent, bytes_recv=modelled.bytes_recv, modelled_bytes=True)
-        return out
+        return total
 
 
 @register_cost("dense")
@@ -40,12 +40,12 @@ def _dense_cost(P: int, n: int, rank: int, itemsize: int = 4, **_) -> Cost:
 class RingAllReduce(Method):
     """Ring all-reduce (reduce-scatter + all-gather), 2(P-1) rounds, ~2n(P-1)/P elements per rank."""
 
-    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def reduce(self, grad: torch.Tensor, out: Output) -> torch.Tensor:
         with self.timer("comm"):
-            out = ring_allreduce(self.comm, grad)
+            total = ring_allreduce(self.comm, grad)
         with self.timer("decompress"):
-            out.div_(self.comm.size)
-        return out
+            total.div_(self.comm.size)
+        return total
 
 
 @register_method("rabenseifner")
@@ -53,12 +53,12 @@ class RabenseifnerAllReduce(Method):
     """Rabenseifner all-reduce (recursive halving + doubling, the middle two rounds as one), 2 log2 p' - 1
     rounds (+2 when P is not a power of two), any P."""
 
-    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def reduce(self, grad: torch.Tensor, out: Output) -> torch.Tensor:
         with self.timer("comm"):
-            out = rabenseifner_allreduce(self.comm, grad)
+            total = rabenseifner_allreduce(self.comm, grad)
         with self.timer("decompress"):
-            out.div_(self.comm.size)
-        return out
+            total.div_(self.comm.size)
+        return total
 
 
 # ring and rabenseifner send what the transport's collectives send: their formulas are the collectives'

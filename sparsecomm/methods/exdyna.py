@@ -13,11 +13,10 @@ One step on rank r (Algorithm 1):
    Rank r then owns partition ``(t mod P + r) mod P``: the partitions rotate cyclically, so no two
    ranks search the same coordinates (no gradient build-up) and every rank sees every coordinate.
 3. Partition-wise exclusive selection (Algorithm 4): the indices of the rank's partition where
-   ``|acc| >= threshold``. Here steps 1 and 3 are one scan, which also checks the gradient's
-   finiteness for the call's agreement (:meth:`~.base.Method.accumulate_and_agree`, made before the
-   first message, the threshold and partitions adopted after it): it writes ``acc`` to a spare
-   residual buffer and gathers ``|acc| >= threshold`` over all of ``acc``, of which the rank keeps its
-   partition's.
+   ``|acc| >= threshold``. Here steps 1 and 3 are one scan (:meth:`ExDyna.accumulate`), which also
+   checks the gradient's finiteness: it writes ``acc`` and gathers ``|acc| >= threshold`` over all of
+   ``acc``, of which the rank keeps its partition's; the threshold and partitions it used become the
+   method's state only once the call goes on (:meth:`ExDyna.reduce`).
 4. All-gather of the selected indices. ``allgather="uneven"`` (default) uses the all-gather of
    unknown sizes of :mod:`~sparsecomm.methods.topka` (halving distances for powers of two, Bruck
    otherwise), sending exactly the selected indices; ``allgather="padded"`` is the paper's
@@ -74,7 +73,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -97,7 +96,8 @@ from ..transport.collectives import (
     recursive_doubling_cost,
 )
 from ..transport.sparse_collectives import allgatherv, allgatherv_traffic
-from .base import Layout, Method, register_method
+from .accumulation import AllGather, FirstMessage
+from .base import Layout, Method, Output, register_method
 from .select_allgather import cap_limit, check_cap
 
 __all__ = ["ExDyna", "BlockPartitions", "block_partition", "rebalance", "allocated_partition"]
@@ -202,6 +202,26 @@ def allocated_partition(step: int, rank: int, P: int) -> int:
 
 
 # ---------------------------------------------------------------------- the method
+class _State(NamedTuple):
+    """ExDyna's state between calls (identical on every rank)."""
+
+    partitions: BlockPartitions
+    partition_counts: list[int] | None  # the previous step's counts, by partition
+    scaler: ScaledThreshold  # holds the threshold; Algorithm 5's factor
+    feedback: ThresholdController | None  # the adaptive controller
+
+
+class _Plan(NamedTuple):
+    """One call's plan, made before it communicates (:meth:`ExDyna.accumulate`)."""
+
+    state: _State  # the state it starts from
+    estimated: float  # this call's threshold estimate
+    partitions: BlockPartitions  # this call's partitions (rebalanced)
+    mine: int  # the partition this rank searches
+    threshold: float  # the threshold it selects with (0 at density 1)
+    candidates: torch.Tensor  # increasing indices of |acc| >= threshold over all of acc
+
+
 @register_method("exdyna")
 class ExDyna(SparsificationMetrics, Method):
     """ExDyna (Yoon and Oh), Algorithms 1-5; see the module docstring.
@@ -230,7 +250,6 @@ class ExDyna(SparsificationMetrics, Method):
 
     sparse = True
     has_residual = True
-    agrees_in_reduce = True  # after the scan of acc = residual + grad (Method.accumulate_and_agree)
 
     def __init__(self, comm=None, *, density: float, num_blocks: int = 1024, block_align: int = 32,
                  min_blocks: int | None = None, move_blocks: int = 1, balance_ratio: float = 1.05,
@@ -281,23 +300,23 @@ class ExDyna(SparsificationMetrics, Method):
         set by the density, not by n (the simulator's calibration times it apart)."""
         return self.controller == "adaptive"
 
-    def _ensure_state(self, n: int) -> None:
+    def _state_for(self, n: int) -> _State:
+        """The state a call on n elements starts from: the current one, or for a first call (or a new
+        n) a fresh one, which the call adopts once it goes on (:meth:`reduce`)."""
         if self.partitions is not None and self.partitions.n == n:
-            return
-        P = self.comm.size
-        self.partitions = block_partition(n, P, self.num_blocks, self.block_align)
-        self.partition_counts = None
+            assert self.scaler is not None
+            return _State(self.partitions, self.partition_counts, self.scaler, self.feedback)
         initial = self.initial_threshold
         if initial is None:
             initial = 1 / (2 * math.sqrt(self.k(n)))
-        self.scaler = ScaledThreshold(initial_threshold=initial, beta=self.threshold_band, gamma=self.gamma)
-        self.feedback = ThresholdController() if self.controller == "adaptive" else None
+        return _State(block_partition(n, self.comm.size, self.num_blocks, self.block_align), None,
+                      ScaledThreshold(initial_threshold=initial, beta=self.threshold_band, gamma=self.gamma),
+                      ThresholdController() if self.controller == "adaptive" else None)
 
-    def _min_blocks(self) -> int:
+    def _min_blocks(self, partitions: BlockPartitions) -> int:
         if self.min_blocks_option is not None:
             return self.min_blocks_option
-        assert self.partitions is not None
-        return max(1, self.partitions.num_blocks // (4 * self.comm.size))
+        return max(1, partitions.num_blocks // (4 * self.comm.size))
 
     def extra_state(self) -> dict[str, Any]:
         parts = self.partitions
@@ -324,60 +343,48 @@ class ExDyna(SparsificationMetrics, Method):
             BlockPartitions(saved[0], saved[1], tuple(saved[2]), tuple(saved[3]))
 
     # ------------------------------------------------------------------ one step
-    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
-        n, P, r = grad.numel(), self.comm.size, self.comm.rank
-        # a first call, or a new n, builds the state afresh: put back the old one if the ranks refuse
-        kept = None if self.partitions is not None and self.partitions.n == n else \
-            (self.partitions, self.partition_counts, self.scaler, self.feedback)
-        self._ensure_state(n)
-        assert self.partitions is not None and self.scaler is not None  # built by _ensure_state
-        assert self.scaler.threshold is not None
+    def accumulate(self, residual: torch.Tensor, grad: torch.Tensor, acc: torch.Tensor, layout: Layout) -> _Plan:
+        """This call's threshold and partitions (from a sample of ``acc = residual + grad``, nothing
+        written yet), then one fused pass (the selectors' scan kernel where built) that writes ``acc``,
+        checks the gradient and gathers ``|acc| >= threshold`` over all of ``acc`` (about P times this
+        rank's share, the threshold estimating the global k-th magnitude). Changes no state: the plan
+        is adopted in :meth:`reduce`."""
+        n, P = grad.numel(), self.comm.size
         k = self.k(n)
-        # This call's threshold and partitions, adopted once the ranks agreed (nothing changes before).
-        with self.timer("select"):
-            estimated = self.scaler.threshold
-            if self.feedback is not None and (self.initial_threshold is None or self.step > 0):
-                # from a sample of acc = residual + grad (nothing written yet)
-                estimated = estimate_kth_magnitude(self.residual_like(grad), self.feedback.target(k), self.step,
-                                                   addend=grad)
-            partitions = self.partitions
-            if self.partition_counts is not None:
-                partitions = rebalance(partitions, self.partition_counts, self.balance_ratio, self.move_blocks,
-                                       self._min_blocks())
-            mine = allocated_partition(self.step, r, P)
-            start, end = partitions.bounds(mine)
-            threshold = 0.0 if k >= n else estimated
-        # One fused pass (the selectors' scan kernel where built) writes acc = residual + grad, checks
-        # the gradient for the agreement and gathers |acc| >= threshold over all of acc (about P times
-        # this rank's share, the threshold estimating the global k-th magnitude).
-        def scan(residual: torch.Tensor, g: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-            return self._scratch.scan(residual, threshold, name="exdyna", check_finite=True, need_total=False,
-                                      expected=math.ceil(2 * k), addend=g, dest=dest).indices
+        state = self._state_for(n)
+        assert state.scaler.threshold is not None
+        estimated = state.scaler.threshold
+        if state.feedback is not None and (self.initial_threshold is None or self.step > 0):
+            estimated = estimate_kth_magnitude(residual, state.feedback.target(k), self.step, addend=grad)
+        partitions = state.partitions
+        if state.partition_counts is not None:
+            partitions = rebalance(partitions, state.partition_counts, self.balance_ratio, self.move_blocks,
+                                   self._min_blocks(partitions))
+        mine = allocated_partition(self.step, self.comm.rank, P)
+        threshold = 0.0 if k >= n else estimated
+        candidates = self._scratch.scan(residual, threshold, name="exdyna", check_finite=True, need_total=False,
+                                        expected=math.ceil(2 * k), addend=grad, dest=acc).indices
+        return _Plan(state, estimated, partitions, mine, threshold, candidates)
 
-        # on gloo and MPI the all-gather of the indices rides on the agreement (uneven mode)
-        gathers = not self._agreed and self.comm.gathers_in_agreement and self.allgather == "uneven"
-        try:
-            if gathers:
-                acc, candidates, nonfinite = self.accumulate_to_spare(grad, scan)
-                selection = None if candidates is None else self._selection(acc, candidates, start, end, k)
-                blocks = self.gather_in_agreement(grad, layout, nonfinite, acc,
-                                                  None if selection is None else [selection[0]])
-            else:
-                acc, candidates = self.accumulate_and_agree(grad, layout, scan)
-        except BaseException:
-            if kept is not None:
-                self.partitions, self.partition_counts, self.scaler, self.feedback = kept
-            raise
-        self.scaler.threshold, self.partitions = estimated, partitions
-        if gathers:
-            assert selection is not None
-            indices, picked = selection
-            gathered = [bytes_as(block, indices.dtype) for block in blocks]
-        else:
-            assert candidates is not None
-            indices, picked = self._selection(acc, candidates, start, end, k)
+    def first_message(self, acc: torch.Tensor, picked: _Plan) -> FirstMessage:
+        """This rank's indices (its partition's candidates, cut to the cap), all-gathered: replies are
+        (the indices, how many there were before the cut, every rank's indices in rank order)."""
+        start, end = picked.partitions.bounds(picked.mine)
+        indices, found = self._selection(acc, picked.candidates, start, end, self.k(acc.numel()))
+
+        def send() -> tuple[torch.Tensor, int, list[torch.Tensor]]:
             with self.timer("comm"):
-                gathered = self._allgather_indices(indices)
+                return indices, found, self._allgather_indices(indices)
+        if self.allgather != "uneven":  # the padded all-gather: two of its own
+            return FirstMessage(send)
+        return AllGather(parts=[indices], send=send,
+                         unpack=lambda blocks: (indices, found, [bytes_as(b, indices.dtype) for b in blocks]))
+
+    def reduce(self, grad: torch.Tensor, out: Output) -> torch.Tensor:
+        n, P, r = grad.numel(), self.comm.size, self.comm.rank
+        k = self.k(n)
+        acc, plan, (indices, found, gathered) = out.accumulated
+        scaler = self._adopt(plan)
         with self.timer("comm"):
             # Rank q searched partition allocated_partition(step, q, P): order the union by partition.
             owner = [0] * P
@@ -391,18 +398,23 @@ class ExDyna(SparsificationMetrics, Method):
         with self.timer("comm"):
             summed = allreduce(self.comm, taken, self.allreduce) if total else taken
         with self.timer("decompress"):
-            out = self.output_average(grad, [union], [summed], P, keep_sign=True)  # summed / P, 0 elsewhere
+            result = out.average([union], [summed], P, keep_sign=True)  # summed / P, 0 elsewhere
         self.partition_counts = [counts[owner[p]] for p in range(P)]
         if self.feedback is not None:
             self.feedback.update(total, k)
         else:
-            self.scaler.threshold *= self.scaler.scale_factor(total, k)
-        self.scaler.calls += 1
-        self.stats.update(selected=counts[r], nnz_out=total, counts=counts, partition_id=mine,
-                          partition=(start, end), threshold=threshold,
-                          threshold_next=self.scaler.threshold, capped=int(picked > counts[r]),
-                          cut=picked - counts[r])
-        return out
+            scaler.threshold = plan.estimated * scaler.scale_factor(total, k)
+        scaler.calls += 1
+        self.stats.update(selected=counts[r], nnz_out=total, counts=counts, partition_id=plan.mine,
+                          partition=plan.partitions.bounds(plan.mine), threshold=plan.threshold,
+                          threshold_next=scaler.threshold, capped=int(found > counts[r]), cut=found - counts[r])
+        return result
+
+    def _adopt(self, plan: _Plan) -> ScaledThreshold:
+        """Make ``plan``'s state, threshold and partitions this method's (the call goes on)."""
+        self.partitions, self.partition_counts, self.scaler, self.feedback = plan.state
+        self.scaler.threshold, self.partitions = plan.estimated, plan.partitions
+        return self.scaler
 
     def _selection(self, acc: torch.Tensor, candidates: torch.Tensor, start: int, end: int,
                    k: int) -> tuple[torch.Tensor, int]:

@@ -4,8 +4,8 @@ baseline of SparDL's Table I ([SparDL], "gTopk": 2 log P alpha, 4 k log P beta).
 Per call, on every rank r:
 
 1. ``acc = grad + residual``; keep the local top-k of ``acc`` (exact), the rest stays in the residual.
-   The sum is written to a second buffer inside the selection's scan, which also tells the call's
-   agreement whether the gradient is finite (:meth:`~sparsecomm.methods.base.Method.accumulate_and_agree`).
+   The sum is written inside the selection's scan, which also tells whether the gradient is finite
+   (:meth:`GlobalTopk.accumulate`).
 2. Reduction along a binomial tree to rank 0: at step ``mask`` = 1, 2, 4, ... a rank whose lowest
    set bit is ``mask`` sends its current k-sparse vector (indices, values) to ``r - mask`` and leaves;
    a rank receiving from ``r + mask`` adds the two by index and keeps the top-k of the sum. What the
@@ -29,7 +29,7 @@ from ..core.cost import Cost, register_cost
 from ..selection import make as make_selector
 from ..selection.scan import largest_of_chunk, take_and_clear
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype
-from .base import Layout, Method, register_method
+from .base import Layout, Method, Output, register_method
 
 
 def tree_schedule(P: int, rank: int) -> list[tuple[str, int]]:
@@ -59,18 +59,19 @@ class GlobalTopk(Method):
 
     sparse = True
     has_residual = True
-    agrees_in_reduce = True  # after the selection's scan of acc = residual + grad
 
     def __init__(self, comm=None, *, density: float) -> None:
         super().__init__(comm, density=density)
         self.selector = make_selector("exact_topk")  # exact top-k by a sampled floor and one scan
 
-    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def accumulate(self, residual: torch.Tensor, grad: torch.Tensor, acc: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """``acc = residual + grad`` and its local top-k, in one scan."""
+        return self.selector.accumulate(residual, grad, self.k(grad.numel()), dest=acc)
+
+    def reduce(self, grad: torch.Tensor, out: Output) -> torch.Tensor:
         comm, n = self.comm, grad.numel()
         k = self.k(n)
-        # acc = residual + grad, written inside the selector's scan, which also tells the agreement
-        # whether grad is finite; acc is the residual from here on
-        acc, local_idx = self.accumulate_select_and_agree(grad, layout, self.selector, k)
+        acc, local_idx, _ = out.accumulated  # acc is the residual from here on
         with self.timer("residual"):
             held = SparseChunk(local_idx.to(index_dtype(n)), take_and_clear(acc, local_idx))  # acc keeps the rest
         self.stats["selected"] = k
@@ -91,10 +92,9 @@ class GlobalTopk(Method):
             current = self._broadcast(current, n, grad)
         with self.timer("decompress"):
             # values / P at the (sorted) indices, 0 elsewhere
-            out = self.output_average(grad, [current.indices], [current.values.to(grad.dtype)], comm.size,
-                                      keep_sign=True)
+            result = out.average([current.indices], [current.values.to(grad.dtype)], comm.size, keep_sign=True)
         self.stats["nnz_out"] = current.nnz
-        return out
+        return result
 
     def _broadcast(self, chunk: SparseChunk | None, n: int, grad: torch.Tensor) -> SparseChunk:
         """Send the root's chunk down the reduction tree, in reverse order of its edges."""

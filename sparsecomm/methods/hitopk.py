@@ -10,11 +10,10 @@ The P ranks form m = P / L nodes of L consecutive ranks (``local_size`` = L, see
 2. Error feedback (not in Algorithm 2, which the paper runs inside MSTopK-SGD with residuals):
    ``acc = shard + residual[shard]``. The residual lives on the shard's owner, the only rank that
    ever sees that node-summed shard. With one rank per node (L = 1) the shard is the gradient
-   itself: nothing is copied, the selection's scan adds it (``acc`` written to a spare residual
-   buffer) and also checks its finiteness for the call's agreement, which is then made before the
-   first message (:meth:`~.base.Method.accumulate_and_agree`, MSTopK's generator put back if the
-   call is refused or skipped, :func:`~.fold.kept_on_failure`). With L > 1 the reduce-scatter comes
-   first and the agreement before it.
+   itself: nothing is copied, the selection's scan adds it and also checks its finiteness
+   (:meth:`HiTopKComm.accumulate`; MSTopK's generator is put back if the call does not go on,
+   :meth:`HiTopKComm.moved_by_accumulate`). With L > 1 the reduce-scatter comes first and the
+   residual's shard is updated in place.
 3. ``k_j = ceil(density * c_j)`` entries of ``acc`` by MSTopK (lines 5-8, equation (5); ``selector``
    option); the rest stays in ``residual[shard]``.
 4. Inter-node all-gather of the (indices, values) among the m ranks with local rank j (lines 11-14),
@@ -65,8 +64,7 @@ from ..transport.comm import Communicator
 from ..transport.merge import ascending
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_traffic
 from ..transport.topology import resolve_local_size, split_nodes
-from .base import Layout, Method, register_method, selection_count
-from .fold import kept_on_failure
+from .base import Layout, Method, Output, register_method, selection_count
 from .select_allgather import SelectorStateMixin
 
 __all__ = ["HiTopKComm", "paper_bytes"]
@@ -108,18 +106,24 @@ class HiTopKComm(SelectorStateMixin, Method):
                         "the argument" if local_size is not None else "LOCAL_WORLD_SIZE")
 
     @property
-    def agrees_in_reduce(self) -> bool:  # type: ignore[override]
-        """With one rank per node: the shard is the gradient, and the selection's scan tells whether
-        it is finite (see the module docstring)."""
+    def accumulates(self) -> bool:
+        """With one rank per node: the shard is the gradient, and the selection's scan of ``acc =
+        residual + grad`` also tells whether it is finite (:meth:`accumulate`)."""
         return self.node.size == 1
 
-    def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
+    def accumulate(self, residual: Tensor, grad: Tensor, acc: Tensor, layout: Layout) -> Tensor:
+        """``acc = residual + grad`` and the shard's (the gradient's) k_j entries, in one scan."""
+        return self.selector.accumulate(residual, grad, self.k(grad.numel()), dest=acc)
+
+    def moved_by_accumulate(self) -> list[Any]:
+        """The selector (MSTopK draws from a generator)."""
+        return [self.selector]
+
+    def reduce(self, grad: Tensor, out: Output) -> Tensor:
         n = grad.numel()
         start, size = chunk_offsets(n, self.node.size)[self.node.rank]
-        k = self.k(size)
-        if self.node.size == 1:  # the whole gradient is this rank's shard
-            with kept_on_failure([self.selector]):
-                acc, selected = self.accumulate_select_and_agree(grad, layout, self.selector, k)
+        if out.accumulated is not None:  # the whole gradient is this rank's shard
+            acc, selected, _ = out.accumulated
             with self.timer("select"):
                 idx = ascending(selected)
         else:
@@ -127,7 +131,7 @@ class HiTopKComm(SelectorStateMixin, Method):
                 shard = ring_reduce_scatter(self.node, grad)
             acc = self.residual_for(grad)[start:start + size]   # a view: the residual is updated in place
             with self.timer("select"):
-                idx = ascending(self.selector.accumulate(acc, shard, k))  # acc += shard in the scan
+                idx = ascending(self.selector.accumulate(acc, shard, self.k(size)))  # acc += shard in the scan
         with self.timer("residual"):
             mine = SparseChunk(idx.to(index_dtype(n)) + start, take_and_clear(acc, idx))  # acc keeps the rest
         self.stats["selected"] = idx.numel()
@@ -139,12 +143,12 @@ class HiTopKComm(SelectorStateMixin, Method):
             shards = allgather_chunks(self.node, union)
         with self.timer("decompress"):
             # the shards are disjoint and each sorted: one ordered sweep, divided on the way
-            out = self.output_average(grad, [shard.indices for shard in shards], [shard.values for shard in shards],
-                                      self.comm.size)
+            result = out.average([shard.indices for shard in shards], [shard.values for shard in shards],
+                                 self.comm.size)
         self.stats["union_nnz"] = union.nnz
         self.stats["local_size"] = self.local_size
         self.stats.dense_fallback = self.one_node
-        return out
+        return result
 
     def __repr__(self) -> str:
         return f"HiTopKComm(P={self.comm.size}, density={self.density:g}, local_size={self.local_size})"

@@ -8,9 +8,8 @@ Per call t (t counts every call, warm-up included, as the public code's ``_allre
 1. ``acc = grad + residual``. Local threshold: when t is a multiple of ``threshold_interval`` (32),
    the exact k-th largest |acc|; in between the previous one, reused, first raised by ``reuse_scale``
    (1.03) up to ``reuse_loops`` (5) times while it would select more than 3k/2 (``add2residual`` in
-   the public code). Select ``|acc| > threshold``. One scan writes ``acc`` (to a spare residual
-   buffer), checks the gradient's finiteness for the call's agreement
-   (:meth:`~.base.Method.accumulate_and_agree`, before the first message) and gathers either the
+   the public code). Select ``|acc| > threshold``. One scan (:meth:`OkTopk.accumulate`) writes
+   ``acc``, checks the gradient's finiteness and gathers either the
    exact top-k (whose members above the k-th magnitude are the selection) or the elements above the
    reused threshold (on which the raised thresholds are counted and picked); afterwards the threshold is divided by
    ``local_scale`` (1.012) when fewer than 3k/4 were selected and multiplied by it when more than
@@ -56,15 +55,15 @@ from torch import Tensor
 from ..core.cost import Cost, register_cost
 from ..core.validate import check_int, check_number
 from ..selection import make as make_selector
-from ..selection.scan import MagnitudeView, above_float32, largest_of_chunk
+from ..selection.scan import MagnitudeView, Scratch, above_float32, largest_of_chunk
 from ..transport.alltoallv import alltoallv, alltoallv_traffic
 from ..transport.chunk import SparseChunk, add_chunks, index_dtype, pair_bytes
 from ..transport.collectives import allreduce, allreduce_cost
 from ..transport.comm import Communicator
 from ..transport.merge import members
 from ..transport.sparse_collectives import allgatherv, allgatherv_traffic
-from .agreement import count_nonfinite
-from .base import Layout, Method, register_method
+from .accumulation import add_checked
+from .base import Layout, Method, Output, register_method
 
 __all__ = ["OkTopk", "PAPER_DEFAULTS"]
 
@@ -96,9 +95,6 @@ class OkTopk(Method):
     sparse = True
     has_residual = True
     tracks_sent = True
-    #: the agreement after the scan of acc = residual + grad (Method.accumulate_and_agree); in the
-    #: warm-up, on its own count before the all-reduce
-    agrees_in_reduce = True
 
     def __init__(self, comm: Communicator | None = None, *, density: float,
                  warmup_steps: int = WARMUP_STEPS,
@@ -119,6 +115,7 @@ class OkTopk(Method):
         self.global_threshold: float | None = None
         self.boundaries: list[int] | None = None
         self.selector = make_selector("exact_topk")     # exact top-k for the periodic threshold estimation
+        self._scratch = Scratch()  # the scan's buffers for the reused threshold's candidates
 
     # ------------------------------------------------------------------ schedule
     def estimates_threshold(self, step: int) -> bool:
@@ -128,54 +125,42 @@ class OkTopk(Method):
         return step % self.partition_interval == 0 or self.boundaries is None
 
     # ------------------------------------------------------------------ the call
-    def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
+    @property
+    def accumulates(self) -> bool:
+        """Past the dense warm-up (whose all-reduce has no residual)."""
+        return self.step >= self.warmup_steps
+
+    def accumulate(self, residual: Tensor, grad: Tensor, acc: Tensor, layout: Layout) -> Tensor | MagnitudeView | None:
+        """``acc = residual + grad`` in the scan of the local selection: the exact top-k (whose k-th
+        magnitude is the new local threshold) when the threshold is estimated, else the candidates
+        above the reused threshold (:class:`MagnitudeView`, on which the raised thresholds are
+        counted); at density 1 the plain fused scan."""
+        n = grad.numel()
+        k = self.k(n)
+        if k >= n:
+            with self.timer("residual"):
+                add_checked(residual, grad, acc, self._scratch, self.name)
+            return None
+        if self.estimates_threshold(self.step) or self.local_threshold is None:
+            return self.selector.accumulate(residual, grad, k, dest=acc)
+        return MagnitudeView(residual, self._scratch, above_float32(self.local_threshold), name=self.name,
+                             check_finite=True, count=2 * k, need_mean=False, addend=grad, dest=acc)
+
+    def reduce(self, grad: Tensor, out: Output) -> Tensor:
         n, P, t = grad.numel(), self.comm.size, self.step
         if t < self.warmup_steps:
-            self.agree(grad, layout, count_nonfinite(grad))
             with self.timer("comm"):
-                out = allreduce(self.comm, grad, "rabenseifner")
+                total = allreduce(self.comm, grad, "rabenseifner")
             # a dense step's output counts as n non-zeros, as a dense method's does (no pass counting them)
             self.stats.update(warmup=True, dense_calls=1, selected=n, nnz_out=n)
-            return out.div_(P) if P > 1 else out  # x / 1 is x
+            return total.div_(P) if P > 1 else total  # x / 1 is x
         k = self.k(n)
         exact = k >= n
         estimate, repartition = self.estimates_threshold(t), self.repartitions(t)
-        local_estimate = estimate or self.local_threshold is None
-        # The local selection |acc| > threshold (strict, as the public code; sorted indices), made in
-        # the scan that writes acc = residual + grad and checks the gradient for the agreement.
-        view: list[MagnitudeView] = []
-
-        def select(residual: Tensor, g: Tensor, acc: Tensor) -> Tensor:
-            if local_estimate:  # the exact top-k (its scan fused with the addition): the k-th magnitude
-                return self.selector.accumulate(residual, g, k, dest=acc)
-            assert self.local_threshold is not None  # the reused threshold: candidates above it
-            view.append(MagnitudeView(residual, self._scratch, above_float32(self.local_threshold), name=self.name,
-                                      check_finite=True, count=2 * k, need_mean=False, addend=g, dest=acc))
-            return acc[:0]
-
-        acc, top = self.accumulate_and_agree(grad, layout, None if exact else select)
+        acc, picked, _ = out.accumulated
         with self.timer("select"):
-            if exact:
-                self.local_threshold = 0.0
-                idx = torch.nonzero(acc.abs() > 0.0).reshape(-1)
-            elif local_estimate:
-                assert top is not None
-                magnitudes = acc.index_select(0, top).abs_()
-                self.local_threshold = float(magnitudes.min())
-                # every |acc_i| above the k-th largest is among the top k
-                idx = torch.sort(top[magnitudes > self.local_threshold]).values
-            else:
-                assert self.local_threshold is not None
-                self.local_threshold = self._pre_adjust(view[0], self.local_threshold, k)
-                idx = view[0].indices_ge(above_float32(self.local_threshold), 2 * k)
-            threshold = self.local_threshold
-            count = idx.numel()
-            if not exact:
-                if count < 3 * k / 4:
-                    self.local_threshold = threshold / self.local_scale
-                elif count > 5 * k / 4:
-                    self.local_threshold = threshold * self.local_scale
-        self.stats.selected = count
+            idx, threshold = self._local_selection(acc, picked, k)
+        self.stats.selected = idx.numel()
         with self.timer("comm"):
             if repartition:
                 self.boundaries = self._repartition(idx, n)
@@ -189,25 +174,11 @@ class OkTopk(Method):
         with self.timer("comm"):
             gathered = allgatherv(self.comm, candidates.parts())
         with self.timer("select"):
-            # region q's share of the global selection, from rank q: the regions are disjoint and in rank
-            # order, each share sorted, so together they are the sorted global selection
-            parts = [SparseChunk(i, v) for i, v in gathered]
-            if exact:
-                self.global_threshold = 0.0
-            elif estimate:
-                parts = [largest_of_chunk(SparseChunk(torch.cat([p.indices for p in parts]),
-                                                      torch.cat([p.values for p in parts])), k)[0]]
-                self.global_threshold = float(parts[0].values.abs().min()) if parts[0].nnz else 0.0
+            parts = self._global_selection([SparseChunk(i, v) for i, v in gathered], k, estimate, exact)
             global_count = sum(p.nnz for p in parts)
-            if not (exact or estimate):
-                assert self.global_threshold is not None
-                if global_count < 3 * k / 4:
-                    self.global_threshold = self.global_threshold / self.global_scale
-                elif global_count > 5 * k / 4:
-                    self.global_threshold = self.global_threshold * self.global_scale
         with self.timer("decompress"):
             # one sweep over the sorted shares, no concatenation of them
-            out = self.output_average(grad, [p.indices for p in parts], [p.values for p in parts], P)
+            result = out.average([p.indices for p in parts], [p.values for p in parts], P)
         with self.timer("residual"):
             sent = idx[self._reached_result(idx, parts, send_counts)]
             acc.index_fill_(0, sent, 0)        # the residual keeps what did not reach the result
@@ -217,7 +188,49 @@ class OkTopk(Method):
             local_threshold=threshold, global_threshold=self.global_threshold, estimated=estimate or exact,
             repartitioned=repartition, boundaries=list(self.boundaries or []), send_counts=send_counts,
             gather_counts=[g[0].numel() for g in gathered], global_count=global_count)
-        return out
+        return result
+
+    def _local_selection(self, acc: Tensor, picked: Tensor | MagnitudeView | None, k: int) -> tuple[Tensor, float]:
+        """This rank's selection ``|acc| > threshold`` (sorted indices) from what :meth:`accumulate`
+        gathered, and the threshold it used; then the threshold's ``local_scale`` adjustment."""
+        if picked is None:  # density 1
+            self.local_threshold = 0.0
+            idx = torch.nonzero(acc.abs() > 0.0).reshape(-1)
+        elif isinstance(picked, MagnitudeView):
+            assert self.local_threshold is not None
+            self.local_threshold = self._pre_adjust(picked, self.local_threshold, k)
+            idx = picked.indices_ge(above_float32(self.local_threshold), 2 * k)
+        else:
+            magnitudes = acc.index_select(0, picked).abs_()
+            self.local_threshold = float(magnitudes.min())
+            # every |acc_i| above the k-th largest is among the top k
+            idx = torch.sort(picked[magnitudes > self.local_threshold]).values
+        threshold = self.local_threshold
+        count = idx.numel()
+        if picked is not None:
+            if count < 3 * k / 4:
+                self.local_threshold = threshold / self.local_scale
+            elif count > 5 * k / 4:
+                self.local_threshold = threshold * self.local_scale
+        return idx, threshold
+
+    def _global_selection(self, parts: list[SparseChunk], k: int, estimate: bool, exact: bool) -> list[SparseChunk]:
+        """The global selection from the regions' shares (region q's from rank q: disjoint, in rank order,
+        each sorted, so together the sorted global selection), and the global threshold's update."""
+        if exact:
+            self.global_threshold = 0.0
+        elif estimate:
+            parts = [largest_of_chunk(SparseChunk(torch.cat([p.indices for p in parts]),
+                                                  torch.cat([p.values for p in parts])), k)[0]]
+            self.global_threshold = float(parts[0].values.abs().min()) if parts[0].nnz else 0.0
+        else:
+            assert self.global_threshold is not None
+            global_count = sum(p.nnz for p in parts)
+            if global_count < 3 * k / 4:
+                self.global_threshold = self.global_threshold / self.global_scale
+            elif global_count > 5 * k / 4:
+                self.global_threshold = self.global_threshold * self.global_scale
+        return parts
 
     def _pre_adjust(self, view: MagnitudeView, threshold: float, k: int) -> float:
         """A reused local threshold, raised by ``reuse_scale`` (1.03) up to ``reuse_loops`` (5) times

@@ -5,7 +5,7 @@ Per call, on every rank:
 
 1. ``acc = grad + residual``; the blocks of ``block_size`` elements with the largest L2 norm are
    selected whole (``selectors.make("block_topk")``, its energies taken chunk by chunk as the sum is
-   written, whose total also tells the call's agreement whether the gradient is finite: one read of
+   written, whose total also tells whether the gradient is finite: one read of
    gradient and residual, one write of ``acc``), at least k = ceil(density * n) elements; the
    rest of ``acc`` stays in the residual (error feedback, nothing lost). With density 1 every block
    is selected and OmniReduce is what its paper describes: a lossless all-reduce that skips the
@@ -36,7 +36,7 @@ from ..core.validate import check_int
 from ..selection.block import BlockTopK, gather_blocks, zero_blocks
 from ..transport.block_aggregate import block_allreduce, block_allreduce_traffic
 from ..transport.comm import Communicator
-from .base import Layout, Method, register_method
+from .base import Layout, Method, Output, register_method
 
 __all__ = ["OmniReduce"]
 
@@ -53,21 +53,20 @@ class OmniReduce(Method):
     sparse = True
     has_residual = True
     tracks_sent = True
-    agrees_in_reduce = True  # after the block energies' chunked scan of acc = residual + grad
 
     def __init__(self, comm: Communicator | None = None, *, density: float, block_size: int = 256) -> None:
         super().__init__(comm, density=density)
         self.block_size = check_int("block_size", block_size, minimum=1)
         self.selector = BlockTopK(block_size=block_size)  # selectors.make("block_topk")
 
-    def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
+    def accumulate(self, residual: Tensor, grad: Tensor, acc: Tensor, layout: Layout) -> Tensor:
+        """``acc = residual + grad``, added chunk by chunk as the block energies are taken (whose sum
+        tells whether the gradient is finite); returns the selected blocks."""
+        return self.selector.accumulate_blocks(residual, grad, self.k(grad.numel()), acc)
+
+    def reduce(self, grad: Tensor, out: Output) -> Tensor:
         n, P, B = grad.numel(), self.comm.size, self.block_size
-        k = self.k(n)
-        # acc = residual + grad, added chunk by chunk as the block energies are taken (whose sum tells
-        # the agreement whether grad is finite); acc is the residual from here on
-        acc, blocks = self.accumulate_and_agree(
-            grad, layout, lambda residual, g, dest: self.selector.accumulate_blocks(residual, g, k, dest))
-        assert blocks is not None
+        acc, blocks, _ = out.accumulated  # acc is the residual from here on
         with self.timer("select"):
             values = gather_blocks(acc, blocks, B)          # (blocks, B), zero past n
         with self.timer("residual"):
@@ -82,11 +81,11 @@ class OmniReduce(Method):
         with self.timer("decompress"):
             # out = sums / P on the result blocks (sorted ids) and 0 elsewhere, in one pass over those
             # blocks and the last call's, which also counts stats.nnz_out
-            out = self.output_average_blocks(grad, ids, B, sums, P, keep_sign=True)
+            result = out.average_blocks(ids, B, sums, P, keep_sign=True)
         self.stats["blocks_sent"] = blocks.numel()
         self.stats["block_counts"] = counts["sent"]
         self.stats["result_blocks"] = counts["result"]
-        return out
+        return result
 
     def __repr__(self) -> str:
         return f"OmniReduce(P={self.comm.size}, density={self.density:g}, block_size={self.block_size})"

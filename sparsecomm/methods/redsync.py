@@ -3,11 +3,10 @@ Quantization, and an all-gather of ONE packed message per rank.
 
 Per call (Algorithm 1, one bucket), on every rank:
 
-1. ``acc = grad + residual``, written to a spare residual buffer layer by layer, each layer in one
-   scan that also checks the gradient's finiteness for the call's agreement, made before the first
-   message (:meth:`~.base.Method.accumulate_and_agree`): the selector's first scan for a layer sent
-   unquantized (its addition fused, :meth:`~sparsecomm.selection.base.Selector.accumulate`), the
-   plain fused scan for the others. Each layer of the layout (the whole bucket when ``layout`` is None) is
+1. ``acc = grad + residual``, layer by layer, each layer in one scan that also checks the gradient's
+   finiteness (:meth:`RedSync.accumulate`): the selector's first scan for a layer sent unquantized
+   (its addition fused, :meth:`~sparsecomm.selection.base.Selector.accumulate`), the plain fused scan
+   for the others. Each layer of the layout (the whole bucket when ``layout`` is None) is
    compressed by the hybrid policy of section 2.1 (:func:`plan_layers`): small layers (``numel <=
    small_limit``) by exact top-k or sent dense (``small="dense"``); medium layers by trimmed top-k
    (Algorithm 2); large layers (``numel > large_limit``) by threshold binary search (Algorithm 3) or
@@ -19,10 +18,9 @@ Per call (Algorithm 1, one bucket), on every rank:
 3. The packed message (:func:`pack_message`): per-layer counts (int32, one per layer), the global
    indices of the sparse layers, then the values (dense layers' values, sparse layers' values, one mean
    per quantized layer), all-gathered in one round per step (``allgatherv``: halving distances
-   for powers of two, Bruck otherwise; ceil(log2 P) rounds). On gloo and MPI the all-gather rides on
-   the call's agreement (the compression is then made before it, into the spare buffer, the
-   selectors' state put back if the ranks refuse the call): ceil(log2 P) messages per call in all
-   (docs/reliability.md, "The all-gather rides on the agreement").
+   for powers of two, Bruck otherwise; ceil(log2 P) rounds): the call's first message
+   (:meth:`RedSync.first_message`), which the runner may send along with the call's checks (the
+   selectors' state is put back if the call does not go on, :meth:`RedSync.moved_by_accumulate`).
 4. Decompression (section 2.3): every rank scatter-adds the P messages in rank order, divides by P.
 
 Cost, equation (1): ``T = T_select + lg(p) alpha + (p-1) M D beta + p gamma_1``; the meter sees
@@ -37,21 +35,20 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..core.cost import Cost, ceil_log2, register_cost
-from ..selection import current_name as current_selector_name
 from ..selection import make as make_selector
-from ..selection.scan import take_and_clear
+from ..selection.scan import Scratch, take_and_clear
 from ..transport.chunk import bytes_as, index_dtype
 from ..transport.comm import Communicator
 from ..transport.merge import ascending
 from ..transport.sparse_collectives import allgatherv, allgatherv_cost
-from .base import Layout, Method, register_method
-from .fold import kept_on_failure
+from .accumulation import AllGather, add_checked
+from .base import Layout, Method, Output, register_method
 
 __all__ = ["RedSync", "LayerSpec", "LayerPart", "plan_layers", "pack_message", "unpack_message",
            "message_nbytes", "equation1_seconds", "equation2_seconds"]
@@ -189,6 +186,14 @@ def message_nbytes(message: Sequence[Tensor]) -> int:
 
 
 # ---------------------------------------------------------------------- the method
+class _Plan(NamedTuple):
+    """The layers' spans, how each travels, and the selectors of the sparse ones (by layer)."""
+
+    spans: list[tuple[int, int]]
+    specs: list[LayerSpec]
+    selectors: dict[int, Any]
+
+
 @register_method("redsync")
 class RedSync(Method):
     """RedSync (Fang et al. 2019): per-layer RGC with the hybrid selector policy, optional ASQ, one
@@ -213,7 +218,6 @@ class RedSync(Method):
     sparse = True
     tracks_sent = True
     has_residual = True
-    agrees_in_reduce = True  # after the scans of acc = residual + grad (Method.accumulate_and_agree)
 
     def __init__(self, comm: Communicator | None = None, *, density: float, quantize: str | None = None,
                  small_limit: int = 32768, large_limit: int = 4194304, small: str = "exact_topk",
@@ -225,8 +229,6 @@ class RedSync(Method):
             raise ValueError(f"quantize={quantize!r} must be None or 'asq'")
         if large is None:
             large = "binary_search" if quantize else "sampled_binary_search"
-        small, medium, large = (name if name == "dense" else current_selector_name(name)
-                                for name in (small, medium, large))
         if quantize and large == "sampled_binary_search":
             raise ValueError("large='sampled_binary_search' cannot be used with quantize='asq' (RedSync "
                              "section 2.2: the reused threshold does not survive the alternating signs); "
@@ -247,131 +249,132 @@ class RedSync(Method):
         self._specs: list[LayerSpec] = []
         self._selectors: dict[int, Any] = {}
         self._pending_selector_state: dict[int, dict[str, Any]] = {}
+        self._scratch = Scratch()  # the plain fused scan's buffers
 
     # ------------------------------------------------------------------ plan
-    def _layers(self, n: int, layout: Layout) -> list[LayerSpec]:
+    def _plan(self, n: int, layout: Layout) -> _Plan:
+        """The layers' plan for ``layout``: the current one, or a new one (with new selectors, given the
+        state loaded for them) that :meth:`reduce` adopts; nothing changes here."""
         spans = [(0, n)] if layout is None else [(int(o), int(m)) for o, m in layout]
         covered = sum(m for _, m in spans)
         if covered != n:
             raise ValueError(f"redsync: the layout covers {covered} of the n={n} elements; it must cover the "
                              "whole bucket without gaps")
-        if spans != self._spans:
-            self._spans = spans
-            self._specs = plan_layers(spans, **self.policy)
-            self._selectors = {}
-            for i, spec in enumerate(self._specs):
-                if not spec.dense:
-                    sel = make_selector(spec.selector, **self.selector_options.get(spec.selector, {}))
-                    if i in self._pending_selector_state:
-                        sel.load_state_dict(self._pending_selector_state.pop(i))
-                    self._selectors[i] = sel
-            log.debug("redsync plan: %s", [(s.numel, s.selector, s.quantized) for s in self._specs])
-        return self._specs
+        if spans == self._spans:
+            return _Plan(spans, self._specs, self._selectors)
+        specs = plan_layers(spans, **self.policy)
+        selectors = {}
+        for i, spec in enumerate(specs):
+            if not spec.dense:
+                selectors[i] = make_selector(spec.selector, **self.selector_options.get(spec.selector, {}))
+                if i in self._pending_selector_state:
+                    selectors[i].load_state_dict(self._pending_selector_state[i])
+        log.debug("redsync plan: %s", [(s.numel, s.selector, s.quantized) for s in specs])
+        return _Plan(spans, specs, selectors)
+
+    def _adopt(self, plan: _Plan) -> None:
+        if plan.spans != self._spans:
+            self._spans, self._specs, self._selectors = plan.spans, plan.specs, plan.selectors
+            for i in plan.selectors:
+                self._pending_selector_state.pop(i, None)
 
     # ------------------------------------------------------------------ compression of one layer
-    def _fuses(self, i: int, spec: LayerSpec) -> bool:
-        """Whether layer i's selection runs in the scan that writes its ``acc`` (a sparse layer sent
-        unquantized whose selector checks finiteness, which the agreement needs)."""
-        return not spec.dense and not spec.quantized and self._selectors[i].check_finite
+    def _fuses(self, selector: Any, spec: LayerSpec) -> bool:
+        """Whether a layer's selection runs in the scan that writes its ``acc`` (a sparse layer sent
+        unquantized whose selector checks finiteness)."""
+        return not spec.dense and not spec.quantized and selector.check_finite
 
-    def _accumulate(self, specs: Sequence[LayerSpec], residual: Tensor, grad: Tensor, acc: Tensor,
-                    picked: dict[int, Tensor]) -> None:
+    def accumulate(self, residual: Tensor, grad: Tensor, acc: Tensor,
+                   layout: Layout) -> tuple[_Plan, dict[int, Tensor]]:
         """``acc = residual + grad`` layer by layer, each in one scan that raises
         :class:`~sparsecomm.selection.NonFiniteInputError` on a non-finite gradient: the selector's
-        (its indices into ``picked``) where :meth:`_fuses`, else the plain fused scan."""
-        for i, spec in enumerate(specs):
+        (its indices kept, by layer) where :meth:`_fuses`, else the plain fused scan. Returns (the
+        plan, the indices picked)."""
+        plan = self._plan(grad.numel(), layout)
+        picked: dict[int, Tensor] = {}
+        for i, spec in enumerate(plan.specs):
             span = slice(spec.offset, spec.offset + spec.numel)
-            if self._fuses(i, spec):
-                picked[i] = self._selectors[i].accumulate(residual[span], grad[span], self.k(spec.numel),
-                                                          dest=acc[span])
+            selector = plan.selectors.get(i)
+            if selector is not None and self._fuses(selector, spec):
+                picked[i] = selector.accumulate(residual[span], grad[span], self.k(spec.numel), dest=acc[span])
             else:
-                self._scratch.scan(residual[span], math.inf, name=self.name, check_finite=True, addend=grad[span],
-                                   dest=acc[span])
+                add_checked(residual[span], grad[span], acc[span], self._scratch, self.name)
+        return plan, picked
 
-    def _compress(self, i: int, spec: LayerSpec, x: Tensor, sign: int,
+    def moved_by_accumulate(self) -> list[Any]:
+        """The current plan's selectors (the sampled binary search reuses its threshold)."""
+        return list(self._selectors.values())
+
+    def _compress(self, selector: Any, spec: LayerSpec, x: Tensor, sign: int,
                   picked: Tensor | None = None) -> tuple[LayerPart, Tensor]:
         """(this layer's part of the message, local indices sent); updates ``x`` (the residual) in place.
-        ``picked``: the indices the layer's selector already chose (:meth:`_accumulate`)."""
+        ``picked``: the indices the layer's selector already chose (:meth:`accumulate`)."""
         if spec.dense:
             part = LayerPart(None, x.clone())
             x.zero_()
             return part, torch.arange(spec.numel, device=x.device)
         k = self.k(spec.numel)
         if not spec.quantized:
-            idx = ascending(self._selectors[i](x, k) if picked is None else picked)  # sorted: the receivers merge
+            idx = ascending(selector(x, k) if picked is None else picked)  # sorted: the receivers merge
             part = LayerPart(_shifted(idx, spec.offset), take_and_clear(x, idx))  # x keeps the rest
             return part, idx
         signed = x * sign
-        idx = ascending(self._selectors[i](signed.clamp_(min=0), k))
+        idx = ascending(selector(signed.clamp_(min=0), k))
         idx = idx[signed[idx] > 0]  # fewer than k entries of this sign: send only those
         selected = x[idx]
         mean = selected.sum().div_(max(idx.numel(), 1)).reshape(1)
         x[idx] = selected - mean  # the quantization error stays in the residual
         return LayerPart(idx + spec.offset, mean), idx
 
-    # ------------------------------------------------------------------ the work
-    def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
-        n = grad.numel()
-        plan = (self._spans, self._specs, self._selectors, dict(self._pending_selector_state))
-        specs = self._layers(n, layout)  # a new layout plans afresh: the old plan is put back if refused
-        sign = 1 if self.step % 2 == 0 else -1
-        picked: dict[int, Tensor] = {}
+    def first_message(self, acc: Tensor, picked: tuple[_Plan, dict[int, Tensor]]) -> AllGather:
+        """The packed message, every layer compressed out of ``acc``, as an all-gather whose replies are
+        every rank's (counts, indices, values)."""
+        plan, chosen = picked
+        message = self._message(plan, acc, chosen)
 
-        def accumulate(residual: Tensor, g: Tensor, acc: Tensor) -> Tensor:
-            self._accumulate(specs, residual, g, acc, picked)
-            return acc[:0]
-
-        # on gloo and MPI the all-gather rides on the agreement: compress first (into the spare buffer,
-        # the selectors' state kept until the verdict), then one exchange for both
-        gathers = not self._agreed and self.comm.gathers_in_agreement
-        try:
-            with kept_on_failure(self._selectors.values()):  # a refused or skipped call: as it was
-                if gathers:
-                    acc, selected, nonfinite = self.accumulate_to_spare(grad, accumulate)
-                    message = None if selected is None else self._message(specs, acc, sign, picked, n)
-                    blocks = self.gather_in_agreement(grad, layout, nonfinite, acc, message)
-                else:
-                    acc, _ = self.accumulate_and_agree(grad, layout, accumulate)
-        except BaseException:
-            self._spans, self._specs, self._selectors, self._pending_selector_state = plan
-            raise
-        if gathers:
-            assert message is not None
-            gathered = [split_message(block, specs, message[1].dtype, message[2].dtype) for block in blocks]
-        else:
-            message = self._message(specs, acc, sign, picked, n)
+        def send() -> list[list[Tensor]]:
             with self.timer("comm"):
-                gathered = allgatherv(self.comm, message)
-        with self.timer("decompress"):
-            messages = [unpack_message(specs, counts, indices, values) for counts, indices, values in gathered]
-            if any(spec.dense for spec in specs):  # dense layers are added in place: divide all of out
-                out = self.output_buffer(grad)
-                for indices, values in [_sparse_entries(out, specs, parts) for parts in messages]:
-                    out.index_add_(0, indices.long(), values.to(out.dtype))
-                out.div_(self.comm.size)
-                self.output_written(None)
-            else:  # each rank's indices are sorted (layer by layer, in layer order): one merge
-                # (no dense layer: nothing is added into grad, which gives only the dtype and device)
-                received = [_sparse_entries(grad, specs, parts) for parts in messages]
-                out = self.output_average(grad, [i for i, _ in received], [v for _, v in received], self.comm.size)
-        return out
+                return allgatherv(self.comm, message)
+        return AllGather(parts=message, send=send, unpack=lambda blocks: [
+            split_message(block, plan.specs, message[1].dtype, message[2].dtype) for block in blocks])
 
-    def _message(self, specs: Sequence[LayerSpec], acc: Tensor, sign: int, picked: dict[int, Tensor],
-                 n: int) -> list[Tensor]:
+    def _message(self, plan: _Plan, acc: Tensor, picked: dict[int, Tensor]) -> list[Tensor]:
         """This rank's packed message (:func:`pack_message`), each layer compressed out of ``acc``,
         which keeps the rest (error feedback); sets ``last_sent`` and the message's stats."""
+        sign = 1 if self.step % 2 == 0 else -1
         with self.timer("select"):
             parts, sent = [], []
-            for i, spec in enumerate(specs):
-                part, idx = self._compress(i, spec, acc[spec.offset:spec.offset + spec.numel], sign, picked.get(i))
+            for i, spec in enumerate(plan.specs):
+                part, idx = self._compress(plan.selectors.get(i), spec, acc[spec.offset:spec.offset + spec.numel],
+                                           sign, picked.get(i))
                 parts.append(part)
                 sent.append(_shifted(idx, spec.offset))
-            message = pack_message(specs, parts, index_dtype(n))
+            message = pack_message(plan.specs, parts, index_dtype(acc.numel()))
         self.last_sent = _joined(sent)
         self.stats["selected"] = self.last_sent.numel()
         self.stats["message_bytes"] = message_nbytes(message)
         self.stats["asq_sign"] = sign if self.quantize else 0
         return message
+
+    # ------------------------------------------------------------------ the rest of the call
+    def reduce(self, grad: Tensor, out: Output) -> Tensor:
+        plan, _ = out.accumulated.picked
+        self._adopt(plan)
+        gathered = out.accumulated.replies
+        specs = plan.specs
+        with self.timer("decompress"):
+            messages = [unpack_message(specs, counts, indices, values) for counts, indices, values in gathered]
+            if any(spec.dense for spec in specs):  # dense layers are added in place: divide all of out
+                result = out.zeros()
+                for indices, values in [_sparse_entries(result, specs, parts) for parts in messages]:
+                    result.index_add_(0, indices.long(), values.to(result.dtype))
+                result.div_(self.comm.size)
+                out.written(None)
+                return result
+            # each rank's indices are sorted (layer by layer, in layer order): one merge (no dense layer:
+            # nothing is added into grad, which gives only the dtype and device)
+            received = [_sparse_entries(grad, specs, parts) for parts in messages]
+            return out.average([i for i, _ in received], [v for _, v in received], self.comm.size)
 
     # ------------------------------------------------------------------ checkpoints
     def extra_state(self) -> dict[str, Any]:
@@ -437,8 +440,6 @@ def _planned_message_bytes(n: int, layout: Layout, density: float, itemsize: int
     opts = {**defaults, **policy}
     if opts["large"] is None:
         opts["large"] = "binary_search" if opts["quantize"] else "sampled_binary_search"
-    for size in ("small", "medium", "large"):
-        opts[size] = opts[size] if opts[size] == "dense" else current_selector_name(opts[size])
     spans = [(0, n)] if layout is None else [(int(o), int(m)) for o, m in layout]
     index_size = index_dtype(n).itemsize
     total, exact = _COUNT_DTYPE.itemsize * len(spans), True

@@ -7,7 +7,7 @@ Per call, on every rank:
 1. ``acc = grad + residual``; block-wise top-K by L2 norm (``selectors.make("block_topk")``, section
    2.2) picks whole blocks of ``block_size`` elements, at least k = ceil(density * n) elements; the
    rest of ``acc`` stays in the residual (error feedback). The sum is written chunk by chunk as the
-   block energies are taken, whose total also tells the call's agreement whether the gradient is
+   block energies are taken, whose total also tells whether the gradient is
    finite: one read of gradient and residual and one write of ``acc``.
 2. Insert the selected values into a ``rows`` x ``cols`` count-sketch (:mod:`sparsecomm.selection.sketch`)
    with ``rows * cols ~= sketch_ratio * k`` (the paper's lambda, 0.5 its best setting); mark the
@@ -57,7 +57,7 @@ from ..selection.sketch import CountSketch
 from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator
 from ..transport.merge import nonzero_positions
-from .base import Layout, Method, register_method
+from .base import Layout, Method, Output, register_method
 
 __all__ = ["SparseSketchReducer", "sketch_shape", "bitmap_dtype"]
 
@@ -95,7 +95,6 @@ class SparseSketchReducer(Method):
     #: one row with at least 2^ceil(log2 n) columns: the hash is a permutation, so no collisions
     exact_options = {"rows": 1, "sketch_ratio": 2.0}
     has_residual = True
-    agrees_in_reduce = True  # after the block energies' chunked scan of acc = residual + grad
 
     def __init__(self, comm: Communicator | None = None, *, density: float, sketch_ratio: float = 0.5,
                  rows: int = 3, block_size: int = 32, seed: int = 0, allreduce: str = "rabenseifner",
@@ -113,16 +112,17 @@ class SparseSketchReducer(Method):
         self.measure_error = bool(measure_error)
         self.selector = BlockTopK(block_size=block_size)  # selectors.make("block_topk")
 
-    def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
+    def accumulate(self, residual: Tensor, grad: Tensor, acc: Tensor, layout: Layout) -> Tensor:
+        """``acc = residual + grad``, added chunk by chunk as the block energies are taken (whose sum
+        tells whether the gradient is finite); returns the selected blocks."""
+        return self.selector.accumulate_blocks(residual, grad, self.k(grad.numel()), acc)
+
+    def reduce(self, grad: Tensor, out: Output) -> Tensor:
         n, P, B = grad.numel(), self.comm.size, self.block_size
         k = self.k(n)
         rows, cols = sketch_shape(k, self.sketch_ratio, self.rows)
         sketch = CountSketch(n, rows, cols, seed=self.seed * _SEED_STRIDE + self.step)
-        # acc = residual + grad, added chunk by chunk as the block energies are taken (whose sum tells
-        # the agreement whether grad is finite); acc is the residual from here on
-        acc, blocks = self.accumulate_and_agree(
-            grad, layout, lambda residual, g, dest: self.selector.accumulate_blocks(residual, g, k, dest))
-        assert blocks is not None
+        acc, blocks, _ = out.accumulated  # acc is the residual from here on
         with self.timer("select"):
             idx = self.selector.elements(blocks, n)          # increasing
             values = gather_blocks(acc, blocks, B).reshape(-1)[:idx.numel()]
@@ -142,13 +142,13 @@ class SparseSketchReducer(Method):
             # out = estimate / P on the union's elements and 0 elsewhere: the queries block by block,
             # then one write of those blocks (and the last call's) that also counts stats.nnz_out
             estimates = sketch.query_blocks(table, union, B)
-            out = self.output_average_blocks(grad, union, B, estimates, P, keep_sign=True)
+            result = out.average_blocks(union, B, estimates, P, keep_sign=True)
         short = -n % B if union.numel() and int(union[-1]) == n // B else 0  # the short last block's gap
         union_nnz = union.numel() * B - short
         self.stats.update(union_nnz=union_nnz, sketch_cells=rows * cols)
         if self.measure_error:
-            self._measure_error(out, idx, values)
-        return out
+            self._measure_error(result, idx, values)
+        return result
 
     def _measure_error(self, out: Tensor, idx: Tensor, values: Tensor) -> None:
         """stats sketch_error / sketch_error_max against the exact average of the selections."""

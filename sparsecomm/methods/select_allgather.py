@@ -7,19 +7,17 @@ Per call, on every rank r:
    ``residual = acc`` with the entries at ``idx`` set to zero (error feedback). With the default
    selection the addition happens inside the selector's scan (one read of the gradient and the
    residual, :meth:`SelectAllGather.accumulate_select`).
-2. All-gather of the packed message ``(indices, values)``. On gloo and MPI, when the method agrees
-   after its scan (:attr:`agrees_in_reduce`), the all-gather *is* the call's agreement: the
-   agreement's ceil(log2 P) messages carry the messages too (in the steps of ``allgatherv``,
-   :meth:`~sparsecomm.transport.comm.Communicator.agree_max_gathering`), so a call sends ceil(log2 P)
-   messages in all instead of twice as many, and the residual becomes ``acc`` only once the ranks
-   agreed. Otherwise (NCCL, a stateful selector) by
-   :func:`~sparsecomm.transport.sparse_collectives.allgather_chunks` after the agreement: with an
-   exact-count selector every rank sends exactly k entries, a length every rank knows once the ranks
-   agreed on n and the density, so each round is the payload alone; otherwise the element counts
-   travel as the size header of :meth:`Communicator.exchange_many` (the "initial element which
-   indicates the length" of RedSync section 2.3).
+2. All-gather of the packed message ``(indices, values)``, this call's first message
+   (:meth:`~.base.Method.first_message`, an :class:`~.accumulation.AllGather`), which the runner may
+   send along with the call's checks (on gloo and MPI, in the steps of ``allgatherv``: ceil(log2 P)
+   messages in all). Sent by the method itself, it goes by
+   :func:`~sparsecomm.transport.sparse_collectives.allgather_chunks`: with an exact-count selector
+   every rank sends exactly k entries, a length every rank knows once the ranks checked n and the
+   density, so each round is the payload alone; otherwise the element counts travel as the size
+   header of :meth:`Communicator.exchange_many` (the "initial element which indicates the length" of
+   RedSync section 2.3).
 3. Every rank merges the P messages (each sorted by index) into the method's reused output buffer
-   (:meth:`~.base.Method.output_average`: one ordered sweep that zeroes where the last call wrote and
+   (:meth:`~.output.Output.average`: one ordered sweep that zeroes where the last call wrote and
    writes this call's average, :func:`~sparsecomm.transport.merge.average_into`): each index's sum is
    taken in rank order and divided by P on the way, so the result is the same bit for bit on every
    rank; no length-n vector is allocated per call, and nothing is sorted or counted again.
@@ -50,7 +48,8 @@ from ..transport.chunk import SparseChunk, index_dtype, pair_bytes
 from ..transport.comm import Communicator
 from ..transport.merge import ascending
 from ..transport.sparse_collectives import allgather_chunks, allgatherv_cost
-from .base import Layout, Method
+from .accumulation import AllGather
+from .base import Layout, Method, Output
 
 __all__ = ["SelectorStateMixin", "SelectAllGather", "select_allgather_cost", "check_cap", "cap_limit"]
 
@@ -132,8 +131,9 @@ class SelectAllGather(SelectorStateMixin, Method):
         return self.selector(acc, self.k(acc.numel()))
 
     def accumulate_select(self, acc: Tensor, grad: Tensor) -> Tensor:
-        """``acc += grad`` (the residual, in place), then :meth:`select`. With the configured selector
-        (``select`` not overridden) the selector does both in one pass where it can
+        """``acc += grad`` (the residual, in place), then :meth:`select`: the call of a method that does
+        not :meth:`accumulate` (an overridden ``select``, a selector that keeps state). With the
+        configured selector both happen in one pass where it can
         (:meth:`~sparsecomm.selection.base.Selector.accumulate`)."""
         if type(self).select is SelectAllGather.select:
             return self.selector.accumulate(acc, grad, self.k(acc.numel()))
@@ -141,75 +141,69 @@ class SelectAllGather(SelectorStateMixin, Method):
         return self.select(acc)
 
     @property
-    def agrees_in_reduce(self) -> bool:  # type: ignore[override]
-        """With the configured selector, when it keeps no state between calls (``exact_topk``): the
-        selection's scan of ``acc = residual + grad`` then also tells whether the gradient is finite,
-        and the agreement follows it (:meth:`~.base.Method.agree`), with no pass of its own."""
+    def accumulates(self) -> bool:
+        """With the configured selector, when it keeps no state between calls (``exact_topk``): its scan
+        of ``acc = residual + grad`` then also picks the entries and tells whether the gradient is
+        finite (:meth:`accumulate`)."""
         return type(self).select is SelectAllGather.select and self.selector.stateless
 
-    def fused_select(self, residual: Tensor, grad: Tensor, acc: Tensor) -> Tensor:
+    def accumulate(self, residual: Tensor, grad: Tensor, acc: Tensor, layout: Layout) -> Tensor:
         """``acc = residual + grad`` and the indices this rank sends, in one scan (raises
         :class:`~sparsecomm.selection.NonFiniteInputError` on a non-finite gradient): the configured
-        selector's :meth:`~sparsecomm.selection.base.Selector.accumulate` with k = ceil(density n).
-        Used where the method agrees after its scan (:attr:`agrees_in_reduce`)."""
+        selector's :meth:`~sparsecomm.selection.base.Selector.accumulate` with k = ceil(density n)."""
         return self.selector.accumulate(residual, grad, self.k(grad.numel()), dest=acc)
 
     def controller_update(self, acc: Tensor, indices: Tensor) -> Callable[[], None]:
         """What a selection controller learns from this call (read from ``acc`` now, before the sent
-        values leave it), as the update to run once the ranks agreed: nothing here (threshold
-        methods move their controller, :class:`~.fold.ThresholdFold`)."""
+        values leave it), as the update ``reduce`` runs: nothing here (the threshold methods move
+        their controller)."""
         return _nothing
+
+    def first_message(self, acc: Tensor, picked: Tensor) -> AllGather:
+        """This rank's packed message, taken out of ``acc``, as an all-gather whose replies are (every
+        rank's chunk, this rank's, the controller's update)."""
+        n = acc.numel()
+        update = self.controller_update(acc, picked)
+        chunk = self._message(acc, picked, n)
+        index_type, value_type = chunk.indices.dtype, chunk.values.dtype
+        return AllGather(parts=chunk.parts(), send=lambda: (self._allgather(chunk, n), chunk, update),
+                         unpack=lambda blocks: ([SparseChunk.from_bytes(b, index_type, value_type) for b in blocks],
+                                                chunk, update))
 
     def _known_counts(self, n: int) -> list[int] | None:
         """Every rank's message length when it is known before the exchange: the configured selector
         picks exactly k = ceil(density n) entries (an exact-count selector, ``select`` not overridden)
-        and the ranks agreed on n and the density (:meth:`~.base.Method._validate`), so all P messages
-        hold k entries and the all-gather needs no size headers. ``None`` otherwise."""
+        and the ranks checked n and the density, so all P messages hold k entries and the all-gather
+        needs no size headers. ``None`` otherwise."""
         if type(self).select is not SelectAllGather.select or not self.selector.exact_count:
             return None
         return [self.k(n)] * self.comm.size
 
-    def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
-        n = grad.numel()
-        k = self.k(n)
-        # the all-gather rides on the agreement where the backend allows (gloo, MPI): see below
-        gathers = self.agrees_in_reduce and not self._agreed and self.comm.gathers_in_agreement
-        nonfinite = 0
-        idx: Tensor | None
-        update: Callable[[], None] = _nothing
-        if gathers:
-            acc, idx, nonfinite = self.accumulate_to_spare(grad, self.fused_select)
-            if idx is not None:
-                update = self.controller_update(acc, idx)
-        elif self.agrees_in_reduce:
-            acc, idx = self.accumulate_select_and_agree(grad, layout, self.selector, k)
-        else:
+    def _allgather(self, chunk: SparseChunk, n: int) -> list[SparseChunk]:
+        """Every rank's message, in rank order, by :func:`allgather_chunks` (timed as the comm)."""
+        counts = self._known_counts(n)
+        if counts is not None and chunk.nnz != counts[self.comm.rank]:
+            raise RuntimeError(f"{self.name}: selector {self.selector_name!r} picked {chunk.nnz} entries, not "
+                               f"the k={counts[self.comm.rank]} its exact count promises (a selector bug)")
+        with self.timer("comm"):
+            return allgather_chunks(self.comm, chunk, counts=counts)
+
+    def reduce(self, grad: Tensor, out: Output) -> Tensor:
+        if out.accumulated is None:  # in place, after the call's checks
             with self.timer("select"):
-                acc = self.residual_for(grad)       # acc is self.residual, updated in place
+                acc = self.residual_for(grad)
                 idx = self.accumulate_select(acc, grad)
-        chunk = None if idx is None else self._message(acc, idx, n)
-        if gathers:
-            # the agreement's messages carry the all-gather (a rank whose gradient is not finite sends
-            # none, and the verdict stops every rank): ceil(log2 P) messages for both
-            blocks = self.gather_in_agreement(grad, layout, nonfinite, acc, None if chunk is None else chunk.parts())
-            assert chunk is not None
-            update()
-            gathered = [SparseChunk.from_bytes(block, chunk.indices.dtype, chunk.values.dtype) for block in blocks]
+            chunk = self._message(acc, idx, grad.numel())
+            gathered = self._allgather(chunk, grad.numel())
         else:
-            assert chunk is not None
-            counts = self._known_counts(n)
-            if counts is not None and chunk.nnz != counts[self.comm.rank]:
-                raise RuntimeError(f"{self.name}: selector {self.selector_name!r} picked {chunk.nnz} entries, not "
-                                   f"the k={counts[self.comm.rank]} its exact count promises (a selector bug)")
-            with self.timer("comm"):
-                gathered = allgather_chunks(self.comm, chunk, counts=counts)
+            gathered, chunk, update = out.accumulated.replies
+            update()
         with self.timer("decompress"):
-            out = self.output_average(grad, [c.indices for c in gathered], [c.values for c in gathered],
-                                      self.comm.size)
+            result = out.average([c.indices for c in gathered], [c.values for c in gathered], self.comm.size)
         self.stats["message_bytes"] = chunk.nbytes()
         self.stats["counts"] = [received.nnz for received in gathered]
         self.stats["received_nnz"] = sum(self.stats["counts"])
-        return out
+        return result
 
     def _message(self, acc: Tensor, idx: Tensor, n: int) -> SparseChunk:
         """This rank's message: the selected entries (cut to the cap, in ascending order), their values

@@ -26,9 +26,8 @@ overlap only by chance and the union grows with P (*gradient build-up*: up to P 
 result).
 
 Passes. With the exponential (the default) every stage runs on the magnitudes gathered by ONE scan
-(:func:`sidco_view`): it writes ``acc = residual + grad`` to the spare residual buffer, sums ``|acc|``
-for the first stage's mean, checks the gradient's finiteness for the call's agreement
-(:meth:`~.base.Method.accumulate_and_agree`, :class:`~.fold.ThresholdFold`) and gathers the
+(:func:`sidco_view`, in :meth:`SIDCo.accumulate`): it writes ``acc = residual + grad``, sums ``|acc|``
+for the first stage's mean, checks the gradient's finiteness and gathers the
 candidates ``|acc| >= floor``, the floor placed from a strided sample just under the first stage's
 threshold; the later stages' exceedances and the final selection are then read from the candidates
 (a threshold found below the floor, which the sample makes rare, costs a scan of ``acc``). An
@@ -54,8 +53,7 @@ from ..core.validate import check_int
 from ..selection.metrics import SparsificationMetrics
 from ..selection.scan import MagnitudeView, Scratch, above_float32, sampled_magnitudes
 from ..selection.threshold import HardThreshold, ThresholdController, local_elasticity
-from .base import register_method
-from .fold import ThresholdFold
+from .base import Layout, register_method
 from .select_allgather import FeedbackStateMixin, SelectAllGather, data_dependent_cost
 
 __all__ = ["SIDCo", "sidco_threshold", "sidco_view"]
@@ -179,7 +177,7 @@ def sidco_view(x: Tensor, density: float, distribution: str = "exponential", sta
 
 
 @register_method("sidco")
-class SIDCo(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
+class SIDCo(SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
     """SIDCo statistical threshold estimation, all-gather, sum (see the module docstring).
 
     Args:
@@ -209,9 +207,10 @@ class SIDCo(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllG
         assert isinstance(self.selector, HardThreshold)
         self.hard: HardThreshold = self.selector
         self._feedback = ThresholdController()
-        self._selected_magnitudes: Tensor | None = None  # |acc| at fused_select's indices, for controller_update
+        self._selected_magnitudes: Tensor | None = None  # |acc| at accumulate's indices, for controller_update
 
-    def fused_select(self, residual: Tensor, grad: Tensor, acc: Tensor) -> Tensor:
+    def accumulate(self, residual: Tensor, grad: Tensor, acc: Tensor, layout: Layout) -> Tensor:
+        """``acc = residual + grad`` and the entries above the fitted threshold, from one scan."""
         n = grad.numel()
         k = self.k(n)
         self._selected_magnitudes = None
@@ -233,7 +232,7 @@ class SIDCo(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllG
         magnitudes, self._selected_magnitudes = self._selected_magnitudes, None
         if self.controller != "adaptive" or k >= n:
             return lambda: None
-        if magnitudes is None or magnitudes.numel() != indices.numel():  # not fused_select's: read acc
+        if magnitudes is None or magnitudes.numel() != indices.numel():  # not accumulate's: read acc
             magnitudes = acc.index_select(0, indices).abs_()
         elasticity = local_elasticity(magnitudes, self.hard.threshold)
         picked = indices.numel()

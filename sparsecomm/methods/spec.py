@@ -18,6 +18,7 @@ from typing import Any
 
 from ..transport.comm import Communicator
 from .base import NONFINITE_POLICIES, Method, check_density
+from .catalog import check_method_options, method_class
 
 __all__ = ["MethodSpec", "method_spec", "option_names", "COMMON_OPTIONS"]
 
@@ -26,17 +27,9 @@ COMMON_OPTIONS = ("nonfinite",)
 
 
 def _load_class(name: Any) -> type[Method]:
-    from . import method_class  # the package finds the method modules; it imports this module
-
     if not isinstance(name, str):
         raise TypeError(f"method must be a name (str) or a MethodSpec, got {type(name).__name__}")
     return method_class(name)
-
-
-def _check_options(name: str, options: dict[str, Any]) -> None:
-    from . import check_method_options  # names the method, lists its options (and its selector's)
-
-    check_method_options(name, options)
 
 
 def _keyword_options(cls: type[Method]) -> tuple[list[str], bool]:
@@ -76,7 +69,7 @@ class MethodSpec:
         if not isinstance(self.options, Mapping):
             raise TypeError(f"method {self.name!r}: options must be a mapping, got {type(self.options).__name__}")
         options = dict(self.options)
-        _check_options(self.name, options)
+        check_method_options(self.name, options)
         density = check_density(self.name, cls.sparse, options.get("density"))
         if density is not None:
             options["density"] = density

@@ -1,4 +1,5 @@
-"""What one method call did, as one typed record: :class:`Stats`, defined once and summed once.
+"""What one method call did, as one typed record: :class:`Stats`, defined once and summed once; and
+:class:`PhaseTimer`, which times a call's phases into it.
 
 Every method fills one ``Stats`` per call (``method.stats``); the DDP hook, the synchronizer, the
 training loop, the benchmarks and the reports read it and add records up with :meth:`Stats.total`.
@@ -9,11 +10,12 @@ are easy to log and to save as JSON.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["Stats", "PHASES"]
+__all__ = ["Stats", "PHASES", "PhaseTimer"]
 
 #: The timed phases of a call, each a ``time_<phase>`` field of :class:`Stats`.
 PHASES = ("select", "comm", "decompress")
@@ -136,3 +138,34 @@ class Stats(Mapping[str, Any]):
 _FIELDS = tuple(f.name for f in fields(Stats))
 _SUMMED = tuple(f.name for f in fields(Stats) if f.type in ("int", "float"))
 _DERIVED = ("density", "density_sent", "time_other")
+
+
+class PhaseTimer:
+    """``with method.timer(phase):``: adds the block's wall time to ``times[phase]``. Nested blocks are
+    exclusive: while an inner block runs (a selection inside the steps of a message timed as the comm),
+    the outer one's clock stops, so every second is booked once. A plain class rather than a
+    ``contextlib.contextmanager`` generator: a call enters a dozen of them, and a rank's CPU between
+    messages delays its peers."""
+
+    __slots__ = ("times", "phase", "start", "running")
+
+    def __init__(self, times: dict[str, float], phase: str, running: list[PhaseTimer]) -> None:
+        self.times, self.phase, self.running = times, phase, running
+
+    def __enter__(self) -> None:
+        now = time.perf_counter()
+        if self.running:
+            self.running[-1].stop(now)
+        self.running.append(self)
+        self.start = now
+
+    def __exit__(self, *exc: object) -> None:
+        now = time.perf_counter()
+        self.running.pop()
+        self.stop(now)
+        if self.running:
+            self.running[-1].start = now
+
+    def stop(self, now: float) -> None:
+        """Book the time since the block (re)started."""
+        self.times[self.phase] = self.times.get(self.phase, 0.0) + now - self.start

@@ -18,11 +18,11 @@ default, ExDyna's fixed initial threshold 1 / (2 sqrt(k)), which does not depend
 scale. The hard cap
 (``cap``, default 2: at most 2k entries per rank) bounds any single call.
 
-Passes (:class:`~.fold.ThresholdFold`): the threshold comes from a sample of ``acc`` (the sampled elements
-of ``residual + grad`` added on the fly), and then one scan writes ``acc = residual + grad`` to the
-spare residual buffer, gathers ``|acc| >= threshold`` and checks the gradient's finiteness for the
-call's agreement (:meth:`~.base.Method.accumulate_and_agree`): one read of the gradient and of the
-residual in all, before the decompression.
+Passes (:meth:`HardThresholdAllGather.accumulate`): the threshold comes from a sample of ``acc`` (the
+sampled elements of ``residual + grad`` added on the fly), and then one scan writes ``acc = residual +
+grad``, gathers ``|acc| >= threshold`` and checks the gradient's finiteness: one read of the gradient
+and of the residual in all, before the decompression. The controller moves in ``reduce``, from what
+:meth:`HardThresholdAllGather.controller_update` read of the selection.
 
 Cost: TopkA's with the per-rank message sizes: ``cost("threshold", P, n, k, rank, counts=[k_0, ...,
 k_(P-1)])`` is exact; without ``counts`` it is TopkA's figure for k per rank, marked inexact.
@@ -38,8 +38,7 @@ from torch import Tensor
 from ..core.cost import register_cost
 from ..selection.metrics import SparsificationMetrics
 from ..selection.threshold import HardThreshold, ThresholdController, estimate_kth_magnitude
-from .base import register_method
-from .fold import ThresholdFold
+from .base import Layout, register_method
 from .select_allgather import FeedbackStateMixin, SelectAllGather, data_dependent_cost
 
 __all__ = ["HardThresholdAllGather"]
@@ -48,7 +47,7 @@ _CONTROLLERS = ("adaptive", "paper")
 
 
 @register_method("threshold")
-class HardThresholdAllGather(ThresholdFold, SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
+class HardThresholdAllGather(SparsificationMetrics, FeedbackStateMixin, SelectAllGather):
     """Hard-threshold sparsifier: every ``|acc| >= threshold``, all-gather, sum.
 
     Args:
@@ -84,7 +83,8 @@ class HardThresholdAllGather(ThresholdFold, SparsificationMetrics, FeedbackState
     def _adaptive(self, n: int, k: int) -> bool:
         return self.samples_threshold and k < n
 
-    def fused_select(self, residual: Tensor, grad: Tensor, acc: Tensor) -> Tensor:
+    def accumulate(self, residual: Tensor, grad: Tensor, acc: Tensor, layout: Layout) -> Tensor:
+        """``acc = residual + grad`` and ``|acc| >= threshold``, the threshold set for this call first."""
         n = grad.numel()
         k = self.k(n)
         if self._adaptive(n, k):  # from a sample of acc = residual + grad (nothing written yet)

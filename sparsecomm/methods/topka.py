@@ -3,8 +3,8 @@ rank, and a sparse sum (the all-gather baseline of SparDL's evaluation, and RedS
 synchronization, Fang et al. section 2.3).
 
 The scheme is :class:`~.select_allgather.SelectAllGather`'s; the all-gather follows halving
-distances when P is a power of two (the cost of recursive doubling, behind RedSync's equation (1),
-and the schedule of the call's agreement) and Bruck otherwise. Both take
+distances when P is a power of two (the cost of recursive doubling, behind RedSync's equation (1))
+and Bruck otherwise. Both take
 ceil(log2 P) rounds and make every rank send the P-1 other ranks' messages exactly once when sizes
 are equal, so equation (1)'s ``lg(p) alpha + (p-1) M D beta`` holds for every P.
 

@@ -6,9 +6,8 @@
 Per call, on every rank:
 
 1. ``acc = grad + residual``; keep the exact local top-k of ``acc`` (the library's exact selector,
-   the same as TopkA's); the rest stays in the residual. The sum is written to a second buffer inside
-   the selection's scan, which also tells the call's agreement whether the gradient is finite
-   (:meth:`~sparsecomm.methods.base.Method.accumulate_and_agree`: no pass of the agreement's own).
+   the same as TopkA's); the rest stays in the residual. The sum is written inside the selection's
+   scan, which also tells whether the gradient is finite (:meth:`TopkDSA.accumulate`).
 2. The k (index, value) pairs form a sparse stream (:class:`~sparsecomm.transport.sparse_stream.Stream`);
    the streams are summed over the ranks with
    * ``algorithm="recursive_doubling"``: SSAR_Recursive_double, log2 p' rounds (+2 for the fold when P
@@ -39,7 +38,7 @@ from ..selection import make as make_selector
 from ..selection.scan import take_and_clear
 from ..transport.comm import Communicator
 from ..transport.sparse_stream import Stream, dense_switch_count, dsa_allreduce, dsa_cost, split_allreduce, split_cost
-from .base import Layout, Method, register_method
+from .base import Layout, Method, Output, register_method
 
 __all__ = ["TopkDSA", "resolve_algorithm", "ALGORITHMS"]
 
@@ -68,7 +67,6 @@ class TopkDSA(Method):
     sparse = True
     has_residual = True
     tracks_sent = True
-    agrees_in_reduce = True  # after the selection's scan of acc = residual + grad
 
     def __init__(self, comm: Communicator | None = None, *, density: float, algorithm: str = "auto",
                  selector: str = "exact_topk") -> None:
@@ -78,12 +76,14 @@ class TopkDSA(Method):
         if not self.selector.exact_count:
             raise ValueError(f"topkdsa: selector={selector!r} must select exactly k (an exact-count selector)")
 
-    def reduce(self, grad: Tensor, layout: Layout) -> Tensor:
+    def accumulate(self, residual: Tensor, grad: Tensor, acc: Tensor, layout: Layout) -> Tensor:
+        """``acc = residual + grad`` and its exact top-k, in one scan."""
+        return self.selector.accumulate(residual, grad, self.k(grad.numel()), dest=acc)
+
+    def reduce(self, grad: Tensor, out: Output) -> Tensor:
         n, P = grad.numel(), self.comm.size
         k = self.k(n)
-        # acc = residual + grad, written inside the selector's scan, which also tells the agreement
-        # whether grad is finite; acc is the residual from here on
-        acc, idx = self.accumulate_select_and_agree(grad, layout, self.selector, k)
+        acc, idx, _ = out.accumulated  # acc is the residual from here on
         with self.timer("residual"):
             stream = Stream.sparse(n, idx, take_and_clear(acc, idx))  # what stays: acc minus what is sent
         self.last_sent = idx
@@ -96,14 +96,14 @@ class TopkDSA(Method):
                 total, kinds = split_allreduce(self.comm, stream), []
         with self.timer("decompress"):
             if total.dense:
-                out = total.to_dense().reshape(-1).div_(P)
+                result = total.to_dense().reshape(-1).div_(P)
             else:  # sorted unique indices: the average written straight into the output buffer
                 assert total.indices is not None
-                out = self.output_average(grad, [total.indices], [total.values.reshape(-1)], P)
+                result = out.average([total.indices], [total.values.reshape(-1)], P)
         self.stats["algorithm"] = variant
         self.stats["sent_representation"] = kinds
         self.stats["dense_result"] = total.dense
-        return out
+        return result
 
     def __repr__(self) -> str:
         return f"TopkDSA(P={self.comm.size}, density={self.density:g}, algorithm={self.algorithm!r})"

@@ -33,7 +33,7 @@ from ..core.cost import Cost, chunk_offsets, chunk_sizes, register_cost
 from ..transport.collectives import ring_allgather_into, ring_allreduce, ring_cost, ring_reduce_scatter
 from ..transport.comm import Communicator
 from ..transport.topology import resolve_local_size, split_nodes
-from .base import Layout, Method, register_method
+from .base import Method, Output, register_method
 
 __all__ = ["TorusAllReduce"]
 
@@ -58,18 +58,18 @@ class TorusAllReduce(Method):
                         "local_size= or run on several nodes for the hierarchy.", self.comm.size,
                         self.local_size, "the argument" if local_size is not None else "LOCAL_WORLD_SIZE")
 
-    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def reduce(self, grad: torch.Tensor, out: Output) -> torch.Tensor:
         with self.timer("comm"):
             shard = ring_reduce_scatter(self.node, grad) if self.node.size > 1 else grad.clone()
             shard = ring_allreduce(self.cross, shard)
-            out = torch.empty_like(grad)
+            total = torch.empty_like(grad)
             start, size = chunk_offsets(grad.numel(), self.node.size)[self.node.rank]
-            out[start:start + size] = shard
-            ring_allgather_into(self.node, out)
+            total[start:start + size] = shard
+            ring_allgather_into(self.node, total)
         with self.timer("decompress"):
-            out.div_(self.comm.size)
+            total.div_(self.comm.size)
         self.stats.dense_fallback = self.one_node
-        return out
+        return total
 
     def __repr__(self) -> str:
         return f"TorusAllReduce(P={self.comm.size}, local_size={self.local_size})"

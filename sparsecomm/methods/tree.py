@@ -17,7 +17,7 @@ import torch
 
 from ..core.cost import Cost, register_cost
 from ..transport.tree import double_tree_allreduce, double_tree_cost
-from .base import Layout, Method, register_method
+from .base import Method, Output, register_method
 
 __all__ = ["TreeAllReduce"]
 
@@ -26,12 +26,12 @@ __all__ = ["TreeAllReduce"]
 class TreeAllReduce(Method):
     """Double-binary-tree all-reduce of the whole gradient, divided by P (dense)."""
 
-    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def reduce(self, grad: torch.Tensor, out: Output) -> torch.Tensor:
         with self.timer("comm"):
-            out = double_tree_allreduce(self.comm, grad)
+            total = double_tree_allreduce(self.comm, grad)
         with self.timer("decompress"):
-            out.div_(self.comm.size)
-        return out
+            total.div_(self.comm.size)
+        return total
 
 
 @register_cost("tree")

@@ -33,7 +33,7 @@ from ..transport.collectives import allreduce, allreduce_cost, check_allreduce
 from ..transport.comm import Communicator
 from ..transport.topology import resolve_local_size, split_nodes
 from ..transport.tree import tree_broadcast, tree_broadcast_cost, tree_reduce, tree_reduce_cost
-from .base import Layout, Method, register_method
+from .base import Method, Output, register_method
 
 __all__ = ["TwoLevelAllReduce"]
 
@@ -61,16 +61,16 @@ class TwoLevelAllReduce(Method):
                         "this is a tree reduce and broadcast (stats.dense_fallback)", self.comm.size,
                         self.local_size)
 
-    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def reduce(self, grad: torch.Tensor, out: Output) -> torch.Tensor:
         with self.timer("comm"):
-            out = tree_reduce(self.node, grad)
+            total = tree_reduce(self.node, grad)
             if self.node.rank == 0:
-                out = allreduce(self.cross, out, self.allreduce)
-            tree_broadcast(self.node, out)
+                total = allreduce(self.cross, total, self.allreduce)
+            tree_broadcast(self.node, total)
         with self.timer("decompress"):
-            out.div_(self.comm.size)
+            total.div_(self.comm.size)
         self.stats.dense_fallback = self.one_node
-        return out
+        return total
 
     def __repr__(self) -> str:
         return f"TwoLevelAllReduce(P={self.comm.size}, local_size={self.local_size}, allreduce={self.allreduce!r})"

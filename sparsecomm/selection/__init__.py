@@ -20,9 +20,6 @@ scaled_threshold   ExDyna Algorithm 5, online threshold scaling                 
 block_topk         S2 Reducer block-wise top-K by L2 norm                           in [k, k + B - 1]
 =================  ===============================================================  =================
 
-The old names ``topk``, ``threshold`` and ``dgc`` (also method or module names) still work for one
-release, with a ``DeprecationWarning`` (:data:`.registry.RENAMED`).
-
 Modules: the selectors (:mod:`.exact`, :mod:`.sampled`, :mod:`.search`, :mod:`.threshold`,
 :mod:`.block`) over one fused magnitude scan (:mod:`.scan`, with the optional C kernel ``_scan.c``);
 :mod:`.registry`; :mod:`.sketch`, the count-sketch of S2 Reducer; :mod:`.metrics`, ExDyna's
@@ -31,7 +28,6 @@ sparsification metrics (actual density, padding overhead, global error).
 
 from . import block, exact, sampled, search, threshold  # noqa: F401  (registers the selectors)
 from .base import NonFiniteInputError, Selector
-from .registry import RENAMED, available, current_name, make, option_names, register_selector
+from .registry import available, make, option_names, register_selector
 
-__all__ = ["make", "available", "register_selector", "option_names", "current_name", "RENAMED", "Selector",
-           "NonFiniteInputError"]
+__all__ = ["make", "available", "register_selector", "option_names", "Selector", "NonFiniteInputError"]

@@ -159,7 +159,7 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
             times.append(elapsed)
             cpu.append(elapsed_cpu)
             stats.append(method.stats)
-    folded = bool(method.agrees_in_reduce) and work.device.type == "cpu"
+    folded = method.accumulates and work.device.type == "cpu"
     selector = getattr(getattr(method, "selector", None), "name", "")
     if getattr(method, "samples_threshold", False):  # its threshold estimated from a sample, every call
         selector = SAMPLED_THRESHOLD
@@ -168,7 +168,7 @@ def time_method_in_worker(name: str, options: dict[str, Any], n: int, repeat: in
 
 
 def agreement_ride(stats: Sequence[Any]) -> str:
-    """What of a method's own rode on its calls' agreement (:meth:`~sparsecomm.methods.base.Method.agree`):
+    """What of a method's own rode on its calls' agreement (:mod:`sparsecomm.methods.runner`):
     ``"gather"`` (its all-gather), ``"ride"`` (SparDL's Spar-Reduce-Scatter) or ``""``."""
     extras = [s.extra for s in stats]
     if any(e.get("gathered_in_agreement") for e in extras):

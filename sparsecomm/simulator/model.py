@@ -235,7 +235,7 @@ def _received_elements(name: str, P: int, n: int, k: int, density: float, option
 
 def agreement_rounds(P: int, ride: str = "") -> int:
     """Messages each rank sends in a call's agreement that are not the method's own
-    (:meth:`~sparsecomm.transport.comm.Communicator.agree_max`, a dissemination: ceil(log2 P) steps of
+    (:func:`~sparsecomm.transport.control.max_all_reduce`, a dissemination: ceil(log2 P) steps of
     one small header; 0 for one worker). ``ride``: what of the method's rides on the agreement where
     it agrees after its scan on gloo (the calibration's ``agreement_ride``): ``"gather"``, its
     all-gather, every step (0 of its own); ``"ride"``, SparDL's Spar-Reduce-Scatter, every step where

@@ -3,45 +3,47 @@ are about to do the same thing, before any payload moves.
 
 A method call fills a fixed-size int64 *header* (its gradient length, dtype, density, step, number
 of non-finite elements, ...; the fields are the caller's). :func:`agree` reduces ``[h, -h]`` with an
-element-wise maximum over the communicator (:meth:`Communicator.agree_max`, a dissemination
-all-reduce of ceil(log2 P) steps), so every rank holds the maximum and the minimum of each field and
-reaches the same verdict:
+element-wise maximum over the communicator (:func:`.control.max_all_reduce`, ceil(log2 P) steps), so
+every rank holds the maximum and the minimum of each field and reaches the same verdict:
 
 * every field equal on every rank and every *must-be-zero* field zero: :func:`agree` returns
   ``None`` and the call goes on;
 * otherwise every rank takes part in a second collective that gathers the whole P x H table
   (rows of the other ranks start at the int64 minimum, so the same maximum-reduction is an
   all-gather), and every rank returns the same :class:`Agreement` table, from which
-  :meth:`Agreement.describe` builds the same message naming the offending rank(s).
+  :meth:`Agreement.describe` builds the same message naming the offending rank(s). Fields sent as a
+  CRC (a method's options, a layout) are named by :func:`gather_texts` and :func:`describe_options`,
+  which all-gather each rank's text on the error path only.
 
 This is the check that ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` makes for torch's own collectives (it
 compares the collective's shapes and dtypes across ranks) and that NCCL's error checking makes
 before launching a kernel, reduced to what a sparse method needs.
 
-A method whose first message is an all-gather can send it *in* the agreement
-(:func:`agree_gathering`, on gloo and MPI): the dissemination's messages carry the payload blocks
-too, so the call needs no messages of its own for the agreement. Every rank still reads every
-message, whatever method it called, because every agreement message on those backends has the same
-self-describing frame (:meth:`Communicator.agree_max_gathering`). A method whose messages follow the
-agreement's schedule, step D = P/2, ..., 1 sending to rank r + D (SparDL's Spar-Reduce-Scatter at P a
-power of two), sends each of them in the agreement's step (:func:`agree_riding`).
+The agreement's control messages can carry a method's first message (:mod:`.control`):
+:func:`agree_gathering` all-gathers one block per rank in them, :func:`agree_carrying` sends one of
+the caller's point-to-point messages in each of their steps.
 
 Cost per call, per rank: ceil(log2 P) messages of 2 H int64 (16 H bytes each; on gloo and MPI 16 more
 bytes of frame), booked as header bytes in the meter, with no round; only after a disagreement a
-second exchange of ceil(log2 P) messages of 8 P H bytes.
+second exchange of ceil(log2 P) messages of 8 P H bytes (and, to name differing options, two more
+of at most 8 P :data:`MAX_TEXT` bytes).
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
-from .comm import BlockStep, Communicator
+from .comm import Communicator
+from .control import BlockStep, max_all_reduce, max_all_reduce_carrying, max_all_reduce_gathering
 
-__all__ = ["AgreementError", "Agreement", "agree", "agree_gathering", "agree_riding", "INT64_MIN"]
+__all__ = ["AgreementError", "Agreement", "agree", "agree_gathering", "agree_carrying", "INT64_MIN",
+           "gather_texts", "options_text", "describe_options", "MAX_TEXT"]
 
 INT64_MIN = -(2 ** 63)
 
@@ -111,8 +113,8 @@ def agree(comm: Communicator, header: Mapping[str, int], *, zero: Sequence[str] 
     """``None`` when every rank passed the same ``header`` and the fields in ``zero`` are 0 on every
     rank; else every rank's header (the same :class:`Agreement` on every rank).
 
-    Collective: every rank of ``comm`` must call it (or :func:`agree_gathering`) with the same field
-    names, in the same order.
+    Collective: every rank of ``comm`` must call it (or :func:`agree_gathering`, :func:`agree_carrying`)
+    with the same field names, in the same order.
     """
     return agree_gathering(comm, header, None, zero=zero, device=device)[0]
 
@@ -121,9 +123,9 @@ def agree_gathering(comm: Communicator, header: Mapping[str, int], block: Sequen
                     zero: Sequence[str] = (), device=None
                     ) -> tuple[Agreement | None, list[Tensor] | None, list[BlockStep]]:
     """:func:`agree` whose messages also all-gather ``block``, this rank's payload (a method's first
-    message; :meth:`Communicator.agree_max_gathering`, on backends where
-    :attr:`Communicator.gathers_in_agreement`). Returns (the verdict, every rank's block in rank order
-    as ``uint8`` tensors, the payload moved per step). The blocks are ``None`` when a rank passed
+    message; :func:`.control.max_all_reduce_gathering`, where :func:`.control.carries_blocks`).
+    Returns (the verdict, every rank's block in rank order as ``uint8`` tensors, the payload moved per
+    step). The blocks are ``None`` when a rank passed
     none; that rank's header then differs (the caller puts whether it sends one in the header), so
     the verdict is never ``None`` without them."""
     names = tuple(header)
@@ -132,20 +134,20 @@ def agree_gathering(comm: Communicator, header: Mapping[str, int], block: Sequen
     gathered: list[Tensor] | None = None
     steps: list[BlockStep] = []
     if block is None:
-        both = comm.agree_max(both_ways, device=device)
+        both = max_all_reduce(comm, both_ways, device=device)
     else:
-        both, gathered, steps = comm.agree_max_gathering(both_ways, block)
+        both, gathered, steps = max_all_reduce_gathering(comm, both_ways, block)
     return _verdict(comm, names, values, both, zero, device), gathered, steps
 
 
-def agree_riding(comm: Communicator, header: Mapping[str, int], payload: Sequence[Tensor] | None,
-                 produce: Callable[[int, list[Tensor]], Sequence[Tensor]], *, zero: Sequence[str] = ()
-                 ) -> tuple[Agreement | None, list[Tensor] | None, list[BlockStep]]:
+def agree_carrying(comm: Communicator, header: Mapping[str, int], payload: Sequence[Tensor] | None,
+                   next_message: Callable[[int, list[Tensor]], Sequence[Tensor]], *, zero: Sequence[str] = ()
+                   ) -> tuple[Agreement | None, list[Tensor] | None, list[BlockStep]]:
     """:func:`agree` whose every message also carries one of a method's point-to-point messages
-    (:meth:`Communicator.agree_max_riding`, where :meth:`Communicator.rides_in_agreement`): the
-    first step's ``payload``, then ``produce(step, received)``'s. ``produce`` sees a message only while
-    every header that shaped it and this rank's agree and no ``zero`` field is set (the verdict on the
-    ranks seen so far), so it never reads a message of another collective. Returns (the verdict, the
+    (:func:`.control.max_all_reduce_carrying`, where :func:`.control.carries_messages`): the first
+    step's ``payload``, then ``next_message(step, received)``'s. ``next_message`` sees a message only
+    while every header that shaped it and this rank's agree and no ``zero`` field is set (the verdict on
+    the ranks seen so far), so it never reads a message of another collective. Returns (the verdict, the
     last step's received tensors as ``uint8``, the payload moved per step). The tensors are ``None``
     when a rank passed none (its header then differs: the caller puts whether it sends one in the
     header), so the verdict is never ``None`` without them."""
@@ -155,7 +157,8 @@ def agree_riding(comm: Communicator, header: Mapping[str, int], payload: Sequenc
     def settled(both: list[int]) -> bool:
         return _settled(names, len(values), both, zero)
 
-    both, received, moved = comm.agree_max_riding(values + [-v for v in values], payload, produce, settled)
+    both, received, moved = max_all_reduce_carrying(comm, values + [-v for v in values], payload, next_message,
+                                                    settled)
     return _verdict(comm, names, values, both, zero, None), received, moved
 
 
@@ -176,6 +179,50 @@ def _verdict(comm: Communicator, names: tuple[str, ...], values: list[int], both
     width = len(values)
     table = [INT64_MIN] * (comm.size * width)
     table[comm.rank * width:(comm.rank + 1) * width] = values
-    rows_flat = comm.agree_max(table, device=device)
+    rows_flat = max_all_reduce(comm, table, device=device)
     rows = tuple(tuple(rows_flat[r * width:(r + 1) * width]) for r in range(comm.size))
     return Agreement(names, rows)
+
+
+# ---------------------------------------------------------------------- naming what differs
+#: Longest text sent per rank (bytes); longer texts are cut.
+MAX_TEXT = 1024
+
+
+def gather_texts(comm: Communicator, text: str, device=None) -> list[str]:
+    """Every rank's ``text``, in rank order (collective over ``comm``)."""
+    data = list(text.encode()[:MAX_TEXT])
+    length = max_all_reduce(comm, [len(data)], device=device)[0]
+    table = [-1] * (comm.size * length)
+    table[comm.rank * length:comm.rank * length + len(data)] = data
+    merged = max_all_reduce(comm, table, device=device) if length else []
+    rows = [merged[r * length:(r + 1) * length] for r in range(comm.size)]
+    return [bytes(b for b in row if b >= 0).decode(errors="replace") for row in rows]
+
+
+def options_text(options: dict[str, Any]) -> str:
+    """The JSON text :func:`describe_options` reads (plain values; others by their repr)."""
+    return json.dumps(options, sort_keys=True, default=repr)
+
+
+def describe_options(texts: Sequence[str]) -> str:
+    """``option 'teams' differs: rank 2 has 3, ranks 0, 1 have 2; ...`` from every rank's
+    :func:`options_text`."""
+    decoded = []
+    for text in texts:
+        try:
+            decoded.append(json.loads(text))
+        except ValueError:
+            decoded.append({"<options>": text})
+    parts = []
+    for key in sorted({k for d in decoded for k in d}):
+        groups: dict[str, list[int]] = {}
+        for rank, options in enumerate(decoded):
+            groups.setdefault(repr(options.get(key, "<not given>")), []).append(rank)
+        if len(groups) > 1:
+            # the odd ranks first, then the value most ranks hold (a tie goes to rank 0's), as the agreement
+            reference = max(groups, key=lambda value: (len(groups[value]), -groups[value][0]))
+            ordered = sorted(groups.items(), key=lambda item: (item[0] == reference, item[1][0]))
+            parts.append(f"option {key!r} differs: " + ", ".join(
+                f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {value}" for value, ranks in ordered))
+    return "; ".join(parts) or "the options differ"

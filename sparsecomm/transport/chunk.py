@@ -14,7 +14,7 @@ import torch
 
 from .merge import merge_sum, strictly_increasing
 
-__all__ = ["SparseChunk", "index_dtype", "pair_bytes", "add_chunks", "bytes_as"]
+__all__ = ["SparseChunk", "index_dtype", "pair_bytes", "add_chunks", "as_bytes", "bytes_as"]
 
 _INT32_LIMIT = 2 ** 31
 
@@ -95,6 +95,11 @@ class SparseChunk:
             raise ValueError(f"a block of {block.numel()} bytes is not a whole number of ({index}, {value}) pairs")
         cut = block.numel() // pair * index.itemsize
         return cls(bytes_as(block[:cut], index), bytes_as(block[cut:], value))
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s raw bytes, flat (a ``uint8`` view of it, or of a contiguous copy)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def bytes_as(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

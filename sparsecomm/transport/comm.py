@@ -11,17 +11,17 @@ tensors move unchanged even where a backend lacks the dtype.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .chunk import bytes_as
+from .chunk import as_bytes, bytes_as
 from .meter import TrafficMeter
 from .nodemap import node_of, resolve_local_size
 
-__all__ = ["Communicator", "BlockStep"]
+__all__ = ["Communicator", "AllgatherStep", "allgather_steps", "EAGER_LIMIT_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +36,8 @@ _SHORT_RECEIVE_BACKENDS = ("gloo", "mpi")
 EAGER_LIMIT_BYTES = 4 << 20
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.contiguous().reshape(-1)
-    return flat.view(torch.uint8)
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _padded(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of 8 (the blocks of an agreement message stay aligned)."""
-    return -(-nbytes // 8) * 8
 
 
 class AllgatherStep(NamedTuple):
@@ -61,8 +51,8 @@ class AllgatherStep(NamedTuple):
 
 
 def allgather_steps(P: int, rank: int, bruck: bool = False) -> list[AllgatherStep]:
-    """The schedule of the all-gathers of :mod:`.sparse_collectives` and of the agreement on gloo and
-    MPI (:meth:`Communicator.agree_max_gathering`), ceil(log2 P) steps. For P a power of two (unless
+    """The schedule of the all-gathers of :mod:`.sparse_collectives` and of the control messages on gloo
+    and MPI (:func:`.control.max_all_reduce_gathering`), ceil(log2 P) steps. For P a power of two (unless
     ``bruck``), halving distances: step D = P/2, P/4, ..., 1 sends everything held to rank r + D and
     receives everything rank r - D holds (SparDL's Spar-Reduce-Scatter follows the same partners).
     Otherwise Bruck's: step d = 1, 2, 4, ... sends the blocks of ranks r .. r + min(d, P - d) - 1 to
@@ -82,16 +72,6 @@ def allgather_steps(P: int, rank: int, bruck: bool = False) -> list[AllgatherSte
                                    [(src + j) % P for j in range(count)]))
         distance *= 2
     return steps
-
-
-class BlockStep(NamedTuple):
-    """The payload one step of :meth:`Communicator.agree_max_gathering` (or of
-    :meth:`Communicator.agree_max_riding`) moved (bytes, unpadded)."""
-
-    dst: int
-    sent: int
-    src: int
-    recv: int
 
 
 def _split_payload(payload: torch.Tensor, sizes: Sequence[int], dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
@@ -143,10 +123,6 @@ class Communicator:
         self._host_staging = backend == "gloo"
         # one message per round for payloads of unknown size: the header rides in front of the payload
         self._eager_headers = backend in _SHORT_RECEIVE_BACKENDS
-        self._landings: list[torch.Tensor] = []  # the agreement's receive buffers, one per step
-        #: step -> (source, the receive already posted into that step's landing buffer): see prepost_agreement
-        self._preposted: dict[int, tuple[int, dist.Work | None]] = {}
-        self._schedule = allgather_steps(self.size, self.rank)  # the agreement's steps (rank, size fixed)
         #: source -> the receive posted ahead for its next exchange_many message (buffer, work): see post_receives
         self._ahead: dict[int, tuple[torch.Tensor, dist.Work | None]] = {}
         # point-to-point messages go to the process group itself (what dist.isend and dist.irecv call after
@@ -179,7 +155,7 @@ class Communicator:
               posted: dist.Work | None = None) -> None:
         """Send and receive concurrently; book the bytes (unless ``book=False``: the caller books what
         the messages held); wait for both. ``posted``: the receive into ``recv`` (a CPU tensor) from
-        ``src``, already posted (:meth:`prepost_agreement`)."""
+        ``src``, already posted (:func:`.control.post_receives_ahead`)."""
         works: list[dist.Work | None] = []
         landing = None  # (device tensor, host copy) of a staged receive
         if posted is not None:
@@ -190,13 +166,13 @@ class Communicator:
             if self._host_staging and recv.is_cuda:
                 target = torch.empty(recv.shape, dtype=recv.dtype)
                 landing = (recv, target)
-            works.append(self._irecv(_as_bytes(target) if target.dtype != torch.uint8 else target, src))
+            works.append(self._irecv(as_bytes(target) if target.dtype != torch.uint8 else target, src))
             if book:
                 self.meter.record_recv(_nbytes(recv), header=header, inter_node=self.is_inter_node(src))
         if send is not None and send.numel() > 0:
             assert dst is not None, "a send needs its destination rank"
             payload = send.cpu() if self._host_staging and send.is_cuda else send
-            works.append(self._isend(_as_bytes(payload), dst))
+            works.append(self._isend(as_bytes(payload), dst))
             if book:
                 self.meter.record_send(_nbytes(send), header=header, inter_node=self.is_inter_node(dst))
         for work in works:
@@ -288,8 +264,8 @@ class Communicator:
 
         send_payload = None
         if dst is not None and tensors:
-            send_payload = torch.cat([_as_bytes(t) for t in tensors]) if len(tensors) > 1 \
-                else _as_bytes(tensors[0])
+            send_payload = torch.cat([as_bytes(t) for t in tensors]) if len(tensors) > 1 \
+                else as_bytes(tensors[0])
         sizes = [int(m) * d.itemsize for m, d in zip(numels, dtypes, strict=False)]
         recv_payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device) if src is not None else None
         self._post(send_payload, dst, recv_payload, src, header=False)
@@ -301,7 +277,7 @@ class Communicator:
         :data:`EAGER_LIMIT_BYTES`, so that the peer's message moves as soon as it is sent instead of
         when this rank reaches that step (on gloo a message moves once both sides have posted, and a
         receive posted late costs a notification's round trip on the call's path). Only on gloo and
-        MPI (:attr:`gathers_in_agreement`), where a receive may be longer than its message;
+        MPI (:attr:`short_receives`), where a receive may be longer than its message;
         elsewhere it does nothing.
 
         The next message from each source must be an :meth:`exchange_many` of unknown size (the
@@ -309,7 +285,7 @@ class Communicator:
         payload as a second message, which must find no other receive from that source posted before
         its own. For a method's messages after its agreement only (the ranks then follow one schedule
         to its end): a receive posted for a message that never comes (a call that fails after it,
-        which leaves the method unusable, :class:`~sparsecomm.methods.base.ProtocolBroken`) would
+        which leaves the method unusable, :class:`~sparsecomm.transport.deadline.ProtocolBroken`) would
         take the next message from that peer on the process group."""
         if not self._eager_headers:
             return
@@ -335,7 +311,7 @@ class Communicator:
         if dst is not None:
             header = torch.tensor([t.numel() for t in tensors], dtype=_HEADER_DTYPE)
             payload_bytes = sum(_nbytes(t) for t in tensors)
-            pieces = [_as_bytes(t.cpu() if t.device != buffer_device else t) for t in tensors]
+            pieces = [as_bytes(t.cpu() if t.device != buffer_device else t) for t in tensors]
             if header.numel() * _HEADER_DTYPE.itemsize + payload_bytes <= EAGER_LIMIT_BYTES:
                 send_first = torch.cat([header.view(torch.uint8), *pieces])
             else:
@@ -432,204 +408,12 @@ class Communicator:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    def agree_max(self, values: Sequence[int], device=None) -> list[int]:
-        """Element-wise maximum of a small integer list over all ranks of this communicator.
-
-        A control exchange for input validation (ceil(log2 P) steps), booked as header bytes and no
-        round, so it never disturbs a method's traffic figures. On gloo and MPI it is
-        :meth:`agree_max_gathering` without a payload, so that a rank whose method carries one and a
-        rank whose method does not still exchange messages each can read; elsewhere a dissemination
-        (step d sends to rank r + d and receives from r - d)."""
-        if self._eager_headers:
-            return self.agree_max_gathering(values, None)[0]
-        mine = torch.tensor(list(values), dtype=_HEADER_DTYPE, device=device)
-        theirs = torch.empty_like(mine)
-        distance = 1
-        while distance < self.size:
-            self._post(mine, (self.rank + distance) % self.size, theirs,
-                       (self.rank - distance) % self.size, header=True)
-            torch.maximum(mine, theirs, out=mine)
-            distance *= 2
-        return [int(v) for v in mine.tolist()]
-
     @property
-    def gathers_in_agreement(self) -> bool:
-        """Whether :meth:`agree_max_gathering` can carry a payload: on gloo and MPI, whose receives
-        accept a message shorter than the posted buffer. On NCCL a method agrees first, then sends."""
+    def short_receives(self) -> bool:
+        """Whether a receive takes a message shorter than its buffer (gloo and MPI; NCCL needs equal
+        counts on both sides): a message can then carry its own size (:meth:`exchange_many`), and the
+        agreement's control messages a payload (:mod:`.control`)."""
         return self._eager_headers
-
-    def agree_max_gathering(self, values: Sequence[int], block: Sequence[torch.Tensor] | None
-                            ) -> tuple[list[int], list[torch.Tensor] | None, list[BlockStep]]:
-        """:meth:`agree_max` whose messages also all-gather one *block* of bytes per rank (a method's
-        first message riding on its agreement: ceil(log2 P) messages instead of twice as many).
-
-        ``block``: this rank's payload, a list of CPU tensors sent back to back as raw bytes, or
-        ``None`` (an agreement alone). Returns (the maxima, every rank's block as a ``uint8`` tensor in
-        rank order or ``None``, the payload moved per step). The blocks come back only when every rank
-        passed one; otherwise (a rank that only agrees: a disagreement its header will show) ``None``.
-        The other ranks' blocks are views into this communicator's receive buffers (one of
-        :data:`EAGER_LIMIT_BYTES` per step, kept): they hold until its next agreement or
-        :meth:`prepost_agreement`, whichever comes first, so copy what must outlive the call.
-
-        The steps are those of :func:`~.sparse_collectives.allgatherv` (:func:`allgather_steps`),
-        which an element-wise maximum can ride on as well: for P a power of two, halving distances
-        (step D = P/2, P/4, ..., 1 sends everything held to rank r + D and receives from r - D), otherwise
-        Bruck's (step d = 1, 2, 4, ... sends the first min(d, P - d) blocks held, those of ranks r,
-        r+1, ..., to r - d and receives as many from r + d); each message also carries the running
-        maximum. Each message is ``[V, m, sizes of the
-        m blocks, the V running maxima | the blocks, each padded to 8 bytes]`` (int64 prefix),
-        received into a buffer of :data:`EAGER_LIMIT_BYTES`; past that limit the blocks follow as a
-        second message, which both sides decide from the sizes alone. The prefix and the padding are
-        booked as header bytes with no round; the blocks are not booked here: the caller books them,
-        as its own message (``BlockStep``: destination, bytes sent, source, bytes received).
-
-        Cost per rank: ceil(log2 P) messages of 8 (2 + m + V) bytes of header plus the blocks, which
-        are those of :func:`~.sparse_collectives.allgatherv_traffic`."""
-        mine = torch.tensor(list(values), dtype=_HEADER_DTYPE)
-        me, P = self.rank, self.size
-        held: dict[int, torch.Tensor] | None = None  # rank -> its block
-        if block is not None:
-            held = {me: torch.cat([_as_bytes(t) for t in block]) if len(block) != 1 else _as_bytes(block[0])}
-        steps: list[BlockStep] = []
-        for number, step in enumerate(self._schedule):
-            outgoing = [] if held is None else [held[q] for q in step.sends]
-            theirs, incoming = self._disseminate_step(mine, outgoing, step.dst, step.src, number)
-            torch.maximum(mine, theirs, out=mine)
-            if held is not None:
-                if len(incoming) == len(step.receives):
-                    held.update(zip(step.receives, incoming, strict=True))
-                else:  # a rank on the way passed no block: no rank's verdict will let these be used
-                    held = None
-            steps.append(BlockStep(step.dst, sum(_nbytes(b) for b in outgoing), step.src,
-                                   sum(_nbytes(b) for b in incoming)))
-        gathered = None if held is None else [held[q] for q in range(P)]
-        return [int(v) for v in mine.tolist()], gathered, steps
-
-    @property
-    def rides_in_agreement(self) -> bool:
-        """Whether :meth:`agree_max_riding` can carry a method's messages: on gloo and MPI, for P a
-        power of two, where the agreement's step D = P/2, P/4, ..., 1 sends to rank r + D and receives
-        from r - D (the first step: to and from rank r ^ P/2)."""
-        P = self.size
-        return self.gathers_in_agreement and P >= 2 and P & (P - 1) == 0
-
-    def agree_max_riding(self, values: Sequence[int], payload: Sequence[torch.Tensor] | None,
-                         produce: Callable[[int, list[torch.Tensor]], Sequence[torch.Tensor]],
-                         settled: Callable[[list[int]], bool]) -> tuple[list[int], list[torch.Tensor] | None,
-                                                                        list[BlockStep]]:
-        """:meth:`agree_max` whose every message also carries one of the caller's messages (CPU
-        tensors, each sent as one block of raw bytes): step D (D = P/2, ..., 1) sends to rank r + D
-        and receives from rank r - D, the schedule of SparDL's Spar-Reduce-Scatter, whose log2 P
-        messages then carry the agreement and cost no message of their own (:meth:`rides_in_agreement`
-        says where it can).
-
-        ``payload``: the first step's message (``None``: this rank sends none, e.g. a non-finite
-        gradient). ``produce(step, received)`` makes the message of step 1, 2, ... from what the
-        previous step received (``uint8`` views into this communicator's receive buffers, valid until
-        its next agreement or :meth:`prepost_agreement`). It is called only while the received message
-        is usable: the sender passed as many tensors as this rank, and ``settled(maxima so far)``
-        holds for the running maxima of the ranks that shaped it and this rank's (the caller's
-        verdict, e.g. every header equal and no non-finite gradient, on the part of the ranks seen so
-        far). Once a step is not usable this rank sends no more tensors, and the caller's final
-        verdict stops every rank: a message from a rank in another collective is never handed to
-        ``produce``. The steps and frames are :meth:`agree_max_gathering`'s, so a rank that calls
-        :meth:`agree_max` or :meth:`agree_max_gathering` reads every message.
-
-        Returns (the maxima, the last step's received tensors or ``None`` when not usable, the
-        payload moved per step). Cost per rank: log2 P messages of 8 (2 + m + V) bytes of header
-        plus the caller's messages (which the caller books as its own)."""
-        P = self.size
-        if not self.rides_in_agreement:
-            raise ValueError(f"agree_max_riding needs gloo or MPI and a power-of-two size, not {P}")
-        mine = torch.tensor(list(values), dtype=_HEADER_DTYPE)
-        outgoing = None if payload is None else [_as_bytes(t) for t in payload]
-        received: list[torch.Tensor] | None = None
-        moved: list[BlockStep] = []
-        for number, step in enumerate(self._schedule):
-            if number:
-                outgoing = None if received is None else [_as_bytes(t) for t in produce(number, received)]
-            blocks = outgoing or []
-            theirs, incoming = self._disseminate_step(mine, blocks, step.dst, step.src, number)
-            torch.maximum(mine, theirs, out=mine)
-            usable = outgoing is not None and len(incoming) == len(outgoing) and settled(mine.tolist())
-            received = incoming if usable else None
-            moved.append(BlockStep(step.dst, sum(_nbytes(b) for b in blocks), step.src,
-                                   sum(_nbytes(b) for b in incoming)))
-        return [int(v) for v in mine.tolist()], received, moved
-
-    def prepost_agreement(self) -> None:
-        """Post the receives of this communicator's next agreement now, each into its step's landing
-        buffer, so that a peer's message finds its receive waiting: on gloo a message moves once both
-        sides have posted, and a receive posted only when the step begins costs the sender a wait for
-        the receiver's notice (docs/baselines.md: 0.88x the time of a topka call at n = 1M with four
-        workers on two cores). A method that agrees after its local work
-        (:attr:`~sparsecomm.methods.base.Method.agrees_in_reduce`) calls it as the call begins; it then
-        receives nothing before the agreement (no message of its own goes out before it), so no other
-        receive from those ranks can be posted in between and match a peer's agreement message first.
-        The next agreement's steps consume the receives; one left over by a call that failed inside its
-        agreement stays posted (torch cannot cancel a receive) and is the next agreement's. Only where
-        the agreement's messages fit a posted buffer (gloo, MPI: :attr:`gathers_in_agreement`);
-        elsewhere it does nothing."""
-        if not self._eager_headers or self.size == 1:
-            return
-        for step, src in enumerate(s.src for s in self._schedule):
-            if step not in self._preposted:
-                work = self._irecv(self._landing(step), src)
-                self._preposted[step] = (src, work)
-
-    def _landing(self, step: int) -> torch.Tensor:
-        """The receive buffer of step ``step`` of an agreement: :data:`EAGER_LIMIT_BYTES`, allocated once
-        and reused by every agreement (a fresh one per message costs page faults, and its release
-        returns memory the next allocation of the call faults in again)."""
-        while len(self._landings) <= step:
-            self._landings.append(torch.empty(EAGER_LIMIT_BYTES, dtype=torch.uint8))
-        return self._landings[step]
-
-    def _disseminate_step(self, mine: torch.Tensor, outgoing: Sequence[torch.Tensor], dst: int, src: int,
-                          step: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One step of :meth:`agree_max_gathering`: send ``mine`` and the ``outgoing`` blocks to
-        ``dst``; return what ``src`` sent (its maxima, its blocks as ``uint8`` views)."""
-        padded = [_padded(_nbytes(b)) for b in outgoing]
-        prefix = torch.tensor([mine.numel(), len(outgoing), *(_nbytes(b) for b in outgoing)], dtype=_HEADER_DTYPE)
-        head = prefix.numel() * _HEADER_DTYPE.itemsize + _nbytes(mine)
-        message = torch.empty(head + sum(padded), dtype=torch.uint8)
-        message[:prefix.numel() * 8] = prefix.view(torch.uint8)
-        message[prefix.numel() * 8:head] = mine.view(torch.uint8)
-        offset = head
-        for b, size in zip(outgoing, padded, strict=True):
-            message[offset:offset + _nbytes(b)] = b
-            message[offset + _nbytes(b):offset + size] = 0
-            offset += size
-        send_first, send_rest = (message, None) if message.numel() <= EAGER_LIMIT_BYTES \
-            else (message[:head], message[head:])
-        landing = self._landing(step)
-        posted = self._preposted.pop(step, None)
-        if posted is not None and posted[0] != src:  # the schedule is fixed by (rank, size): a bug
-            raise RuntimeError(f"agreement step {step}: a receive from rank {posted[0]} was posted, the step "
-                               f"receives from rank {src}")
-        self._post(send_first, dst, landing, src, header=False, book=False,
-                   posted=None if posted is None else posted[1])
-        counts = landing[:16].view(_HEADER_DTYPE).tolist()
-        if counts[0] != mine.numel():
-            raise RuntimeError(f"agreement: rank {src} sent {counts[0]} values where this rank has {mine.numel()} "
-                               "(the ranks are in different collectives)")
-        sizes = landing[16:16 + 8 * counts[1]].view(_HEADER_DTYPE).tolist()
-        their_head = 8 * (2 + counts[1]) + _nbytes(mine)
-        theirs = landing[16 + 8 * counts[1]:their_head].view(_HEADER_DTYPE).clone()
-        body_bytes = sum(_padded(s) for s in sizes)
-        second = their_head + body_bytes > EAGER_LIMIT_BYTES  # the blocks follow in a message of their own
-        body = torch.empty(body_bytes, dtype=torch.uint8) if second else landing[their_head:their_head + body_bytes]
-        if send_rest is not None or second:
-            self._post(send_rest, dst if send_rest is not None else None,
-                       body if second else None, src if second else None, header=False, book=False)
-        self.meter.record_send(head + sum(padded) - sum(_nbytes(b) for b in outgoing), header=True,
-                               inter_node=self.is_inter_node(dst))
-        self.meter.record_recv(their_head + body_bytes - sum(sizes), header=True, inter_node=self.is_inter_node(src))
-        blocks, offset = [], 0
-        for size in sizes:
-            blocks.append(body[offset:offset + size])
-            offset += _padded(size)
-        return theirs, blocks
 
     def barrier(self) -> None:
         self._require_whole_group("barrier")

@@ -46,9 +46,9 @@ def halving_allgatherv(comm: Communicator, parts: Message, numels: Numels | None
     ``result[q]`` = rank q's parts.
 
     Step D = P/2, P/4, ..., 1: send everything held to rank r + D in one packed message, and receive
-    everything rank r - D holds (:func:`~.comm.allgather_steps`). The agreement's schedule on gloo and
-    MPI (:meth:`~.comm.Communicator.agree_max_gathering`), so an all-gather that rides on it moves what
-    this one does. ``numels``: see :func:`allgatherv`.
+    everything rank r - D holds (:func:`~.comm.allgather_steps`). The control messages' steps on gloo
+    and MPI (:func:`~.control.max_all_reduce_gathering`), so an all-gather they carry moves what this
+    one does. ``numels``: see :func:`allgatherv`.
     """
     if not is_power_of_two(comm.size):
         raise ValueError(f"halving_allgatherv needs a power-of-two size, got P={comm.size}")

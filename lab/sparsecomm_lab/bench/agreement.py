@@ -2,9 +2,10 @@
 costs, per method, measured side by side.
 
 Every call of a method first all-reduces a small header and sums the gradient once to detect NaN/Inf
-(``Method._validate``). Two instances of each method run interleaved on the same gradient, each call
-after a barrier: ``with`` is the library's call; ``without`` is the same call with the agreement
-replaced, on that instance only, by the local checks alone (so it is unsafe, and exists only here).
+(the runner's checks, :mod:`sparsecomm.methods.runner`). Two instances of each method run interleaved
+on the same gradient, each call after a barrier: ``with`` is the library's call; ``without`` is the
+same call with the checks made first skipped, on that instance only (so it is unsafe, and exists only
+here).
 The table shows rank 0's medians and minima of the whole-call times and the overhead
 (with - without) / without of each, for every size given (default n = 1M and 25M, P = 4), and the
 time of the non-finite check alone (the header's one pass over the gradient). ``agreement ms`` is the median
@@ -42,7 +43,7 @@ def _worker(names: list[str], n: int, density: float, repeat: int) -> dict[str, 
 
     import torch.distributed as dist
 
-    from sparsecomm.methods.agreement import count_nonfinite
+    from sparsecomm.methods.checks import count_nonfinite
 
     rank = dist.get_rank()
     base = torch.randn(n, generator=torch.Generator().manual_seed(rank))
@@ -56,7 +57,7 @@ def _worker(names: list[str], n: int, density: float, repeat: int) -> dict[str, 
     for name in names:
         spec = MethodSpec.at_density(name, density)
         variants = {"with": spec.build(), "without": spec.build()}
-        variants["without"]._validate = lambda grad, layout: None  # type: ignore[method-assign]
+        variants["without"]._runner._check_first = lambda grad, layout: None  # type: ignore[method-assign]
         times: dict[str, list[float]] = {"with": [], "without": [], "agreement": []}
         for i in range(repeat + 1):
             for label, method in variants.items():

@@ -78,7 +78,7 @@ def check_density(density: float) -> None:
 
 def configurations(items, bench: str, label=str):
     """``items`` with progress output: each configuration is announced before it runs
-    (:func:`sparsecomm.experiments.progress.progress_iter`, on stderr)."""
+    (:func:`sparsecomm_lab.progress.progress_iter`, on stderr)."""
     from sparsecomm_lab.progress import progress_iter
 
     return progress_iter(items, f"bench {bench}", label)

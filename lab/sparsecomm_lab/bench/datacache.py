@@ -2,7 +2,7 @@
 reading against DataCache, on a real image pipeline behind a real slow file server.
 
 Fashion-MNIST training images are written once as PNG files and served by
-:class:`~sparsecomm.experiments.fileserver.FileServer` (``http.server`` in its own network namespace behind a
+:class:`~sparsecomm_lab.fileserver.FileServer` (``http.server`` in its own network namespace behind a
 ``--rate`` link shared by all readers, like a networked file system behind a NIC). P workers (one
 emulated node each) train a small CNN with a dense gradient all-reduce on their shard of the data,
 fed by a :class:`~sparsecomm.integration.datacache.PrefetchLoader`:

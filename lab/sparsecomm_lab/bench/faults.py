@@ -1,7 +1,7 @@
 """``sparsecomm bench faults``: the fault-injection table (benchmarks/faults; the policy: docs/reliability.md).
 
 For each worker count P, one launch of P local workers runs every case of
-:data:`sparsecomm.experiments.faults.CASES` on every method (rank P-1 gets the bad input); a cell shows the
+:data:`sparsecomm_lab.faults.CASES` on every method (rank P-1 gets the bad input); a cell shows the
 outcome on every rank: ``error: <cause>, rank r, <ms>`` (the same error raised on every rank, naming
 rank r and the cause, within the slowest rank's milliseconds), the documented behaviour (``empty
 result`` for n = 0, ``skipped on all ranks`` with ``nonfinite="skip"``), or ``FAIL: ...``. Every cell

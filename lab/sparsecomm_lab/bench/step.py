@@ -71,7 +71,8 @@ def one_pass(x: torch.Tensor, scratch: scan.Scratch) -> tuple[float, float]:
 
 def accumulate_floor(residual: torch.Tensor, grad: torch.Tensor, spare: torch.Tensor, scratch: scan.Scratch) -> float:
     """Wall seconds of error feedback's own work: ``spare = residual + grad`` in one scan that also
-    checks finiteness, as :meth:`~sparsecomm.methods.base.Method.accumulate_to_spare` does."""
+    checks finiteness, as a method's accumulation does before its call's checks
+    (:func:`~sparsecomm.methods.accumulation.add_checked`)."""
     wall = time.perf_counter()
     scratch.scan(residual, math.inf, name="floor", check_finite=True, addend=grad, dest=spare)
     return time.perf_counter() - wall

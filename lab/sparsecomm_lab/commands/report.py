@@ -1,6 +1,6 @@
 """``sparsecomm report RUN...``: a markdown (and optionally HTML) report with PNG plots comparing runs.
 
-Runs are grouped by model, data, worker count P and network (:func:`sparsecomm.experiments.reporting.group_key`):
+Runs are grouped by model, data, worker count P and network (:func:`sparsecomm_lab.reporting.group_key`):
 one group gives one report in ``--out``; several give one report per group in ``--out/GROUP/``, each
 titled after its own setting."""
 

@@ -6,9 +6,10 @@ section III. Per call, on every rank:
 1. G = gradient + residual (Algorithm 1, lines 1-3); instead of a copy of G, the changes made to G
    are journaled (:class:`.srs.Accumulator`) and undone where step 5 needs G back.
 2. The P ranks form d teams of m = P/d consecutive ranks. Inside each team, Spar-Reduce-Scatter
-   (:mod:`.srs`) leaves rank w with block w of its team's sum, top-(k/m) sparse.
-   With one team and P a power of two, on gloo or MPI, the first SRS message travels inside the
-   call's agreement, whose last step pairs the same ranks (:meth:`SparDL._accumulate_and_agree`).
+   (:mod:`.srs`) leaves rank w with block w of its team's sum, top-(k/m) sparse. Its messages are
+   the call's first (:meth:`SparDL.first_message`): point-to-point steps, step i to rank
+   w + 2^(l-i), which the runner may send along with the call's checks where those go to the same
+   ranks (one team, P a power of two).
 3. With d > 1, Spar-All-Gather between the teams (:mod:`.sag`): R-SAG when d is a power of 2,
    B-SAG otherwise (``sag="auto"``), so that the ranks at one position of every team hold the same
    block of the global sum.
@@ -32,7 +33,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,12 +41,15 @@ from ...core.cost import Cost, ceil_log2, chunk_offsets, chunk_sizes, is_power_o
 from ...core.validate import check_int, is_int, is_number
 from ...selection import make as make_selector
 from ...selection.base import Selector
+from ...selection.scan import Scratch
 from ...transport.chunk import pair_bytes
 from ...transport.comm import Communicator
+from ...transport.control import max_all_reduce
 from ...transport.sparse_collectives import allgather_chunks, bruck_sources, bruck_traffic
-from ..base import Layout, Method, register_method
+from ..accumulation import Exchanges, add_checked
+from ..base import Layout, Method, Output, register_method
 from .sag import HAdjuster, bruck_sag, bsag_traffic, recursive_sag, rsag_traffic
-from .srs import Accumulator, BlockSelector, Ride, spar_reduce_scatter, srs_schedule, srs_traffic
+from .srs import Accumulator, BlockSelector, SparReduceScatter, srs_schedule, srs_traffic
 
 __all__ = ["SparDL", "table1_cost", "team_candidates"]
 
@@ -90,6 +94,19 @@ def _selector_from(option: None | str | Callable) -> Callable | None:
     raise ValueError(f"selector={option!r} must be None, a selector name or a callable (x, k) -> indices")
 
 
+class _Plan(NamedTuple):
+    """One call's plan, made before it communicates (:meth:`SparDL.accumulate`)."""
+
+    started: float  # when the call's work began (timed teams="auto")
+    k: int
+    teams: int  # d
+    modelled: dict[int, float] | None  # each candidate d's modelled seconds, to choose by (teams="auto")
+    sag: str  # the SAG variant: "none", "recursive" or "bruck"
+    team: Communicator
+    cross: Communicator
+    srs: SparReduceScatter
+
+
 @register_method("spardl")
 class SparDL(Method):
     """SparDL (Zhao et al.): Spar-Reduce-Scatter + Spar-All-Gather + Bruck all-gather, any P.
@@ -115,7 +132,6 @@ class SparDL(Method):
 
     sparse = True
     has_residual = True
-    agrees_in_reduce = True  # after G = gradient + residual (Method.accumulate_and_agree)
 
     def __init__(self, comm: Communicator | None = None, *, density: float, teams: int | str = 1,
                  sag: str = "auto", selector: None | str | Callable = "exact_topk",
@@ -144,6 +160,7 @@ class SparDL(Method):
         self._exact = self._blocks if selector is None else BlockSelector()
         self._splits: dict[int, tuple[Communicator, Communicator]] = {}
         self._adjusters: dict[tuple[int, int], HAdjuster] = {}
+        self._scratch = Scratch()  # the accumulating scan's buffers
 
     @classmethod
     def topk_blocks(cls, P: int, n: int, scan: bool = True, teams: int | str = 1, **_: Any) -> list[int]:
@@ -163,23 +180,24 @@ class SparDL(Method):
         return [sizes[j] for j in blocks]
 
     # ------------------------------------------------------------------ choosing d
-    def _teams_now(self, n: int, k: int, itemsize: int) -> int:
-        """The d of this step: fixed, chosen, or (timed auto) the candidate on trial."""
+    def _teams_now(self, n: int, k: int, itemsize: int) -> tuple[int, dict[int, float] | None]:
+        """The d of this step (fixed, chosen, or, timed auto, the candidate on trial), and with
+        ``alpha`` and ``beta`` before a choice the modelled seconds of each candidate, which the call
+        chooses by once it goes on (:meth:`reduce`)."""
         if self.teams is not None:
-            return self.teams
+            return self.teams, None
         if self.alpha is not None and self.beta is not None:
-            self._choose({d: max(replay_cost(self.comm.size, n, k, r, itemsize, d, self.sag)
-                                 .time(self.alpha, self.beta) for r in range(self.comm.size))
-                          for d in self.candidates}, "cost model")
-            assert self.teams is not None
-            return self.teams
-        return self.candidates[min(self.step // self.auto_trials, len(self.candidates) - 1)]
+            modelled = {d: max(replay_cost(self.comm.size, n, k, r, itemsize, d, self.sag)
+                               .time(self.alpha, self.beta) for r in range(self.comm.size))
+                        for d in self.candidates}
+            return min(self.candidates, key=lambda d: (modelled[d], d)), modelled
+        return self.candidates[min(self.step // self.auto_trials, len(self.candidates) - 1)], None
 
     def _record_trial(self, d: int, seconds: float) -> None:
         self.trial_seconds[d] = min(seconds, self.trial_seconds.get(d, math.inf))
         if self.step + 1 == len(self.candidates) * self.auto_trials:
-            # all ranks must pick the same d: agree on the slowest rank's time of every candidate
-            micros = self.comm.agree_max([int(self.trial_seconds[c] * 1e6) for c in self.candidates])
+            # all ranks must pick the same d: the slowest rank's time of every candidate
+            micros = max_all_reduce(self.comm, [int(self.trial_seconds[c] * 1e6) for c in self.candidates])
             self._choose({c: us / 1e6 for c, us in zip(self.candidates, micros, strict=False)}, "timed trials")
 
     def _choose(self, seconds: dict[int, float], how: str) -> None:
@@ -200,42 +218,68 @@ class SparDL(Method):
         return self._adjusters[key]
 
     # ------------------------------------------------------------------ the call
-    def _accumulate_and_agree(self, grad: torch.Tensor, layout: Layout, bounds: Sequence[tuple[int, int]],
-                              counts: Sequence[int], first: Sequence[int], one_team: bool
-                              ) -> tuple[torch.Tensor, dict[int, torch.Tensor], Ride | None]:
-        """G = gradient + residual (Algorithm 1, line 1), in one scan that also tells the agreement
-        whether the gradient is finite, and the call's agreement (:meth:`Method.accumulate_and_agree`);
-        nothing (the teams' split included) communicates before it. The same scan selects the blocks
-        ``first`` (:meth:`_accumulate_selecting`).
+    def accumulate(self, residual: torch.Tensor, grad: torch.Tensor, acc: torch.Tensor, layout: Layout) -> _Plan:
+        """The call's teams and blocks, and G = gradient + residual (Algorithm 1, line 1) in one scan
+        that also checks the gradient and selects the blocks Spar-Reduce-Scatter sends first
+        (:meth:`_accumulate_selecting`). Nothing communicates (the teams' split included), and no state
+        changes but the cached split: a choice of d is adopted in :meth:`reduce`."""
+        started = time.perf_counter()
+        n = grad.numel()
+        k = self.k(n)
+        d, modelled = self._teams_now(n, k, grad.element_size())
+        sag = _resolve_sag(d, self.sag)
+        team, cross = self._split(d)
+        m, position = team.size, team.rank
+        bounds, counts = chunk_offsets(n, m), chunk_sizes(k, m)
+        schedule = srs_schedule(m, position)
+        select = self._accumulate_selecting(grad, bounds, counts, schedule[0].send_blocks if schedule else (position,))
+        picks: dict[int, torch.Tensor] = {}
+        if select is None:
+            add_checked(residual, grad, acc, self._scratch, self.name)
+        else:
+            picks = select(residual, grad, acc)
+        # the accumulator is G itself, changed in place; its journal stands for G_copy (line 3). With one
+        # team nothing changes G after the own block's selection, which then needs no record
+        srs = SparReduceScatter(team, Accumulator(acc), bounds, counts, self._blocks, self.timer,
+                                journal_own=sag != "none", picks=picks)
+        return _Plan(started, k, d, modelled, sag, team, cross, srs)
 
-        Where Spar-Reduce-Scatter's schedule is the agreement's (one team, P a power of two: step i
-        sends to rank r + P/2^i and receives from r - P/2^i; gloo or MPI and a CPU gradient,
-        :attr:`Communicator.rides_in_agreement`), the agreement is left to Spar-Reduce-Scatter,
-        whose messages carry it (:meth:`Method.ride_in_agreement`): the agreement costs no message of
-        its own. Returns (G, the blocks selected, that ride or ``None``)."""
-        accumulate = self._accumulate_selecting(grad, bounds, counts, first)
-        if self._agreed or not one_team or not self.comm.rides_in_agreement:
-            acc, picks = self.accumulate_and_agree(grad, layout, accumulate)
-            return acc, picks if isinstance(picks, dict) else {}, None
-        acc, picks, nonfinite = self.accumulate_to_spare(grad, accumulate)
-        if nonfinite:  # no message to send: the verdict stops the call on every rank
-            self.agree(grad, layout, nonfinite, gathers=True, ride=_sends_nothing)
-            raise RuntimeError(f"{self.name}: the ranks agreed to go on with a non-finite gradient (a method bug)")
+    def moved_by_accumulate(self) -> list[Any]:
+        """The Spar-Reduce-Scatter selector, when it keeps state: the first step's bag is selected with it."""
+        selector = self._blocks.selector
+        return [selector] if isinstance(selector, Selector) and not selector.stateless else []
 
-        def ride(message: list[torch.Tensor], produce: Callable[[int, list[torch.Tensor]], list[torch.Tensor]]
-                 ) -> list[torch.Tensor]:
-            return self.ride_in_agreement(grad, layout, 0, acc, message, produce)
-        return acc, picks if isinstance(picks, dict) else {}, ride
+    def first_message(self, acc: torch.Tensor, picked: _Plan) -> Exchanges | None:
+        """Spar-Reduce-Scatter's steps, the first message made now; their peers in this method's ranks
+        (the team's are consecutive). The replies are the Spar-Reduce-Scatter, done."""
+        srs, team = picked.srs, picked.team
+        if not srs.schedule:
+            return None
+        first = srs.message(0)
+        position, m, base = team.rank, team.size, self.comm.rank - team.rank
+
+        def send() -> SparReduceScatter:
+            # the receives of the team's messages (SRS's, then the Bruck all-gather's) are posted together:
+            # a peer's message then moves as soon as it is sent
+            team.post_receives([step.src for step in srs.schedule] + bruck_sources(m, position))
+            srs.exchange(first)
+            return srs
+
+        def unpack(received: list[torch.Tensor]) -> SparReduceScatter:
+            srs.add_last(received)
+            team.post_receives(bruck_sources(m, position))
+            return srs
+        return Exchanges(parts=first, peers=[(base + step.dst, base + step.src) for step in srs.schedule],
+                         next_message=srs.next_message, unpack=unpack, send=send)
 
     def _accumulate_selecting(self, grad: torch.Tensor, bounds: Sequence[tuple[int, int]], counts: Sequence[int],
                               first: Sequence[int]) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any] | None:
         """G = residual + gradient block by block, each block read once, with the blocks ``first``
         (those Spar-Reduce-Scatter selects before anything is added into G) selected in the same scan
         (``selector.accumulate``, the same entries as selecting from G afterwards), as
-        ``select(residual, grad, acc)`` for :meth:`Method.accumulate_and_agree`; it returns
-        {block: local indices}. ``None`` (one scan of the whole gradient, no selection) where the
-        scan kernel does not run, or the SRS selector is not a stateless ``Selector`` (a selection
-        made before the agreement must change nothing the agreement may refuse)."""
+        ``select(residual, grad, acc)``; it returns {block: local indices}. ``None`` (one scan of the
+        whole gradient, no selection) where the scan kernel does not run, or the SRS selector is not a
+        stateless ``Selector``."""
         selector = self._blocks.selector
         if not isinstance(selector, Selector) or not selector.stateless or not self._scratch.uses_compiled(grad):
             return None
@@ -255,63 +299,50 @@ class SparDL(Method):
             return picks
         return accumulate
 
-    def reduce(self, grad: torch.Tensor, layout: Layout) -> torch.Tensor:
-        started = time.perf_counter()
+    def reduce(self, grad: torch.Tensor, out: Output) -> torch.Tensor:
         P, n = self.comm.size, grad.numel()
-        k = self.k(n)
-        d = self._teams_now(n, k, grad.element_size())
-        sag = _resolve_sag(d, self.sag)
-        team, cross = self._split(d)
-        m, position = team.size, team.rank
-        bounds = chunk_offsets(n, m)
-        counts = chunk_sizes(k, m)
-        schedule = srs_schedule(m, position)
-        first = schedule[0].send_blocks if schedule else (position,)
-        residual, picks, ride = self._accumulate_and_agree(grad, layout, bounds, counts, first, d == 1)
-
-        # The accumulator is G itself, changed in place; its journal stands for G_copy (line 3)
-        work = Accumulator(residual)
-
-        def post_receives() -> None:
-            # once the ranks agreed, the receives of the team's remaining messages (SRS unless it rode on
-            # the agreement, then the Bruck all-gather) are posted together: a peer's message then moves
-            # as soon as it is sent
-            team.post_receives(([] if ride is not None else [step.src for step in schedule])
-                               + bruck_sources(m, position))
-
-        # with one team nothing changes G after the own block's selection, which then needs no record
-        own, selected = spar_reduce_scatter(team, work, bounds, counts, self._blocks, self.timer, ride,
-                                            journal_own=sag != "none", picks=picks, agreed=post_receives)
+        residual, plan, _ = out.accumulated
+        d, sag, team, cross, srs = plan.teams, plan.sag, plan.team, plan.cross, plan.srs
+        position = team.rank
+        own, selected = srs.own_block()
         if sag == "recursive":
             with self.timer("comm"):
-                own = recursive_sag(cross, own, counts[position], self._exact, work)
+                own = recursive_sag(cross, own, srs.counts[position], self._exact, srs.work)
         elif sag == "bruck":
-            adjuster = self._adjuster(n, d, counts[position])
-            # a block whose share of k is its whole length (density 1) cannot overflow L after the
-            # all-gather, so it is not pre-selected: nothing needs to be dropped
-            dense_block = counts[position] >= bounds[position][1]
-            h = counts[position] if dense_block else adjuster.count()
-            with self.timer("comm"):
-                own, after = bruck_sag(cross, own, counts[position], h, self._exact, work)
-            if not dense_block:
-                adjuster.update(after)
-            self.stats.update(h=h, sag_count=after)
+            own = self._bruck_sag(n, d, cross, own, srs)
         with self.timer("comm"):
             blocks = allgather_chunks(team, own, bruck=True)
-
-        if work.changed:  # else G is the new residual already: nothing recorded, nothing to bring back
+        if srs.work.changed:  # else G is the new residual already: nothing recorded, nothing to bring back
             with self.timer("residual"):
                 indices = torch.cat([b.indices for b in blocks]).long()
                 discarded = residual.index_select(0, indices)  # what this rank discarded there
-                work.restore()                        # G everywhere else (G_copy, line 3) ...
+                srs.work.restore()                    # G everywhere else (G_copy, line 3) ...
                 residual.index_copy_(0, indices, discarded)  # ... Algorithm 1, lines 13-15
         with self.timer("decompress"):
             # the blocks are disjoint and each sorted: one ordered sweep, divided on the way
-            out = self.output_average(grad, [b.indices for b in blocks], [b.values for b in blocks], P)
-        self.stats.update(selected=selected, nnz_out=sum(b.nnz for b in blocks), teams=d, sag=sag, k=k)
-        if self.teams is None:
-            self._record_trial(d, time.perf_counter() - started)
-        return out
+            result = out.average([b.indices for b in blocks], [b.values for b in blocks], P)
+        self.stats.update(selected=selected, nnz_out=sum(b.nnz for b in blocks), teams=d, sag=sag, k=plan.k)
+        if plan.modelled is not None:
+            self._choose(plan.modelled, "cost model")
+        elif self.teams is None:
+            self._record_trial(d, time.perf_counter() - plan.started)
+        return result
+
+    def _bruck_sag(self, n: int, d: int, cross: Communicator, own: Any, srs: SparReduceScatter) -> Any:
+        """B-SAG between the teams, with the h of :class:`HAdjuster`."""
+        position = srs.comm.rank
+        count = srs.counts[position]
+        adjuster = self._adjuster(n, d, count)
+        # a block whose share of k is its whole length (density 1) cannot overflow L after the
+        # all-gather, so it is not pre-selected: nothing needs to be dropped
+        dense_block = count >= srs.bounds[position][1]
+        h = count if dense_block else adjuster.count()
+        with self.timer("comm"):
+            own, after = bruck_sag(cross, own, count, h, self._exact, srs.work)
+        if not dense_block:
+            adjuster.update(after)
+        self.stats.update(h=h, sag_count=after)
+        return own
 
     # ------------------------------------------------------------------ checkpoints
     def extra_state(self) -> dict[str, Any]:
@@ -333,12 +364,6 @@ class SparDL(Method):
     def __repr__(self) -> str:
         return (f"SparDL(P={self.comm.size}, density={self.density:g}, teams={self.teams or 'auto'}, "
                 f"sag={self.sag!r})")
-
-
-def _sends_nothing(step: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The later messages of a rank that sends none (a non-finite gradient): never called, since a
-    rank that sent nothing is handed nothing (:meth:`Communicator.agree_max_riding`)."""
-    raise RuntimeError("spardl: a rank that sent no message was handed one (a method bug)")
 
 
 # ---------------------------------------------------------------------- cost model

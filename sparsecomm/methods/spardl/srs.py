@@ -34,12 +34,10 @@ from ...transport.chunk import SparseChunk, index_dtype
 from ...transport.comm import Communicator
 from ...transport.merge import ascending
 
-__all__ = ["SrsStep", "srs_schedule", "Accumulator", "BlockSelector", "spar_reduce_scatter", "srs_traffic", "Ride"]
+__all__ = ["SrsStep", "srs_schedule", "Accumulator", "BlockSelector", "SparReduceScatter", "srs_traffic"]
 
 SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
 Timer = Callable[[str], contextlib.AbstractContextManager[None]]
-Produce = Callable[[int, list[torch.Tensor]], list[torch.Tensor]]
-Ride = Callable[[list[torch.Tensor], Produce], list[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -147,7 +145,7 @@ class BlockSelector:
         Returns them as a chunk with global indices (zeros dropped: they carry nothing); ``work``
         keeps the rest, i.e. what this selection discarded. ``journal=False``: the change is not
         recorded (see :class:`Accumulator`). ``picked``: the block's local indices when they were
-        selected already (in the scan that wrote the block, :meth:`SparDL._accumulate_selecting`).
+        selected already (in the scan that wrote the block, ``SparDL.accumulate``).
         """
         block = work.tensor[start:start + size]
         local = ascending(self.indices(block, count) if picked is None else picked.long())  # sorted: receivers merge
@@ -177,73 +175,77 @@ def _no_timer(_: str) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
-def spar_reduce_scatter(comm: Communicator, work: Accumulator, bounds: Sequence[tuple[int, int]],
-                        counts: Sequence[int], blocks: BlockSelector, timer: Timer = _no_timer,
-                        ride: Ride | None = None, *, journal_own: bool = True,
-                        picks: Mapping[int, torch.Tensor] | None = None,
-                        agreed: Callable[[], None] | None = None) -> tuple[SparseChunk, int]:
-    """SRS over ``comm`` (a team of m ranks): returns (this rank's reduced block, entries selected).
+class SparReduceScatter:
+    """One call's SRS over ``comm`` (a team of m ranks), step by step.
 
     ``work`` is the dense accumulator (gradient + residual), modified in place: afterwards it holds
     every value this rank discarded. ``bounds[j]`` = (start, size) of block j, ``counts[j]`` = k/m,
-    the entries block j may carry. ``ride(message, produce)``: the steps' messages go in the call's
-    agreement, whose schedule is SRS's at m a power of two (step i sends to rank w + 2^(l-i) and
-    receives from w - 2^(l-i)): ``message`` is the first step's (indices, values), ``produce(i,
-    received)`` adds what step i - 1 received (raw bytes) and returns step i's, and ``ride`` returns
-    the bytes the last step received (:meth:`~sparsecomm.methods.base.Method.ride_in_agreement`);
-    without it each step is a ``comm.exchange_many``. ``journal_own=False`` leaves the selection of
-    the own block out of ``work``'s journal, for a caller that changes ``work`` no more before it
-    restores it (:class:`Accumulator`). ``picks``: {block: local indices} of blocks selected before
-    any change to ``work`` (the first step's bag, or the own block of a team of one), taken as they
-    are. ``agreed()``: called once the call's agreement is over (after ``ride``, or first thing
-    without it).
-    """
-    picks = picks or {}
-    m, w = comm.size, comm.rank
-    schedule = srs_schedule(m, w)
-    dense = work.tensor
-    index_type = index_dtype(dense.numel())
-    selected = 0
+    the entries block j may carry. ``picks``: {block: local indices} of blocks selected before any
+    change to ``work`` (the first step's bag, or the own block of a team of one), taken as they are.
+    ``journal_own=False`` leaves the selection of the own block out of ``work``'s journal, for a
+    caller that changes ``work`` no more before it restores it (:class:`Accumulator`).
 
-    def leaving(number: int) -> list[torch.Tensor]:
+    The steps' messages are :meth:`message` (step i's, made from ``work``) and the received ones go
+    into ``work`` by :meth:`add`; :meth:`exchange` sends them all over ``comm``, or a caller whose
+    own messages go to the same ranks sends them (:meth:`next_message`, :meth:`add_last`: raw bytes).
+    :meth:`own_block` ends the call: this rank's reduced block, top-(k/m).
+    """
+
+    def __init__(self, comm: Communicator, work: Accumulator, bounds: Sequence[tuple[int, int]],
+                 counts: Sequence[int], blocks: BlockSelector, timer: Timer = _no_timer, *, journal_own: bool = True,
+                 picks: Mapping[int, torch.Tensor] | None = None) -> None:
+        self.comm, self.work, self.bounds, self.counts = comm, work, bounds, counts
+        self.blocks, self.timer = blocks, timer
+        self.journal_own = journal_own
+        self.picks = dict(picks or {})
+        self.schedule = srs_schedule(comm.size, comm.rank)
+        self.index_type = index_dtype(work.tensor.numel())
+        self.selected = 0  # entries this rank selected so far
+
+    def message(self, number: int) -> list[torch.Tensor]:
         """Step ``number``'s message: the top entries of the blocks of its bag, taken out of ``work``."""
-        nonlocal selected
-        with timer("select"):
-            chunks = [blocks.take(work, *bounds[j], counts[j], picked=picks.get(j) if number == 0 else None)
-                      for j in schedule[number].send_blocks]
+        with self.timer("select"):
+            chunks = [self.blocks.take(self.work, *self.bounds[j], self.counts[j],
+                                       picked=self.picks.get(j) if number == 0 else None)
+                      for j in self.schedule[number].send_blocks]
             indices = torch.cat([c.indices for c in chunks])
             values = torch.cat([c.values for c in chunks])
-            selected += indices.numel()
+            self.selected += indices.numel()
         return [indices, values]
 
-    def arrived(indices: torch.Tensor, values: torch.Tensor) -> None:
-        with timer("decompress"):
-            work.index_add_(indices, values)
+    def add(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """A received bag, added into ``work``."""
+        with self.timer("decompress"):
+            self.work.index_add_(indices, values)
 
-    if ride is not None and schedule:
-        def produce(number: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
-            arrived(received[0].view(index_type), received[1].view(dense.dtype))
-            return leaving(number)
+    def next_message(self, number: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Step ``number``'s message, once step ``number - 1``'s (raw bytes) is added."""
+        self.add_last(received)
+        return self.message(number)
 
-        first = leaving(0)
-        with timer("comm"):
-            last = ride(first, produce)
-        arrived(last[0].view(index_type), last[1].view(dense.dtype))
-        if agreed is not None:
-            agreed()
-    else:
-        if agreed is not None:
-            agreed()
-        for number, step in enumerate(schedule):
-            message = leaving(number)
-            with timer("comm"):
-                got_indices, got_values = comm.exchange_many(step.dst, message, step.src, count=2,
-                                                             dtypes=[index_type, dense.dtype], device=dense.device)
-            arrived(got_indices, got_values)
-    with timer("select"):
-        own = blocks.take(work, *bounds[w], counts[w], journal=journal_own, picked=picks.get(w) if m == 1 else None)
-        selected += own.nnz
-    return own, selected
+    def add_last(self, received: list[torch.Tensor]) -> None:
+        """A received message as raw bytes (``uint8`` indices, values), added into ``work``."""
+        self.add(received[0].view(self.index_type), received[1].view(self.work.tensor.dtype))
+
+    def exchange(self, first: list[torch.Tensor]) -> None:
+        """Every step over ``comm`` (``comm.exchange_many``), step 0 sending ``first``."""
+        dense = self.work.tensor
+        for number, step in enumerate(self.schedule):
+            message = first if number == 0 else self.message(number)
+            with self.timer("comm"):
+                got_indices, got_values = self.comm.exchange_many(step.dst, message, step.src, count=2,
+                                                                  dtypes=[self.index_type, dense.dtype],
+                                                                  device=dense.device)
+            self.add(got_indices, got_values)
+
+    def own_block(self) -> tuple[SparseChunk, int]:
+        """(this rank's reduced block, entries selected in all), after the last step."""
+        m, w = self.comm.size, self.comm.rank
+        with self.timer("select"):
+            own = self.blocks.take(self.work, *self.bounds[w], self.counts[w], journal=self.journal_own,
+                                   picked=self.picks.get(w) if m == 1 else None)
+            self.selected += own.nnz
+        return own, self.selected
 
 
 # ---------------------------------------------------------------------- traffic of the schedules

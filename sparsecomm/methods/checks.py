@@ -1,23 +1,19 @@
-"""The per-call agreement of a method: before anything is sent, every rank checks that all ranks are
-about to make the same call, on usable input, with a finite gradient.
+"""What every method call checks before anything is sent, locally and with every other rank.
 
-:func:`check_call` (which ``Method.__call__`` runs first) builds this rank's *header* of the call
-(gradient length, dtype, density, step, method, options, layout, and the number of NaN/Inf elements
-of the gradient), agrees on it with every rank in one small collective
-(:func:`sparsecomm.transport.agreement.agree`: a dissemination all-reduce of ceil(log2 P) messages of
-16 H bytes, booked as header bytes), and turns a disagreement into the same error on every rank,
-naming the offending ranks. The transport module holds the header's collective; this module holds
-what a method call puts in it and how a verdict is read.
+:func:`check_call` (which the runner makes once per call, :mod:`.runner`) builds this rank's *header*
+of the call (gradient length, dtype, density, step, method, options, layout, and the number of NaN/Inf
+elements of the gradient), agrees on it with every rank in one small collective
+(:func:`sparsecomm.transport.agreement.agree`: ceil(log2 P) messages of 16 H bytes, booked as header
+bytes), and turns a disagreement into the same error on every rank, naming the offending ranks, or,
+for a non-finite gradient, applies the non-finite policy. The transport module holds the collective;
+this module holds what a method call puts in it and how a verdict is read.
 
 The non-finite count costs one sum over the gradient per call (a finite sum means every element is
-finite; only a non-finite sum pays for the exact count), unless the method counts it in its
-selection's scan and agrees after it (:attr:`Method.agrees_in_reduce`). On gloo and MPI such a method
-can send its all-gather inside the agreement's messages (:func:`check_call_gathering`): every
-agreement message there has one self-describing frame, so a rank with another n, dtype or method is
-still read, and the header field ``gathers`` makes ranks that would not all do so disagree
-(docs/reliability.md, "The all-gather rides on the agreement"). A method whose messages follow the
-agreement's own schedule sends each of them in the agreement's messages (``ride``: SparDL's
-Spar-Reduce-Scatter at P a power of two).
+finite; only a non-finite sum pays for the exact count), unless the caller counted it already in the
+method's accumulation scan. :func:`check_call_carrying` sends the call's first message inside the
+agreement's messages (gloo and MPI: every control message has one self-describing frame, so a rank
+with another n, dtype or method is still read); the header field ``carries`` makes ranks that would
+not all do so disagree (docs/reliability.md, "The all-gather rides on the agreement").
 """
 
 from __future__ import annotations
@@ -32,11 +28,18 @@ from typing import Any
 import torch
 
 from ..selection import NonFiniteInputError
-from ..transport.agreement import Agreement, AgreementError, agree_gathering, agree_riding
-from ..transport.comm import BlockStep
-from ..transport.disagreement import describe_options, gather_texts, options_text
+from ..transport.agreement import (
+    Agreement,
+    AgreementError,
+    agree_carrying,
+    agree_gathering,
+    describe_options,
+    gather_texts,
+    options_text,
+)
+from ..transport.control import BlockStep
 
-__all__ = ["check_call", "check_call_gathering", "local_problem", "count_nonfinite", "AgreementError",
+__all__ = ["check_call", "check_call_carrying", "local_problem", "count_nonfinite", "AgreementError",
            "NonFiniteGradientError", "NONFINITE_POLICIES"]
 
 log = logging.getLogger(__name__)
@@ -53,59 +56,55 @@ class NonFiniteGradientError(NonFiniteInputError, AgreementError):
 
 def check_call(method: Any, grad: Any, layout: Layout, method_names: Iterable[str] = (), *,
                nonfinite: int | None = None, failure: str | None = None) -> dict[str, Any] | None:
-    """:func:`check_call_gathering` without a payload: the agreement alone."""
-    return check_call_gathering(method, grad, layout, method_names, nonfinite=nonfinite, failure=failure)[0]
-
-
-def check_call_gathering(method: Any, grad: Any, layout: Layout, method_names: Iterable[str] = (), *,
-                         nonfinite: int | None = None, failure: str | None = None, gathers: bool = False,
-                         block: Sequence[torch.Tensor] | None = None,
-                         ride: Callable[[int, list[torch.Tensor]], Sequence[torch.Tensor]] | None = None
-                         ) -> tuple[dict[str, Any] | None, list[torch.Tensor] | None, list[BlockStep]]:
     """Check ``grad`` locally, then agree with every rank of ``method.comm`` on the call (one header
     all-reduce). Raises the same error on every rank when a rank's input is unusable, the ranks
     disagree, or (policy ``"error"``) a rank's gradient holds NaN/Inf. Returns ``None`` to go on, or
-    the figures of a step skipped for non-finite input (policy ``"skip"``). ``method_names``: the
-    registered names, to name a differing method in the message.
+    the figures of a step the non-finite policy skips. ``method_names``: the registered names, to
+    name a differing method in the message.
 
-    ``nonfinite``: the NaN/Inf elements of ``grad`` when the caller counted them already (a method
-    that agrees after its selection's scan, :attr:`Method.agrees_in_reduce`); ``None`` counts them
-    here (:func:`count_nonfinite`, one sum over the gradient). ``failure``: this rank failed locally
-    before the agreement (the message); every rank then raises.
+    ``nonfinite``: the NaN/Inf elements of ``grad`` when the caller counted them already (in the
+    method's accumulation scan; any positive number when there are some); ``None`` counts them here
+    (:func:`count_nonfinite`, one sum over the gradient). ``failure``: this rank failed locally before
+    the agreement (the message); every rank then raises."""
+    return check_call_carrying(method, grad, layout, method_names, nonfinite=nonfinite, failure=failure)[0]
 
-    ``gathers``: this call sends its first message inside the agreement
-    (:func:`~sparsecomm.transport.agreement.agree_gathering`), ``block`` being that message (``None``
-    when the rank has none to send, e.g. a non-finite gradient: the verdict then stops every rank).
-    The flag is a header field, so ranks that would not all do so disagree instead of misreading each
-    other. Returns (as :func:`check_call`, every rank's block in rank order, the payload moved per
-    step); the blocks are there whenever the call goes on.
 
-    ``ride`` (with ``gathers``): the call's messages follow the agreement's own schedule (P a power
-    of two: step D = P/2, ..., 1 sends to rank r + D and receives from r - D) and each goes in the
-    agreement's step (:func:`~sparsecomm.transport.agreement.agree_riding`): ``block`` in the first,
-    then ``ride(step, received)``'s, called only while what was received comes from ranks that agree so
-    far; the last step's received tensors come back in place of every rank's block."""
+def check_call_carrying(method: Any, grad: Any, layout: Layout, method_names: Iterable[str] = (), *,
+                        nonfinite: int | None = None, failure: str | None = None,
+                        block: Sequence[torch.Tensor] | None = None,
+                        next_message: Callable[[int, list[torch.Tensor]], Sequence[torch.Tensor]] | None = None
+                        ) -> tuple[dict[str, Any] | None, list[torch.Tensor] | None, list[BlockStep]]:
+    """:func:`check_call` whose messages carry the call's first message ``block`` (this rank's payload):
+    all-gathered (:func:`~sparsecomm.transport.agreement.agree_gathering`), or, with ``next_message``,
+    as the first of point-to-point messages that follow the agreement's own steps
+    (:func:`~sparsecomm.transport.agreement.agree_carrying`: ``next_message(step, received)`` makes each
+    later one, called only on messages from ranks that agree so far). Whether the call carries a
+    message is a header field, so ranks that would not all do so disagree instead of misreading each
+    other. Returns (as :func:`check_call`, every rank's block in rank order or the last step's
+    received tensors, the payload moved per step); the tensors are there whenever the call goes on."""
     problem = local_problem(grad, layout, method.name, method.residual)
     if failure is not None:
         problem = (9, RuntimeError, f"{method.name}: {failure}")
     tensor = isinstance(grad, torch.Tensor)
+    carries = block is not None
     try:
-        header = _header(method, grad, layout, problem, nonfinite, gathers)
+        header = _header(method, grad, layout, problem, nonfinite, carries)
     except Exception as exc:  # noqa: BLE001 - any local failure is told to every rank in the agreement
         problem = (9, RuntimeError, f"{method.name}: reading the gradient failed: {type(exc).__name__}: {exc}")
         header = _header(method, grad, layout, problem)
+    payload = block if problem is None else None
     with method.comm.meter.phase("agreement"):
-        if ride is not None:
-            verdict, gathered, steps = agree_riding(method.comm, header, block if problem is None else None, ride,
-                                                    zero=("input", "nonfinite"))
+        if next_message is not None:
+            verdict, received, steps = agree_carrying(method.comm, header, payload, next_message,
+                                                      zero=("input", "nonfinite"))
         else:
-            verdict, gathered, steps = agree_gathering(
-                method.comm, header, block if problem is None else None, zero=("input", "nonfinite"),
+            verdict, received, steps = agree_gathering(
+                method.comm, header, payload, zero=("input", "nonfinite"),
                 device=grad.device if tensor and not grad.is_meta else None)
     if verdict is None:
-        if gathers and gathered is None:
-            raise RuntimeError(f"{method.name}: the ranks agreed but a rank sent no block (a method bug)")
-        return None, gathered, steps
+        if carries and received is None:
+            raise RuntimeError(f"{method.name}: the ranks agreed but a rank sent no message (a method bug)")
+        return None, received, steps
     return _refuse(method, grad, layout, problem, verdict, method_names), None, steps
 
 
@@ -121,7 +120,10 @@ def _refuse(method: Any, grad: Any, layout: Layout, problem: tuple | None, verdi
         what = "failed before sending" if codes == [9] else \
             f"passed an unusable gradient ({', '.join(_PROBLEMS[c][1] for c in codes)})"
         raise AgreementError(f"{method.name}: {_ranks_text(bad_input)} {what}; nothing was applied", bad_input, "input")
-    mismatched = [name for name in verdict.mismatched() if name != "nonfinite"]
+    bad = verdict.nonzero_ranks("nonfinite")
+    # a rank whose gradient is not finite has no first message, so it cannot carry one: its "carries"
+    # may differ, and its gradient is what to report
+    mismatched = [name for name in verdict.mismatched() if name != "nonfinite" and not (name == "carries" and bad)]
     if mismatched:
         odd = sorted({r for name in mismatched for r in verdict.outliers(name)[1]})
         show = {**_SHOW, "method": _method_shower(method_names)}
@@ -133,7 +135,6 @@ def _refuse(method: Any, grad: Any, layout: Layout, problem: tuple | None, verdi
         raise AgreementError(
             f"{method.name}: {details}. Every rank must call the same method on the same kind of gradient; "
             f"nothing was applied and the state is unchanged.{hints}", odd, mismatched[0])
-    bad = verdict.nonzero_ranks("nonfinite")
     counts = ", ".join(f"rank {r}: {verdict.column('nonfinite')[r]}" for r in bad)
     if method.nonfinite == "propagate":
         log.info("%s: step %d not communicated: NaN/Inf in the gradient of %s (%s); NaN returned on every "
@@ -151,7 +152,7 @@ def _refuse(method: Any, grad: Any, layout: Layout, problem: tuple | None, verdi
 
 def _describe_mismatch(method: Any, name: str, grad: Any, layout: Layout) -> str:
     """What differs in field ``name`` (``options``, ``layout``), named, not as CRCs: every rank sends
-    its value as text (error path only, :mod:`sparsecomm.transport.disagreement`)."""
+    its value as text (error path only, :func:`~sparsecomm.transport.agreement.gather_texts`)."""
     device = grad.device if isinstance(grad, torch.Tensor) and not grad.is_meta else None
     if name == "options":
         plain = {k: v for k, v in method.options.items() if isinstance(v, str | int | float | bool | type(None))}
@@ -162,17 +163,17 @@ def _describe_mismatch(method: Any, name: str, grad: Any, layout: Layout) -> str
 
 
 def _header(method: Any, grad: Any, layout: Layout, problem: tuple | None,
-            nonfinite: int | None = None, gathers: bool = False) -> dict[str, int]:
+            nonfinite: int | None = None, carries: bool = False) -> dict[str, int]:
     """This rank's description of the call, as int64 fields (see :mod:`..transport.agreement`);
-    ``nonfinite`` when counted already, else counted here; ``gathers``: the call's first message
-    rides on the agreement."""
+    ``nonfinite`` when counted already, else counted here; ``carries``: the agreement's messages carry
+    the call's first message."""
     if problem is not None:
         return {"input": problem[0], **dict.fromkeys(_HEADER_FIELDS, 0)}
     n = grad.numel()
     return {"input": 0, "n": n, "dtype": _dtype_code(grad.dtype), "density": _float_bits(method.density),
             "step": method.step, "method": zlib.crc32(method.name.encode()), "options": _options_hash(method.options),
             "layout": 0 if layout is None else _layout_hash(layout),
-            "nonfinite": count_nonfinite(grad) if nonfinite is None else nonfinite, "gathers": int(gathers)}
+            "nonfinite": count_nonfinite(grad) if nonfinite is None else nonfinite, "carries": int(carries)}
 
 
 def _options_hash(options: dict[str, Any]) -> int:
@@ -195,7 +196,7 @@ def _check_layout(layout: Layout, n: int, name: str) -> list[tuple[int, int]]:
 
 
 # The header of a call (after its first field, "input": 0 or the code of a local problem).
-_HEADER_FIELDS = ("n", "dtype", "density", "step", "method", "options", "layout", "nonfinite", "gathers")
+_HEADER_FIELDS = ("n", "dtype", "density", "step", "method", "options", "layout", "nonfinite", "carries")
 
 # code -> (exception type on the offending rank, short cause for the other ranks)
 _PROBLEMS: dict[int, tuple[type[Exception], str]] = {
@@ -280,7 +281,7 @@ _LABELS = {"n": "gradient length differs across ranks", "dtype": "gradient dtype
            "density": "density differs across ranks", "step": "step counter differs across ranks",
            "method": "method differs across ranks", "options": "method options differ across ranks",
            "layout": "layout differs across ranks",
-           "gathers": "whether the first message rides on the agreement differs across ranks"}
+           "carries": "whether the agreement carries the first message differs across ranks"}
 
 
 def _range(verdict: Agreement, name: str) -> str:
@@ -302,5 +303,5 @@ _HINTS = {"step": " A differing step means a rank went on after an error the oth
                   "from another checkpoint.",
           "method": " Every rank must use the same method.",
           "options": " Every rank must build the method with the same options.",
-          "gathers": " A method sends its first message with the agreement only for a gradient on the CPU: every rank "
+          "carries": " The agreement carries a method's first message only for a gradient on the CPU: every rank "
                      "must pass its gradient on the same kind of device."}

@@ -1,0 +1,106 @@
+"""Never slower than a dense all-reduce: measure both, keep the faster (``dense_fallback=True``).
+
+Sparse synchronization pays when moving the gradient costs more than selecting and exchanging a few
+of its elements: on a slow link and a large gradient. On a fast link, or on a model whose step is
+mostly compute, the selection and the extra message rounds make a step slower than DDP's all-reduce,
+and whether that is so depends on the model, the batch and the cluster at hand. The engine therefore
+measures it on the run itself:
+
+1. the first ``skip + probe`` steps are averaged densely (extending the dense warm-up if it is
+   shorter), and the last ``probe`` of them are timed;
+2. the next ``skip + probe`` steps use the method, and the last ``probe`` of them are timed;
+3. every rank's two medians are reduced to the slowest rank's (the slowest sets the pace of a
+   data-parallel step, and every rank then decides alike), and the method is kept only if its
+   median step is at least ``margin`` faster than the dense one; otherwise the engine switches to
+   the dense all-reduce for the rest of training, carrying the method's residuals into the next
+   gradient (:meth:`~.engine.GroupingEngine.switch_method`: nothing is lost).
+
+A step's time is the wall time between two consecutive ends of a step as the engine sees them (the
+hook: DDP's last bucket; the synchronizer: the end of :meth:`synchronize`): forward, backward, the
+synchronization and the optimizer, as the user's loop runs them. The decision is part of the
+engine's state dict, so a resumed run does not measure again.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DenseFallback"]
+
+log = logging.getLogger(__name__)
+
+
+class DenseFallback:
+    """The measurement and decision of ``dense_fallback`` (see the module docstring).
+
+    Args:
+        probe: steps timed in each phase (the median of them is the phase's step time).
+        skip: steps left out at the start of each phase (first-touch allocations, the switch).
+        margin: the fraction by which the method's step must beat the dense one to be kept.
+    """
+
+    def __init__(self, probe: int = 8, skip: int = 3, margin: float = 0.05) -> None:
+        if not (isinstance(probe, int) and probe >= 1 and isinstance(skip, int) and skip >= 1):
+            raise ValueError(f"dense_fallback: probe={probe!r} and skip={skip!r} must be integers >= 1")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"dense_fallback: margin={margin!r} must lie in [0, 1)")
+        self.probe, self.skip, self.margin = probe, skip, margin
+        #: "measuring", then "method" (kept) or "dense" (fell back)
+        self.decision = "measuring"
+        self.dense_s: float | None = None
+        self.method_s: float | None = None
+        self._last_end: float | None = None
+        self._dense: list[float] = []
+        self._method: list[float] = []
+
+    def dense_steps(self, warmup: int) -> int:
+        """The dense steps the engine must make first: the warm-up, at least ``skip + probe``."""
+        return max(warmup, self.skip + self.probe)
+
+    def step_ended(self, step: int, dense_until: int, group: Any,
+                   switch_to_dense: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> None:
+        """Called at the end of step ``step`` (0-based) by the engine, whose dense phase lasts until
+        step ``dense_until``: records the step's time in its phase and, after the method's probe,
+        decides (a small collective over ``group`` on every rank at the same step)."""
+        now = clock()
+        last, self._last_end = self._last_end, now
+        if self.decision != "measuring" or last is None:
+            return
+        elapsed = now - last
+        if dense_until - self.probe <= step < dense_until:
+            self._dense.append(elapsed)
+        elif dense_until + self.skip <= step < dense_until + self.skip + self.probe:
+            self._method.append(elapsed)
+        if step != dense_until + self.skip + self.probe - 1:
+            return
+        if not self._dense or not self._method:  # resumed inside a probe: every rank alike, the method kept
+            log.warning("dense_fallback: the run resumed during the measurement; keeping the method")
+            self.decision = "method"
+            return
+        mine = torch.tensor([statistics.median(self._dense), statistics.median(self._method)], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+        self.dense_s, self.method_s = float(mine[0]), float(mine[1])
+        keep = self.method_s < (1.0 - self.margin) * self.dense_s
+        self.decision = "method" if keep else "dense"
+        log.info("dense_fallback: step %.1f ms with the method, %.1f ms dense: %s", 1e3 * self.method_s,
+                 1e3 * self.dense_s, "keeping the method" if keep else "falling back to the dense all-reduce")
+        if not keep:
+            switch_to_dense()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decision": self.decision, "dense_s": self.dense_s, "method_s": self.method_s}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        decision = state.get("decision", "measuring")
+        if decision not in ("measuring", "method", "dense"):
+            raise ValueError(f"dense_fallback: a saved decision {decision!r} is none of measuring, method, dense")
+        self.decision, self.dense_s, self.method_s = decision, state.get("dense_s"), state.get("method_s")
+        self._dense, self._method, self._last_end = [], [], None
