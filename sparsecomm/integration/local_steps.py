@@ -68,7 +68,7 @@ from torch import nn
 from ..core.buffers import long_lived_empty
 from ..core.validate import check_choice, check_int, check_number, is_number
 from ..methods import Method, MethodSpec, Stats
-from ..methods.agreement import NonFiniteGradientError, count_nonfinite
+from ..methods.checks import NonFiniteGradientError, count_nonfinite
 from ..transport.agreement import AgreementError, agree
 from ..transport.comm import Communicator
 from ..transport.deadline import explain_timeout, is_peer_failure
