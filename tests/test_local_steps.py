@@ -23,7 +23,7 @@ from torch import nn
 
 import sparsecomm
 from sparsecomm import LocalSteps, SparseSynchronizer, run_workers
-from sparsecomm.methods.agreement import NonFiniteGradientError
+from sparsecomm.methods.checks import NonFiniteGradientError
 from sparsecomm.transport.agreement import AgreementError
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
