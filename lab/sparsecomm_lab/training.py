@@ -195,6 +195,9 @@ class TrainConfig:
     #: Adam/AdamW under the synchronizer: freeze the second moment after the dense warm-up and
     #: synchronize the preconditioned gradient (sparsecomm.integration.adam)
     freeze_adam_variance: bool = False
+    #: time dense and sparse steps first and keep the method only where its steps are faster
+    #: (the hook's and the synchronizer's dense_fallback: never slower than a dense all-reduce)
+    dense_fallback: bool = False
     powersgd_rank: int = 2
     method_options: dict[str, Any] = field(default_factory=dict)
     schedule: str | None = None     # method switches "EPOCH:METHOD,...", e.g. "3:torus2d" (Shi et al. 5.6)
@@ -349,7 +352,8 @@ class _Synchronization:
                 clip_norm=config.clip_norm,
                 momentum_correction=(config.betas[0] if config.optimizer == "adamw" else config.momentum)
                 if config.momentum_correction else None,
-                density_warmup=config.density_warmup, freeze_adam_variance=config.freeze_adam_variance)
+                density_warmup=config.density_warmup, freeze_adam_variance=config.freeze_adam_variance,
+                dense_fallback=config.dense_fallback)
             return
         if config.method == "powersgd":
             # One bucket: torch 2.13's powerSGD_hook aborts on gloo once a model spans >= 2 buckets.
@@ -369,7 +373,8 @@ class _Synchronization:
 
             self.module.register_comm_hook(None, noop_hook)
         elif config.method != "ddp":
-            self.state = SparseHookState(None, config.method_spec(), dense_warmup_steps=config.dense_warmup_steps)
+            self.state = SparseHookState(None, config.method_spec(), dense_warmup_steps=config.dense_warmup_steps,
+                                         dense_fallback=config.dense_fallback)
             self.module.register_comm_hook(self.state, hook)
 
     def evaluation_model(self) -> Any:

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from ..transport.comm import Communicator
+from ..transport.control import max_all_reduce
 
 __all__ = ["DenseFallback"]
 
@@ -64,11 +64,11 @@ class DenseFallback:
         """The dense steps the engine must make first: the warm-up, at least ``skip + probe``."""
         return max(warmup, self.skip + self.probe)
 
-    def step_ended(self, step: int, dense_until: int, group: Any,
+    def step_ended(self, step: int, dense_until: int, comm: Communicator,
                    switch_to_dense: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> None:
         """Called at the end of step ``step`` (0-based) by the engine, whose dense phase lasts until
         step ``dense_until``: records the step's time in its phase and, after the method's probe,
-        decides (a small collective over ``group`` on every rank at the same step)."""
+        decides (a small collective over ``comm`` on every rank at the same step)."""
         now = clock()
         last, self._last_end = self._last_end, now
         if self.decision != "measuring" or last is None:
@@ -84,10 +84,9 @@ class DenseFallback:
             log.warning("dense_fallback: the run resumed during the measurement; keeping the method")
             self.decision = "method"
             return
-        mine = torch.tensor([statistics.median(self._dense), statistics.median(self._method)], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-        self.dense_s, self.method_s = float(mine[0]), float(mine[1])
+        micros = [round(1e6 * statistics.median(self._dense)), round(1e6 * statistics.median(self._method))]
+        dense_us, method_us = max_all_reduce(comm, micros)
+        self.dense_s, self.method_s = 1e-6 * dense_us, 1e-6 * method_us
         keep = self.method_s < (1.0 - self.margin) * self.dense_s
         self.decision = "method" if keep else "dense"
         log.info("dense_fallback: step %.1f ms with the method, %.1f ms dense: %s", 1e3 * self.method_s,

@@ -38,6 +38,7 @@ import torch
 
 from ..methods import Method, MethodSpec, Stats
 from ..transport.comm import Communicator
+from .auto import DenseFallback
 from .nonfinite import Overflow, check_policy, split_policy
 from .overlap import hidden_seconds
 from .residuals import Group, ParamPlan, goes_dense
@@ -64,16 +65,19 @@ class GroupingEngine:
         use_layout: pass each group's layer layout to its method.
         nonfinite_default: the non-finite policy when ``spec`` names none (its ``nonfinite`` option):
             ``"propagate"`` for the DDP hook, ``"error"`` for the synchronizer (:mod:`.nonfinite`).
+        dense_fallback: time dense and sparse steps and keep the method only where it makes steps
+            faster (:class:`~.auto.DenseFallback`), or ``None``.
     """
 
     def __init__(self, spec: MethodSpec, comm: Callable[[], Communicator], *, granularity: str = "bucket",
                  dense_warmup_steps: int = 0, dense_below: int = 0, use_layout: bool = True,
-                 nonfinite_default: str = "error") -> None:
+                 nonfinite_default: str = "error", dense_fallback: DenseFallback | None = None) -> None:
         spec, policy = split_policy(spec, nonfinite_default)
         #: the method; its ``nonfinite`` option is the engine's (:attr:`nonfinite`)
         self.spec = spec
         self.granularity = granularity
         self.dense_warmup_steps = dense_warmup_steps
+        self.dense_fallback = dense_fallback
         self.dense_below = dense_below
         self.use_layout = bool(use_layout)
         #: steps begun so far (the owner advances it: the hook on DDP's last bucket, the synchronizer
@@ -103,8 +107,15 @@ class GroupingEngine:
         return self._comm
 
     @property
+    def dense_until(self) -> int:
+        """The steps averaged densely first: the warm-up, extended for ``dense_fallback``'s timing."""
+        if self.dense_fallback is None:
+            return self.dense_warmup_steps
+        return self.dense_fallback.dense_steps(self.dense_warmup_steps)
+
+    @property
     def in_warmup(self) -> bool:
-        return self.iter < self.dense_warmup_steps
+        return self.iter < self.dense_until
 
     @property
     def groups(self) -> list[Group]:
@@ -220,6 +231,9 @@ class GroupingEngine:
                 stats.hidden_time = hidden_seconds([(start, end)], backward_end)
         self._calls = []
         self.overflow.reset()
+        if self.dense_fallback is not None:  # (the owner advanced iter when the step's last call began)
+            self.dense_fallback.step_ended(self.iter - 1, self.dense_until, self.comm,
+                                           lambda: self.switch_method(_DENSE))
         if keep:
             with self._lock:
                 self._stats.extend(records)
@@ -283,11 +297,18 @@ class GroupingEngine:
         """The method, the non-finite policy, the step counter, the groups (their methods' state, one
         residual per parameter) and the carried residuals."""
         plan = self.plan.state_dict() if self.plan is not None else self._loaded
-        return {"method": self.spec.name, "options": dict(self.spec.options), "nonfinite": self.nonfinite,
-                "iter": self.iter, "plan": plan, "carry": self.carry.state_dict()}
+        state = {"method": self.spec.name, "options": dict(self.spec.options), "nonfinite": self.nonfinite,
+                 "iter": self.iter, "plan": plan, "carry": self.carry.state_dict()}
+        if self.dense_fallback is not None:
+            state["dense_fallback"] = self.dense_fallback.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any], owner: str) -> None:
         """Restore a :meth:`state_dict` (method states per group: now, or when the groups form)."""
+        if self.dense_fallback is not None and state.get("dense_fallback"):
+            self.dense_fallback.load_state_dict(state["dense_fallback"])
+            if self.dense_fallback.decision == "dense" and self.spec.name != _DENSE.name:
+                self._swap_methods(_DENSE)  # the saved run fell back: its state is the dense method's
         if state.get("method") != self.spec.name:
             raise ValueError(f"state_dict of method {state.get('method')!r} cannot load into a {owner} of "
                              f"method {self.spec.name!r}")

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from ..core.validate import check_choice, check_int
 from ..methods import MethodSpec, Stats
 from ..transport.comm import Communicator
+from .auto import DenseFallback
 from .engine import EngineView, GroupingEngine
 from .nonfinite import HOOK_DEFAULT
 from .overlap import CommThread, private_group
@@ -108,6 +109,9 @@ class SparseHookState(EngineView):
             the hook (``False``, the synchronous path).
         dense_below: parameters with fewer elements, or whose sparse message would not be smaller
             than the dense one, are all-reduced densely in one fused call; 0: none (sparse methods).
+        dense_fallback: time the first dense and sparse iterations and keep the method only if its
+            iterations are faster; otherwise all-reduce densely from then on, so the hook is never
+            slower than a dense all-reduce (:mod:`.auto`).
         **method_options: passed to :func:`sparsecomm.make_method`, e.g. ``density=0.01``, and
             ``nonfinite``: when any rank's gradient holds NaN/Inf, ``"propagate"`` (default: NaN on
             every rank, nothing sent, state untouched, so ``GradScaler`` skips the step as under plain
@@ -121,7 +125,8 @@ class SparseHookState(EngineView):
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, method: MethodSpec | str = "spardl", *,
                  dense_warmup_steps: int = 0, use_layout: bool = True, granularity: str = "bucket",
-                 overlap: bool = True, dense_below: int = DENSE_BELOW, **method_options: Any) -> None:
+                 overlap: bool = True, dense_below: int = DENSE_BELOW, dense_fallback: bool = False,
+                 **method_options: Any) -> None:
         spec = MethodSpec.of(method, method_options)  # unknown name or option, bad density: raises here
         check_int("dense_warmup_steps", dense_warmup_steps, minimum=0)
         check_choice("granularity", granularity, GRANULARITIES)
@@ -130,7 +135,8 @@ class SparseHookState(EngineView):
         self.overlap = bool(overlap)
         self.engine = GroupingEngine(spec, self._private_comm, granularity=granularity,
                                      dense_warmup_steps=dense_warmup_steps, dense_below=dense_below,
-                                     use_layout=use_layout, nonfinite_default=HOOK_DEFAULT)
+                                     use_layout=use_layout, nonfinite_default=HOOK_DEFAULT,
+                                     dense_fallback=DenseFallback() if dense_fallback else None)
         self._reset_runtime()
         if dist.is_available() and dist.is_initialized():
             spec.build(Communicator(process_group))  # probe: checks the values of the options

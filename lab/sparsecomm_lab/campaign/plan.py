@@ -160,6 +160,8 @@ ARMS: dict[str, list[Arm]] = {
         _FLOOR, _DDP, *_POWERSGD,
         Arm("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, SGD with momentum (error feedback)",
             {"method": "topka", "density": 0.01, **_HOOK}),
+        Arm("topka-hook-auto@0.01", "sparse", "the same with dense_fallback: dense all-reduce where topka's steps "
+            "are not faster", {"method": "topka", "density": 0.01, **_HOOK, "dense_fallback": True}),
         _mc(1.0, "topka-mc@1", None),
         _mc(0.01, "topka-mc@0.01", "topka-mc@1"),
     ],

@@ -1,0 +1,112 @@
+"""dense_fallback: the hook and the synchronizer time dense and sparse steps and keep the faster
+(sparsecomm.integration.auto), the same decision on every rank, nothing lost, resumable."""
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsecomm import SparseHookState, SparseSynchronizer, hook, run_workers
+from sparsecomm.integration.auto import DenseFallback
+from sparsecomm.transport.comm import Communicator
+
+
+def _decide(dense_s, method_s, margin):
+    """Feed scripted step times (this rank's) to a DenseFallback; return its decision and whether it
+    asked for the switch."""
+    fallback = DenseFallback(probe=3, skip=1, margin=margin)
+    until = fallback.dense_steps(0)
+    rank = dist.get_rank()
+    times = [0.0]
+    for step in range(until + fallback.skip + fallback.probe):
+        times.append(times[-1] + (dense_s[rank] if step < until else method_s[rank]))
+    clock = iter(times)
+    switched = []
+    for step in range(len(times)):
+        fallback.step_ended(step - 1, until, Communicator(), lambda: switched.append(step), clock=lambda: next(clock))
+    return fallback.decision, bool(switched), fallback.state_dict()
+
+
+@pytest.mark.parametrize("dense_s, method_s, margin, decision", [
+    ((1.0, 1.0), (0.5, 0.5), 0.05, "method"),     # the method's steps are twice as fast
+    ((1.0, 1.0), (0.97, 0.97), 0.05, "dense"),    # faster, but not by the margin
+    ((1.0, 1.0), (1.5, 1.5), 0.05, "dense"),      # slower
+    ((1.0, 1.0), (0.5, 1.2), 0.05, "dense"),      # rank 1 is slower with the method: the slowest rank decides
+])
+def test_the_decision_is_the_slowest_ranks_and_the_same_on_every_rank(dense_s, method_s, margin, decision):
+    results = run_workers(2, _decide, dense_s, method_s, margin)
+    assert [r[0] for r in results] == [decision, decision]
+    assert [r[1] for r in results] == [decision == "dense"] * 2
+    assert results[0][2] == results[1][2] and results[0][2]["method_s"] == pytest.approx(max(method_s))
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="probe"):
+        DenseFallback(probe=0)
+    with pytest.raises(ValueError, match="margin"):
+        DenseFallback(margin=1.0)
+
+
+def _train_hook(steps, margin, state_bytes=None, start=0):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = SparseHookState(None, "topka", density=0.1, dense_fallback=True)
+    state.engine.dense_fallback.margin = margin  # 0.99: the method must be 100x faster, so it falls back
+    if state_bytes is not None:
+        state.load_state_dict(torch.load(io.BytesIO(state_bytes[dist.get_rank()]), weights_only=False))
+        model.load_state_dict(torch.load(io.BytesIO(state_bytes[-1])))
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(start, steps):
+        gen = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(torch.randn(8, 32, generator=gen)), torch.randint(4, (8,), generator=gen)
+                                    ).backward()
+        opt.step()
+    buffers = []
+    for obj in (state.state_dict(), model.state_dict()):
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        buffers.append(buffer.getvalue())
+    result = ([p.detach().clone() for p in model.parameters()], state.method_name,
+              state.engine.dense_fallback.decision, buffers)
+    state.close()
+    return result
+
+
+def test_the_hook_falls_back_to_dense_keeps_the_replicas_identical_and_resumes_with_the_decision():
+    fallback = DenseFallback()
+    steps = fallback.dense_steps(0) + fallback.skip + fallback.probe + 4
+    results = run_workers(3, _train_hook, steps, 0.99)
+    assert [r[1:3] for r in results] == [("dense", "dense")] * 3   # fell back, on every rank
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(r[0], results[0][0], strict=True))
+    # a resumed run keeps the decision (dense) and makes the same steps as the uninterrupted one
+    saved = [r[3][0] for r in results] + [results[0][3][1]]
+    resumed = run_workers(3, _train_hook, steps + 3, 0.99, saved, steps)
+    longer = run_workers(3, _train_hook, steps + 3, 0.99)
+    assert [r[1:3] for r in resumed] == [("dense", "dense")] * 3
+    assert all(torch.equal(a, b) for a, b in zip(resumed[0][0], longer[0][0], strict=True))
+
+
+def _synchronize(steps, margin):
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = SparseSynchronizer(model, opt, "topka", density=0.25, dense_fallback=True)
+    sync.engine.dense_fallback.margin = margin
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+        opt.zero_grad()
+        model(torch.randn(4, 16, generator=gen)).square().mean().backward()
+        sync.step()
+    return [p.detach().clone() for p in model.parameters()], sync.method_name
+
+
+def test_the_synchronizer_falls_back_alike():
+    fallback = DenseFallback()
+    results = run_workers(2, _synchronize, fallback.dense_steps(0) + fallback.skip + fallback.probe + 2, 0.99)
+    assert [r[1] for r in results] == ["dense", "dense"]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0], strict=True))
