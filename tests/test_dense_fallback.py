@@ -25,7 +25,7 @@ def _decide(dense_s, method_s, margin):
     clock = iter(times)
     switched = []
     for step in range(len(times)):
-        fallback.step_ended(step - 1, until, Communicator(), lambda: switched.append(step), clock=lambda: next(clock))
+        fallback.step_ended(step - 1, until, Communicator(), lambda: switched.append(True), clock=lambda: next(clock))
     return fallback.decision, bool(switched), fallback.state_dict()
 
 
