@@ -124,7 +124,8 @@ def test_the_campaign_runs_end_to_end_on_a_tiny_transformer_and_writes_its_repor
     with open(tmp_path / "report" / "summary.json") as handle:
         data = json.load(handle)
     assert set(data["arms"]) == {"floor", "ddp", "powersgd-r2", "powersgd-r4", "dense-fva", "topka-hook@0.01",
-                                 "topka-fva@0.01", "topka-fva@0.001", "topka-fvamc@1", "topka-fvamc@0.01"}
+                                 "topka-hook@0.1", "topka-fva@0.1", "topka-fva@0.03", "topka-fva@0.01", "topka-fva@0.001",
+                                 "topka-fvamc@1", "topka-fvamc@0.01"}
     assert data["arms"]["ddp"]["best_lr"] in (1e-3, 3e-3) and data["goals"][0]["network"] == "loopback"
 
 
