@@ -140,6 +140,7 @@ ARMS: dict[str, list[Arm]] = {
         _fva("topka", 0.001, "topka-fva@0.001", "dense-fva"),
         _fva("topka", 1.0, "topka-fvamc@1", None, corrected=True),
         _fva("topka", 0.01, "topka-fvamc@0.01", "topka-fvamc@1", corrected=True),
+        _fva("topka", 0.001, "topka-fvamc@0.001", "topka-fvamc@1", corrected=True),
     ],
     # the gradient is mostly a word embedding of which a step touches a few rows: the baselines a user
     # tries first are AdamW and nn.Embedding(sparse=True) (DDP all-gathers the touched rows)
