@@ -71,6 +71,9 @@ _COMPILED_KERNELS = ("avx512", "avx2", "scalar")
 #: the compiled kernel takes vectors shorter than this (it writes the candidates' indices as int32)
 _COMPILED_MAX_N = 1 << 31
 
+#: the device searches take vectors shorter than this (their counts, up to twice k, stay int32)
+_DEVICE_SEARCH_MAX_N = 1 << 30
+
 #: the kernel's output buffers keep at most this many candidates (or 4x the expected count, or the last
 #: scan's count up to 1/_KEEP_FRACTION of the input) between calls, so that a rare scan at a low
 #: threshold does not leave a gradient-sized buffer behind
@@ -232,7 +235,7 @@ class Scratch:
     def searches_on_device(cls, x: Tensor, *others: Tensor | None) -> bool:
         """Whether the threshold searches of ``x`` run on the device (:mod:`.triton_select`): a
         float32 tensor the Triton kernels scan, with ``others`` (an addend, a destination) alike."""
-        return (cls.uses_triton(x) and x.dtype == torch.float32 and x.numel() < _COMPILED_MAX_N
+        return (cls.uses_triton(x) and x.dtype == torch.float32 and x.numel() < _DEVICE_SEARCH_MAX_N
                 and all(t is None or (t.dtype == x.dtype and t.device == x.device and t.shape == x.shape
                                       and t.is_contiguous()) for t in others))
 
@@ -622,7 +625,8 @@ def take_and_clear(x: Tensor, indices: Tensor) -> Tensor:
     (as a selection returns them), any order.
 
     Where the compiled kernel is in use (float32 ``x`` on the CPU) one C loop visits each touched cache
-    line once (``_scan.take_and_clear``); else ``index_select`` and ``index_fill_``, with the same
+    line once (``_scan.take_and_clear``); on a GPU one Triton kernel reads and clears the entries
+    (:func:`.triton_scan.take_and_clear`); else ``index_select`` and ``index_fill_``, with the same
     result."""
     if _compiled_applies(x, torch.float32) and indices.dtype == torch.int64 and indices.device.type == "cpu" \
             and indices.is_contiguous():
@@ -631,6 +635,9 @@ def take_and_clear(x: Tensor, indices: Tensor) -> Tensor:
                                     values.data_ptr()) != 0:
             raise IndexError(f"take_and_clear: an index lies outside the {x.numel()} elements of x")
         return values
+    if (Scratch.uses_triton(x) and x.dim() == 1 and indices.dim() == 1 and indices.device == x.device
+            and indices.dtype in (torch.int32, torch.int64) and x.numel() < _COMPILED_MAX_N):
+        return triton_scan.take_and_clear(x, indices.contiguous())
     values = x.index_select(0, indices)
     x.index_fill_(0, indices, 0)
     return values

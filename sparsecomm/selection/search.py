@@ -266,7 +266,7 @@ class MSTopK(Selector):
     def _select(self, x: Tensor, k: int, addend: Tensor | None = None, dest: Tensor | None = None) -> Tensor:
         """:meth:`select` of ``x``, or with ``addend`` of ``x + addend``, written to ``dest`` (default
         ``x``) by the scan."""
-        draw = int(torch.randint(0, triton_select.MSTOPK_DRAW, (1,), generator=self.generator))
+        draw = int(torch.randint(*triton_select.MSTOPK_DRAW, (1,), generator=self.generator))
         if self._scratch.searches_on_device(x, addend, dest):
             try:
                 return triton_select.mstopk(x, k, self.samplings, draw, self._scratch.device_buffers,

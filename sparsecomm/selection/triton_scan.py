@@ -29,15 +29,14 @@ Triton ships with CUDA builds of PyTorch. ``TRITON_INTERPRET=1`` runs the same k
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import numpy as np
 import torch
 from torch import Tensor
 
+from ..transport.triton_launch import Launcher, interpreted
+
 __all__ = ["available", "installed", "interpreted", "scan_ge", "counts_ge", "launch_gather", "launch_sample",
-           "finish", "Buffers", "SHAPE", "STATE", "FLAGS"]
+           "finish", "take_and_clear", "Buffers", "SHAPE", "STATE", "FLAGS"]
 
 try:
     import triton
@@ -66,11 +65,6 @@ FLAGS = {"floor_high": 1, "no_band": 2, "unresolved": 4, "window": 8, "short": 1
 HISTS = {"exponent": 0, "mantissa": 256, "radix": 512, "grid": 512 + 4 * 512}
 _GRID_DEPTH_MAX = 15
 _HISTS_SIZE = HISTS["grid"] + (1 << _GRID_DEPTH_MAX)
-
-
-def interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def installed() -> bool:
@@ -257,36 +251,16 @@ if triton is not None:
             tl.store(slots_ptr, 0)
 
 
-class _Launcher:
-    """A Triton kernel compiled once per (device, dtype and 16-byte alignment of ``x``, warps,
-    constexpr values, options) and then launched straight through its compiled handle, which takes
-    the constexprs positionally: pass them as keywords in the kernel's own order.
-
-    Triton's own ``kernel[grid](...)`` binds and specializes the arguments on every call, about 50
-    microseconds of Python in Triton 3.6: more than the kernel itself on gradients of a few million
-    elements. The kernels here are declared not to specialize on their integer arguments nor on the
-    alignment of any pointer but the first, so one compiled kernel serves every call with the same
-    key. Under the interpreter (``TRITON_INTERPRET=1``) the plain launch is used. ``options``:
-    compiler options (``enable_fp_fusion=False`` where float64 arithmetic must round as the host's).
-    """
-
-    def __init__(self, kernel, **options: Any) -> None:
-        self.kernel = kernel
-        self.options = options
-        self.compiled: dict = {}
-
-    def __call__(self, programs: int, x: Tensor, *args, warps: int, **constants: int) -> None:
-        grid = (max(1, programs), 1, 1)
-        if interpreted() or not x.is_cuda:
-            self.kernel[grid](x, *args, **constants, num_warps=warps, **self.options)
-            return
-        key = (x.device.index, x.dtype, x.data_ptr() % 16 == 0, warps, *constants.values())
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            compiled = self.kernel.warmup(x, *args, **constants, num_warps=warps, grid=grid, **self.options)
-            compiled = compiled.result() if hasattr(compiled, "result") else compiled
-            self.compiled[key] = compiled
-        compiled[grid](x, *args, *constants.values())
+    @triton.jit(do_not_specialize=["m", "n"], do_not_specialize_on_alignment=["x_ptr", "out_ptr"])
+    def _take_clear_kernel(idx_ptr, x_ptr, out_ptr, m, n, BLOCK: tl.constexpr):
+        """``out[j] = x[idx[j]]``, then ``x[idx[j]] = 0``, for this program's ``BLOCK`` indices
+        (distinct; one outside ``[0, n)`` reads 0 and writes nothing)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < m
+        i = tl.load(idx_ptr + offs, mask=ok, other=0).to(tl.int64)
+        inside = ok & (i >= 0) & (i < n)
+        tl.store(out_ptr + offs, tl.load(x_ptr + i, mask=inside, other=0.0), mask=ok)
+        tl.store(x_ptr + i, tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty), mask=inside)
 
 
 class Buffers:
@@ -351,10 +325,11 @@ class Buffers:
         return self.block_counts
 
 
-_SAMPLE = _Launcher(_sample_kernel) if triton is not None else None
-_SAMPLE_FINE = _Launcher(_sample_fine_kernel) if triton is not None else None
-_PASS = _Launcher(_pass_kernel) if triton is not None else None
-_ORDER = _Launcher(_order_kernel) if triton is not None else None
+_SAMPLE = Launcher(_sample_kernel) if triton is not None else None
+_SAMPLE_FINE = Launcher(_sample_fine_kernel) if triton is not None else None
+_PASS = Launcher(_pass_kernel) if triton is not None else None
+_ORDER = Launcher(_order_kernel) if triton is not None else None
+_TAKE_CLEAR = Launcher(_take_clear_kernel) if triton is not None else None
 
 
 def floor_in(dtype: torch.dtype, floor: float) -> float:
@@ -456,6 +431,17 @@ def scan_ge(x: Tensor, floor: float, buffers: Buffers, *, gather: bool = True, e
     buffers.idx = buffers.val = None  # the caller owns them now
     assert indices is not None and values is not None
     return count, total, top, indices[:count], values[:count]
+
+
+def take_and_clear(x: Tensor, indices: Tensor) -> Tensor:
+    """``x[indices]`` (a new tensor), then ``x[indices] = 0``, in one kernel (``indices`` distinct,
+    int32 or int64, on ``x``'s device; ``x`` contiguous): the values a message takes out of
+    ``acc = residual + grad``, leaving the residual."""
+    assert _TAKE_CLEAR is not None, "Triton is not installed"
+    out = torch.empty(indices.numel(), dtype=x.dtype, device=x.device)
+    if indices.numel():
+        _TAKE_CLEAR(-(-indices.numel() // 1024), indices, x, out, indices.numel(), x.numel(), warps=4, BLOCK=1024)
+    return out
 
 
 def counts_ge(ascending: Tensor, thresholds: np.ndarray) -> np.ndarray:

@@ -41,8 +41,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..transport.triton_launch import Launcher
 from . import triton_scan
-from .triton_scan import FLAGS, HISTS, STATE, Buffers, _Launcher, finish, launch_gather, launch_sample, tl, triton
+from .triton_scan import FLAGS, HISTS, STATE, Buffers, finish, launch_gather, launch_sample, tl, triton
 
 __all__ = ["Fallback", "SamplePlan", "exact_topk", "band_search", "mstopk", "bisection_steps", "MSTOPK_DRAW"]
 
@@ -52,9 +53,10 @@ _DEPTH = 15
 _BLOCK = 2048
 #: radix bits per level of the exact top-k (512 bins: one histogram per program, added once)
 _RADIX_BITS = 9
-#: MSTopK's window is placed by one draw ``u`` of ``torch.randint(0, MSTOPK_DRAW)`` per call, taken
-#: before the search on both devices: ``start = u % (band - missing + 1)``
-MSTOPK_DRAW = 1 << 62
+#: MSTopK's window is placed by one draw ``u`` of ``torch.randint(*MSTOPK_DRAW)`` per call, taken
+#: before the search on both devices: ``start = u % (band - missing + 1)`` (from 2^32 on, so that the
+#: kernels always take it as a 64-bit integer)
+MSTOPK_DRAW = (1 << 32, 1 << 62)
 
 _MODE_GE, _MODE_TOPK, _MODE_WINDOW = 0, 1, 2
 _BAND, _MSTOPK = 0, 1
@@ -364,11 +366,11 @@ if triton is not None:
                 tl.store(hists_ptr + 512 * part + clear, tl.zeros([512], dtype=tl.int32))
 
 
-_GRID = _Launcher(_grid_count_kernel, enable_fp_fusion=False) if triton is not None else None
-_REPLAY = _Launcher(_replay_kernel, enable_fp_fusion=False) if triton is not None else None
-_RADIX = _Launcher(_radix_count_kernel) if triton is not None else None
-_SELECT_COUNT = _Launcher(_select_count_kernel) if triton is not None else None
-_SELECT_WRITE = _Launcher(_select_write_kernel) if triton is not None else None
+_GRID = Launcher(_grid_count_kernel, enable_fp_fusion=False) if triton is not None else None
+_REPLAY = Launcher(_replay_kernel, enable_fp_fusion=False) if triton is not None else None
+_RADIX = Launcher(_radix_count_kernel) if triton is not None else None
+_SELECT_COUNT = Launcher(_select_count_kernel) if triton is not None else None
+_SELECT_WRITE = Launcher(_select_write_kernel) if triton is not None else None
 
 
 def bisection_steps(eps: float) -> int:
