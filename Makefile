@@ -22,15 +22,17 @@ data:
 			$(DATA_PACKAGES) >/dev/null) || echo "warning: could not install $(DATA_PACKAGES); tests needing them skip"; \
 	else echo "note: install the Debian packages $(DATA_PACKAGES) for the Fashion-MNIST and fortunes data"; fi
 
-$(STAMP): pyproject.toml setup.py sparsecomm/selection/_scan.c sparsecomm/transport/_merge.c
+# the package and, beside it, the lab (lab/: benches, workloads, campaigns, demo; not in the wheel)
+$(STAMP): pyproject.toml setup.py lab/pyproject.toml sparsecomm/selection/_scan.c sparsecomm/transport/_merge.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e lab
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sparsecomm tests examples
+	$(VENV)/bin/ruff check sparsecomm lab tests examples
 	$(VENV)/bin/mypy
 
 test: $(STAMP) data lint

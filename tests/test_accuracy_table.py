@@ -3,11 +3,11 @@
 from pathlib import Path
 
 import pytest
+from sparsecomm_lab import campaign
 
 from sparsecomm.cli import main
 from sparsecomm.cli.advise import advise
 from sparsecomm.cli.table import markdown_table
-from sparsecomm.experiments import campaign
 from sparsecomm.simulator import accuracy
 
 ROOT = Path(__file__).resolve().parents[1]

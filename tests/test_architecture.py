@@ -6,9 +6,9 @@ import sys
 import textwrap
 
 import pytest
+from sparsecomm_lab.imports import scan_package, violations
 
 import sparsecomm
-from sparsecomm.devtools.imports import scan_package, violations
 
 PACKAGE = os.path.dirname(sparsecomm.__file__)
 
@@ -31,16 +31,13 @@ def _fake_package(tmp_path, files):
 
 @pytest.mark.parametrize("files, expected", [
     ({"transport/comm.py": "from ..methods import base\n", "methods/base.py": ""}, "a higher layer"),
-    ({"core/cost.py": "def f():\n    from sparsecomm.experiments import campaign\n", "experiments/campaign.py": ""},
-     "a higher layer"),
+    ({"core/cost.py": "def f():\n    from ..methods import base\n", "methods/base.py": ""}, "a higher layer"),
     ({"methods/a.py": "from .b import X\nregister_method('a')\n",
       "methods/b.py": "X = 1\nregister_method('b')\n"}, "method module sparsecomm.methods.a imports method module"),
     ({"transport/x.py": "from .y import _hidden\n", "transport/y.py": "_hidden = 1\n"}, "private name _hidden"),
     ({"transport/x.py": "from . import y\n", "transport/y.py": "from . import x\n"}, "import cycle"),
-    ({"cli/x.py": "from ..experiments import campaign\n", "experiments/campaign.py": ""}, "outside a function"),
-    ({"launch/x.py": "def f():\n    from ..experiments import campaign\n", "experiments/campaign.py": ""},
-     "a higher layer"),
-    ({"__init__.py": "from .devtools import testing\n", "devtools/testing.py": ""}, "a lab module"),
+    ({"cli/x.py": "def run():\n    from sparsecomm_lab import campaign\n"}, "a lab module"),
+    ({"__init__.py": "import sparsecomm_lab.training\n"}, "a lab module"),
     ({"app/x.py": ""}, "lies in no layer"),
 ])
 def test_the_checker_catches_each_kind_of_breach(tmp_path, files, expected):
@@ -48,15 +45,9 @@ def test_the_checker_catches_each_kind_of_breach(tmp_path, files, expected):
     assert any(expected in line for line in found), found
 
 
-def test_the_command_line_may_load_the_lab_inside_functions(tmp_path):
-    files = {"cli/x.py": "def run():\n    from ..experiments import campaign\n    from ..devtools import testing\n",
-             "experiments/campaign.py": "from ..cli import table\n", "cli/table.py": "", "devtools/testing.py": ""}
-    assert violations(scan_package(_fake_package(tmp_path, files))) == []
-
-
 def test_import_sparsecomm_loads_no_lab_module_and_no_optional_dependency():
     """``import sparsecomm`` (and every public library subpackage) in a fresh interpreter loads no module
-    of the lab (experiments, devtools), not the command line, and neither pillow, tqdm nor matplotlib
+    of the lab (sparsecomm_lab), not the command line, and neither pillow, tqdm nor matplotlib
     (counted beyond what ``import torch`` loads itself: torch.hub imports tqdm when it is installed)."""
     code = textwrap.dedent("""
         import sys
@@ -70,7 +61,7 @@ def test_import_sparsecomm_loads_no_lab_module_and_no_optional_dependency():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert "sparsecomm.selectors" in loaded and "sparsecomm.methods.spardl" in loaded
     unwanted = [m for m in loaded if m.split(".")[0] in ("PIL", "tqdm", "matplotlib")
-                or m.startswith(("sparsecomm.experiments", "sparsecomm.devtools", "sparsecomm.cli"))]
+                or m.startswith(("sparsecomm_lab", "sparsecomm.devtools", "sparsecomm.cli"))]
     assert unwanted == []
 
 
@@ -89,3 +80,16 @@ def test_the_imports_command_lists_edges_draws_mermaid_and_exits_clean(capsys):
     assert main(["imports", "--mermaid"]) == 0
     chart = capsys.readouterr().out
     assert chart.startswith("flowchart TB") and "subgraph core" in chart and "methods --> transport" in chart
+
+
+def test_the_wheel_holds_the_library_and_not_the_lab(tmp_path):
+    """``pip wheel .`` packs the library alone: no lab module, no test helper."""
+    root = os.path.dirname(PACKAGE)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), root], check=True, capture_output=True)
+    import zipfile
+
+    (wheel,) = tmp_path.glob("sparsecomm-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "sparsecomm/methods/spardl/__init__.py" in names
+    assert not [n for n in names if n.startswith(("sparsecomm_lab", "lab/", "tests/", "docs/", "benchmarks/"))]

@@ -7,16 +7,16 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
-from sparsecomm import WorkerError, run_workers
-from sparsecomm.experiments import checkpoint as ckpt
-from sparsecomm.experiments.checkpoint import (
+from sparsecomm_lab import checkpoint as ckpt
+from sparsecomm_lab.checkpoint import (
     CheckpointError,
     checkpoint_path,
     load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
 )
+
+from sparsecomm import WorkerError, run_workers
 
 META = {"method": "topk", "options": {"density": 0.1}, "world_size": 3}
 
@@ -97,7 +97,7 @@ def test_a_world_size_change_is_a_clear_error_on_every_rank(tmp_path):
 
 
 def test_training_resume_refuses_checkpoints_of_another_method(tmp_path):
-    from sparsecomm.experiments.training import TrainConfig, train
+    from sparsecomm_lab.training import TrainConfig, train
 
     config = TrainConfig(model="mlp", data="digits", method="topk", density=0.1, workers=2, epochs=1,
                          batch_size=64, model_options={"hidden": [16]}, checkpoint_dir=str(tmp_path), timeout=120)
@@ -108,7 +108,7 @@ def test_training_resume_refuses_checkpoints_of_another_method(tmp_path):
 
 
 def _small_config(tmp_path, **changes):
-    from sparsecomm.experiments.training import TrainConfig
+    from sparsecomm_lab.training import TrainConfig
 
     config = TrainConfig(model="mlp", data="digits", method="topk", density=0.1, workers=3, epochs=1,
                          batch_size=64, model_options={"hidden": [16]}, checkpoint_dir=str(tmp_path), timeout=120)
@@ -120,7 +120,7 @@ def test_a_file_of_another_run_among_the_ranks_is_an_error_on_every_rank(tmp_pat
     error naming rank 2 and the differing field (before, the run went on with rank 2's model apart)."""
     import shutil
 
-    from sparsecomm.experiments.training import train
+    from sparsecomm_lab.training import train
 
     train(_small_config(tmp_path / "a"))
     train(_small_config(tmp_path / "b", seed=1))
@@ -145,7 +145,7 @@ def _resume_messages(directory):
 
 
 def test_a_changed_parameter_is_caught_by_the_checksum_on_every_rank(tmp_path):
-    from sparsecomm.experiments.training import train
+    from sparsecomm_lab.training import train
 
     train(_small_config(tmp_path))
     path = checkpoint_path(str(tmp_path), 1)
@@ -159,7 +159,7 @@ def test_a_changed_parameter_is_caught_by_the_checksum_on_every_rank(tmp_path):
 
 
 def test_resume_auto_starts_afresh_then_resumes_exactly(tmp_path):
-    from sparsecomm.experiments.training import train
+    from sparsecomm_lab.training import train
 
     fresh = train(_small_config(tmp_path / "auto", epochs=1, resume="auto"), keep_params=True)
     assert len(fresh["epochs"]) == 1

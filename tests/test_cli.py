@@ -4,9 +4,9 @@ import subprocess
 import sys
 
 import pytest
+from sparsecomm_lab.bench.common import parse_count, parse_networks
 
 from sparsecomm.cli import build_parser, main
-from sparsecomm.experiments.bench.common import parse_count, parse_networks
 
 
 def test_bench_collectives_prints_a_table(capsys):
@@ -34,7 +34,8 @@ def test_console_script_entry_point():
 
 def test_bench_step_times_the_sparse_step_of_every_method(capsys):
     """`bench step` times Ok-Topk's sparse step, not its 512 dense warm-up calls (which select nothing)."""
-    from sparsecomm.experiments.bench import step
+    from sparsecomm_lab.bench import step
+
     from sparsecomm.launch.launcher import run_workers
 
     rows = run_workers(1, step._worker, 200_000, [0.01], ["oktopk", "topka"], 2, 1, timeout=120)[0]

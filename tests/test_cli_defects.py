@@ -13,12 +13,12 @@ import subprocess
 import sys
 
 import pytest
+from sparsecomm_lab import training
+from sparsecomm_lab.progress import Progress, is_terminal, progress_iter
+from sparsecomm_lab.reporting import group_records, write_report
+from sparsecomm_lab.training import save_record
 
 from sparsecomm.cli import _discover, build_parser, main
-from sparsecomm.experiments import training
-from sparsecomm.experiments.progress import Progress, is_terminal, progress_iter
-from sparsecomm.experiments.reporting import group_records, write_report
-from sparsecomm.experiments.training import save_record
 from sparsecomm.launch.netemu import parse_rate
 
 
@@ -147,7 +147,7 @@ def _free_port() -> int:
 
 
 def test_world_size_from_torchrun_environment(monkeypatch):
-    from sparsecomm.experiments.commands import train as train_command
+    from sparsecomm_lab.commands import train as train_command
 
     args = build_parser().parse_args(["train", "--model", "mlp", "--data", "digits"])
     assert train_command.config_from_args(args).workers == 4 and train_command.is_rank0()
@@ -285,7 +285,7 @@ def _bench_args(name: str, P: int):
 @pytest.mark.parametrize("P", [2, 3])
 def test_every_bench_accepts_its_defaults_at_any_P(P):
     checked = []
-    for name, module in _discover("sparsecomm.experiments.bench").items():
+    for name, module in _discover("sparsecomm_lab.bench").items():
         args, takes_P = _bench_args(name, P)
         if hasattr(module, "check"):
             module.check(args)  # raises ValueError on a default that does not hold at this P

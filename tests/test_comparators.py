@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from invariants import assert_conserved, assert_consistent, make_gradient, trace_method
 
 from sparsecomm import run_workers
-from sparsecomm.devtools.testing import assert_conserved, assert_consistent, make_gradient, trace_method
 from sparsecomm.methods import cost, make_method
 from sparsecomm.methods.sidco import sidco_threshold
 

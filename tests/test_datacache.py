@@ -7,9 +7,9 @@ import os
 
 import pytest
 import torch
+from sparsecomm_lab.fileserver import FileServer, unavailable_reason
 
 from sparsecomm import DataCache, run_workers
-from sparsecomm.experiments.fileserver import FileServer, unavailable_reason
 from sparsecomm.integration.datacache import (
     FASHION_MNIST_MEAN,
     FASHION_MNIST_STD,
@@ -191,7 +191,7 @@ def test_file_server_torn_down_on_exception_and_after_sigkill(images):
     import sys
     import time
 
-    from sparsecomm.experiments.fileserver import cleanup_stale_servers
+    from sparsecomm_lab.fileserver import cleanup_stale_servers
 
     root = images[0]
     server = FileServer(root, rate="50mbit")
@@ -200,7 +200,7 @@ def test_file_server_torn_down_on_exception_and_after_sigkill(images):
         raise KeyError("boom")
     assert not {server.server_namespace, server.client_namespace} & _namespaces()
     # a creator killed by SIGKILL: its server dies with it, its namespaces go at the next cleanup
-    script = ("import os, signal, sys\nfrom sparsecomm.experiments.fileserver import FileServer\n"
+    script = ("import os, signal, sys\nfrom sparsecomm_lab.fileserver import FileServer\n"
               "server = FileServer(sys.argv[1]).__enter__()\nprint(os.getpid(), server._process.pid, flush=True)\n"
               "os.kill(os.getpid(), signal.SIGKILL)\n")
     child = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True, timeout=120)

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from invariants import assert_conserved, assert_consistent, make_gradient, trace_method
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.devtools.testing import assert_conserved, assert_consistent, make_gradient, trace_method
 
 P = 2
 N = 200_000

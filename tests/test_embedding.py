@@ -7,10 +7,10 @@ import re
 
 import pytest
 import torch
+from sparsecomm_lab.bench.block_sparse import ZipfModel, zipf_tokens
 from torch import nn
 
 from sparsecomm import run_workers
-from sparsecomm.experiments.bench.block_sparse import ZipfModel, zipf_tokens
 from sparsecomm.integration.embedding import (
     ROUTES,
     EmbeddingSynchronizer,

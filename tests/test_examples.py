@@ -55,8 +55,7 @@ def test_ddp_hook_example_runs_the_hook_every_step():
 def _trace_custom_method(options, steps, k):
     """Worker: register "randk" in this process only, trace it, and evaluate its cost formula."""
     import torch.distributed as dist
-
-    from sparsecomm.devtools.testing import trace_method
+    from invariants import trace_method
 
     _load("custom_method")
     P, rank = dist.get_world_size(), dist.get_rank()
@@ -67,7 +66,7 @@ def _trace_custom_method(options, steps, k):
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8])
 def test_the_custom_method_example_keeps_every_invariant(P):
-    from sparsecomm.devtools.testing import assert_conserved, assert_consistent, assert_equals_dense
+    from invariants import assert_conserved, assert_consistent, assert_equals_dense
 
     k = 51  # ceil(0.05 * 1003)
     results = run_workers(P, _trace_custom_method, {"density": 0.05}, 3, k, timeout=60)

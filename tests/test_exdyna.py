@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from invariants import assert_conserved, assert_consistent, make_gradient, trace_method
 
 from sparsecomm import WorkerError, run_workers
-from sparsecomm.devtools.testing import assert_conserved, assert_consistent, make_gradient, trace_method
 from sparsecomm.methods import cost, make_method
 from sparsecomm.methods.exdyna import allocated_partition, block_partition, rebalance
 

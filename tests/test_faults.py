@@ -1,7 +1,7 @@
 """Fault injection (issue 16): inputs only some ranks see must give the same clear error on every rank
 within 5 s, naming the rank and the cause, with the state unchanged, or the documented behaviour; the
 next call on finite input must succeed with bit-identical replicas. Every method, P = 2, 3, 4
-(sparsecomm.experiments.faults; `make test-faults` runs only these), plus a hypothesis fuzz."""
+(sparsecomm_lab.faults; `make test-faults` runs only these), plus a hypothesis fuzz."""
 
 import dataclasses
 import math
@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from invariants import make_gradient
+from sparsecomm_lab.faults import CASES, run_faults
 
 from sparsecomm import WorkerError, available_methods, make_method, run_workers
-from sparsecomm.devtools.testing import make_gradient
-from sparsecomm.experiments.faults import CASES, run_faults
 from sparsecomm.methods import method_class
 from sparsecomm.methods.base import AgreementError, NonFiniteGradientError
 from sparsecomm.methods.stats import Stats
@@ -208,9 +208,10 @@ def test_layout_options_and_method_mismatches_are_named(kind, ranks, text):
 
 
 def test_cli_collective_timeout_reaches_the_launcher(monkeypatch):
+    from sparsecomm_lab import training
+    from sparsecomm_lab.commands.train import config_from_args
+
     from sparsecomm.cli import build_parser
-    from sparsecomm.experiments import training
-    from sparsecomm.experiments.commands.train import config_from_args
 
     args = build_parser().parse_args(["train", "--model", "mlp", "--data", "digits", "--collective-timeout", "7"])
     config = config_from_args(args)

@@ -20,15 +20,15 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # ask without initi
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-from sparsecomm import available_methods, run_workers  # noqa: E402
-from sparsecomm.devtools.testing import (  # noqa: E402
+from invariants import (  # noqa: E402
     assert_conserved,
     assert_consistent,
     assert_equals_dense,
     assert_traffic_matches,
     make_gradient,
 )
+
+from sparsecomm import available_methods, run_workers  # noqa: E402
 from sparsecomm.methods import method_class  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,

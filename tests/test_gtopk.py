@@ -3,9 +3,9 @@
 import math
 
 import pytest
+from invariants import assert_conserved, assert_consistent, assert_traffic_matches, trace_method
 
 from sparsecomm import run_workers
-from sparsecomm.devtools.testing import assert_conserved, assert_consistent, assert_traffic_matches, trace_method
 from sparsecomm.methods.gtopk import tree_schedule
 
 N = 997

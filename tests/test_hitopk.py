@@ -4,16 +4,16 @@
 import math
 
 import pytest
-
-from sparsecomm import run_workers
-from sparsecomm.core.cost import chunk_sizes
-from sparsecomm.devtools.testing import (
+from invariants import (
     assert_conserved,
     assert_consistent,
     assert_equals_dense,
     assert_traffic_matches,
     trace_method,
 )
+
+from sparsecomm import run_workers
+from sparsecomm.core.cost import chunk_sizes
 from sparsecomm.launch.launcher import WorkerError
 from sparsecomm.methods import cost
 from sparsecomm.transport.topology import resolve_local_size

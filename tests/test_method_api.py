@@ -7,10 +7,10 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from sparsecomm_lab.training import TrainConfig
 from torch import nn
 
 from sparsecomm import available_methods, make_method, run_workers
-from sparsecomm.experiments.training import TrainConfig
 from sparsecomm.integration.schedule import MethodSchedule
 from sparsecomm.integration.synchronizer import SparseSynchronizer
 from sparsecomm.methods import MethodSpec, is_sparse, sparse_methods

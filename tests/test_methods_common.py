@@ -3,16 +3,16 @@ input validation. Each method's own test file checks its paper-specific behaviou
 
 import pytest
 import torch
-
-import sparsecomm
-from sparsecomm import WorkerError, available_methods, make_method, run_workers
-from sparsecomm.devtools.testing import (
+from invariants import (
     assert_conserved,
     assert_consistent,
     assert_equals_dense,
     assert_traffic_matches,
     trace_method,
 )
+
+import sparsecomm
+from sparsecomm import WorkerError, available_methods, make_method, run_workers
 from sparsecomm.methods import method_class
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -93,7 +93,7 @@ def test_available_methods_lists_the_dense_baselines():
 
 
 def _checkpoint_roundtrip(name, options):
-    from sparsecomm.devtools.testing import make_gradient
+    from invariants import make_gradient
     rank = torch.distributed.get_rank()
     a = make_method(name, **options)
     a(make_gradient(200, rank, 0))

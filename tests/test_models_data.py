@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-
-from sparsecomm.experiments import data as data_module
-from sparsecomm.experiments.data import DatasetUnavailable, load_dataset
-from sparsecomm.experiments.models import MODEL_DATA, make_model
+from sparsecomm_lab import data as data_module
+from sparsecomm_lab.data import DatasetUnavailable, load_dataset
+from sparsecomm_lab.models import MODEL_DATA, make_model
 
 
 def test_digits_split_is_seeded_and_disjoint():
@@ -34,8 +33,8 @@ def test_missing_debian_data_names_the_package(monkeypatch, tmp_path):
 def test_unknown_names_are_rejected():
     with pytest.raises(ValueError, match="unknown data set 'mnist2'"):
         load_dataset("mnist2")
-    with pytest.raises(ValueError, match="unknown model 'resnet'"):
-        make_model("resnet", {})
+    with pytest.raises(ValueError, match="unknown model 'resnet-9'"):
+        make_model("resnet-9", {})
     with pytest.raises(ValueError, match="does not fit"):
         make_model("lstm", load_dataset("digits").info)
 

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from invariants import make_gradient
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.devtools.testing import make_gradient
 from sparsecomm.launch.netemu import NetSpec, parse_net, unavailable_reason
 from sparsecomm.methods import collective_cost
 

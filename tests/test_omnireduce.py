@@ -5,15 +5,15 @@ import math
 
 import pytest
 import torch
-
-from sparsecomm import make_method, run_workers
-from sparsecomm.devtools.testing import (
+from invariants import (
     assert_conserved,
     assert_consistent,
     assert_equals_dense,
     assert_traffic_matches,
     trace_method,
 )
+
+from sparsecomm import make_method, run_workers
 
 N = 1003
 

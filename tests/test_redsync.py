@@ -7,15 +7,15 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from sparsecomm import WorkerError, make_method, run_workers
-from sparsecomm.devtools.testing import (
+from invariants import (
     assert_conserved,
     assert_consistent,
     assert_traffic_matches,
     make_gradient,
     trace_method,
 )
+
+from sparsecomm import WorkerError, make_method, run_workers
 from sparsecomm.methods import cost
 from sparsecomm.methods.redsync import (
     LayerPart,

@@ -11,11 +11,11 @@ import torch
 import torch._dynamo  # noqa: F401  (torch.optim imports it lazily on the first optimizer, as slowly)
 import torch.distributed as dist
 import torch.nn.functional as F
+from sparsecomm_lab.data import load_digits
+from sparsecomm_lab.models import MLP
 
 from sparsecomm import make_method, run_workers
 from sparsecomm.cli.table import markdown_table
-from sparsecomm.experiments.data import load_digits
-from sparsecomm.experiments.models import MLP
 from sparsecomm.integration.dgc import MomentumCorrection, clip_local_gradients, density_schedule
 
 MOMENTUM = 0.9

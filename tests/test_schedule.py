@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from sparsecomm_lab.training import TrainConfig, train
 from torch import nn
 
 from sparsecomm import run_workers
-from sparsecomm.experiments.training import TrainConfig, train
 from sparsecomm.integration.schedule import MethodSchedule, ResidualCarry
 from sparsecomm.integration.synchronizer import SparseSynchronizer
 

@@ -323,7 +323,7 @@ def test_stateless_selectors_refuse_state():
 
 
 def test_quality_on_normal_data_and_mlp_gradients():
-    from sparsecomm.experiments.bench.select import captured_mass, mlp_gradients
+    from sparsecomm_lab.bench.select import captured_mass, mlp_gradients
 
     inputs = {"normal": torch.randn(1 << 18, generator=torch.Generator().manual_seed(5)),
               "mlp": mlp_gradients(steps=2)[-1]}
@@ -339,7 +339,7 @@ def test_quality_on_normal_data_and_mlp_gradients():
 def test_bench_select_prints_a_row_per_selector(capsys):
     import argparse
 
-    from sparsecomm.experiments.bench import select
+    from sparsecomm_lab.bench import select
 
     parser = argparse.ArgumentParser()
     select.add_arguments(parser)

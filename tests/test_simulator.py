@@ -206,7 +206,7 @@ def test_advise_rests_on_the_profile(tmp_path, capsys):
     ([], "give the model size"),
     (["--params", "1M", "--methods", "spardll"], "unknown method 'spardll'"),
     (["--params", "1M", "--densities", "0.5,2"], "must be fractions in (0, 1]"),
-    (["--model", "resnet"], "unknown model 'resnet'"),
+    (["--model", "resnet"], "unrecognized arguments: --model resnet"),
 ])
 def test_advise_rejects_bad_input_in_one_line(argv, message, capsys):
     assert main(["advise", *argv]) == 2
@@ -261,7 +261,7 @@ def test_colocated_workers_share_the_cpu_cost_of_rounds_and_of_loopback_bytes():
 
 
 def test_best_of_runs_keeps_the_least_and_reports_the_spread():
-    from sparsecomm.experiments.bench.simvalidate import best_of_runs
+    from sparsecomm_lab.bench.simvalidate import best_of_runs
 
     rows = [{"net": "loopback", "n": 1, "P": 2, "method": "dense", "measured_s": s, "run": i}
             for i, s in enumerate((0.03, 0.02, 0.05))]
@@ -461,7 +461,7 @@ def test_split_work_fits_two_sizes_and_merged_calibrations_keep_the_timers():
 
 
 def test_simvalidate_report_says_when_under_what_load_and_which_held_out_points_miss():
-    from sparsecomm.experiments.bench.simvalidate import report_header, validation_table
+    from sparsecomm_lab.bench.simvalidate import report_header, validation_table
 
     base = {"net": "1gbit", "n": 5_000_000, "P": 6, "density": 0.01, "calibrated_P": 2,
             "calibrated_sizes": [1_000_000], "comm_s": 0.01, "work_s": 0.02}
@@ -577,7 +577,8 @@ def test_simvalidate_merges_a_new_calibration_into_the_last_one(tmp_path, monkey
     calibration is kept, not calibrated afresh."""
     import argparse
 
-    from sparsecomm.experiments.bench import simvalidate
+    from sparsecomm_lab.bench import simvalidate
+
     from sparsecomm.simulator import calibration
 
     made = []
@@ -759,7 +760,7 @@ def test_the_calibration_records_each_calls_cpu_and_bytes_and_takes_the_median_c
     """A data-dependent method's bytes vary from call to call (ExDyna's threshold controller): the
     traffic factor is the median call's (each call's largest over ranks), not the most any call sent,
     which the least call the estimators take is not."""
-    from sparsecomm.experiments.bench.simvalidate import _validate_worker
+    from sparsecomm_lab.bench.simvalidate import _validate_worker
 
     (record,) = run_workers(1, _validate_worker, ["topka"], [20_000], 0.01, 3, timeout=60)
     (run,) = record["runs"]

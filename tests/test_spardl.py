@@ -12,10 +12,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-
-from sparsecomm import run_workers
-from sparsecomm.core.cost import ceil_log2
-from sparsecomm.devtools.testing import (
+from invariants import (
     assert_conserved,
     assert_consistent,
     assert_equals_dense,
@@ -23,6 +20,9 @@ from sparsecomm.devtools.testing import (
     make_gradient,
     trace_method,
 )
+
+from sparsecomm import run_workers
+from sparsecomm.core.cost import ceil_log2
 from sparsecomm.methods import cost, make_method
 from sparsecomm.methods.spardl import table1_cost, team_candidates
 from sparsecomm.methods.spardl.sag import HAdjuster

@@ -4,15 +4,15 @@ the select hook and the traffic against RedSync's equation (1)."""
 import pytest
 import torch
 import torch.distributed as dist
-
-from sparsecomm import run_workers
-from sparsecomm.devtools.testing import (
+from invariants import (
     assert_conserved,
     assert_consistent,
     assert_traffic_matches,
     make_gradient,
     trace_method,
 )
+
+from sparsecomm import run_workers
 from sparsecomm.methods import cost
 from sparsecomm.methods.topka import TopkAllGather
 from sparsecomm.transport.comm import Communicator

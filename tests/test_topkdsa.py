@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from invariants import assert_conserved, assert_consistent, assert_traffic_matches, trace_method
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.devtools.testing import assert_conserved, assert_consistent, assert_traffic_matches, trace_method
 from sparsecomm.methods import cost
 from sparsecomm.transport.sparse_stream import dense_switch_count, dense_switch_step
 

@@ -6,10 +6,10 @@ import os
 
 import pytest
 import torch
+from sparsecomm_lab.training import TrainConfig, train
 
 from sparsecomm import available_methods
 from sparsecomm.cli import main
-from sparsecomm.experiments.training import TrainConfig, train
 
 # A constant learning rate: the resume tests stop a run early by giving it fewer epochs, which would
 # change a cosine schedule (a function of the total number of steps).
@@ -57,7 +57,7 @@ def test_sparse_one_percent_close_to_dense_accuracy_on_digits():
 
 
 def test_cosine_schedule_and_bad_schedule():
-    from sparsecomm.experiments.training import scheduled_lr
+    from sparsecomm_lab.training import scheduled_lr
     config = dataclasses.replace(SMALL, lr=0.2, lr_schedule="cosine")
     assert scheduled_lr(config, 0, 10) == pytest.approx(0.2) and scheduled_lr(config, 5, 10) == pytest.approx(0.1)
     with pytest.raises(ValueError, match=r"lr_schedule='step' must be one of \('constant', 'cosine'\)"):

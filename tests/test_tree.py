@@ -5,9 +5,9 @@ formulas, and the one-node fallback flag."""
 import pytest
 import torch
 import torch.distributed as dist
+from invariants import assert_consistent, assert_traffic_matches, make_gradient, trace_method
 
 from sparsecomm import make_method, run_workers
-from sparsecomm.devtools.testing import assert_consistent, assert_traffic_matches, make_gradient, trace_method
 from sparsecomm.methods import collective_cost, cost
 from sparsecomm.transport.tree import tree_children, tree_parent
 

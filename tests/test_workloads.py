@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from sparsecomm.experiments.data import DatasetUnavailable, load_dataset, tokenize_words
-from sparsecomm.experiments.models import MODEL_DEFAULTS, available_models, make_model, model_defaults
-from sparsecomm.experiments.training import TrainConfig
+from sparsecomm_lab.data import DatasetUnavailable, load_dataset, tokenize_words
+from sparsecomm_lab.models import MODEL_DEFAULTS, available_models, make_model, model_defaults
+from sparsecomm_lab.training import TrainConfig
 
 FASHION_INFO = {"input_shape": (1, 28, 28), "num_classes": 10}
 WORDS_INFO = {"vocab_size": 10000}

@@ -1,9 +1,12 @@
 """The ``sparsecomm`` command line.
 
 Sub-commands are discovered when the parser is built (never by ``import sparsecomm``): every command
-module ``sparsecomm/cli/NAME.py`` (the library's commands: simulate, advise, calibrate, imports) and
-``sparsecomm/experiments/commands/NAME.py`` (the experiments': train, demo, report) is ``sparsecomm NAME``,
-and every module ``sparsecomm/experiments/bench/NAME.py`` is ``sparsecomm bench NAME``. Each defines ``HELP``,
+module ``sparsecomm/cli/NAME.py`` (the library's commands: simulate, advise, calibrate) is
+``sparsecomm NAME``. Packages that extend the command line declare entry points: each module of a
+package named in the group ``sparsecomm.commands`` is a command too, and each module of a package named
+in ``sparsecomm.benches`` is ``sparsecomm bench NAME``. The lab of the repository (``lab/``: train,
+demo, report, the benches) extends it that way, so a clone has every command and an installed wheel has
+the library's. Each command module defines ``HELP``,
 ``add_arguments(parser)`` and ``run(args) -> int``, and may define ``check(args)``: it validates every
 option before any worker starts, and a ``ValueError`` it raises is printed as one line
 ``sparsecomm COMMAND: error: MESSAGE`` with exit status 2 (argparse's own errors have status 2 too).
@@ -19,9 +22,21 @@ import os
 import pkgutil
 import sys
 import traceback
+from importlib.metadata import entry_points
 from types import ModuleType
 
 from ..launch.launcher import WorkerError
+
+#: the commands the repository's lab adds (named when it is not installed)
+LAB_COMMANDS = ("bench", "demo", "report", "train", "campaign", "imports")
+
+
+def _extensions(group: str) -> dict[str, ModuleType]:
+    """The command modules of every package that an installed distribution names in ``group``."""
+    found: dict[str, ModuleType] = {}
+    for point in entry_points(group=group):
+        found.update(_discover(point.value))
+    return found
 
 
 def _discover(package: str) -> dict[str, ModuleType]:
@@ -49,7 +64,9 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
 
 def _add(group, name: str, module: ModuleType) -> None:
-    sub = group.add_parser(name, help=module.HELP, description=module.HELP, formatter_class=DefaultsHelpFormatter)
+    # no abbreviated options: a prefix such as --model would silently stand for --model-file
+    sub = group.add_parser(name, help=module.HELP, description=module.HELP, formatter_class=DefaultsHelpFormatter,
+                           allow_abbrev=False)
     module.add_arguments(sub)
     for action in sub._actions:  # argparse prints no help line for an option without help text
         if action.help is None and action.option_strings and action.default not in (None, False):
@@ -63,11 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      "training: benchmarks, training, reports.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    bench = commands.add_parser("bench", help="run a benchmark and print a markdown table")
-    targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
-    for name, module in _discover("sparsecomm.experiments.bench").items():
-        _add(targets, name, module)
-    for name, module in sorted({**_discover("sparsecomm.cli"), **_discover("sparsecomm.experiments.commands")}.items()):
+    benches = _extensions("sparsecomm.benches")
+    if benches:
+        bench = commands.add_parser("bench", help="run a benchmark and print a markdown table")
+        targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
+        for name, module in sorted(benches.items()):
+            _add(targets, name, module)
+    for name, module in sorted({**_discover("sparsecomm.cli"), **_extensions("sparsecomm.commands")}.items()):
         _add(commands, name, module)
     return parser
 
@@ -77,10 +96,24 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    command_word = next((w for w in words if not w.startswith("-")), None)
+    if command_word in LAB_COMMANDS and command_word not in _subcommands(parser):
+        print(f"sparsecomm {command_word}: error: this command belongs to the lab of the sparsecomm repository, "
+              "which is not installed: from a clone, run `make venv` (or `pip install -e lab`)", file=sys.stderr)
+        return 2
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except SystemExit as exit_:  # argparse's own errors (printed) and --help: the status, not an exception
+        return int(exit_.code or 0)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     command = args.command + (f" {args.target}" if args.command == "bench" else "")
+    if unknown:
+        print(f"sparsecomm {command}: error: unrecognized arguments: {' '.join(unknown)} "
+              f"(see sparsecomm {command} --help)", file=sys.stderr)
+        return 2
     try:
         if args._check is not None:
             args._check(args)
@@ -91,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"sparsecomm {command}: error: {user_message(err)}", file=sys.stderr)
         return 2
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> set[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return set(action.choices)
+    return set()
 
 
 def user_message(err: BaseException) -> str:

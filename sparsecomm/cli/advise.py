@@ -49,11 +49,8 @@ def add_arguments(parser) -> None:
 
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--params", default=None, help="model size in parameters, e.g. 25M or 340M")
-    what.add_argument("--model", default=None, help="a model of sparsecomm's (its parameters are counted)")
     what.add_argument("--model-file", default=None, help="a saved model or state dict (torch.save); its "
                       "tensors' elements are counted")
-    parser.add_argument("--data", default=None, help="with --model: the data set that sizes it (default: the "
-                        "model's first)")
     parser.add_argument("--workers", "-P", type=int, default=8, help="worker count P (default: %(default)s)")
     parser.add_argument("--latency", default=None, help="latency per message, e.g. 50us (same as --alpha)")
     parser.add_argument("--densities", default="0.1,0.01,0.001",
@@ -103,23 +100,14 @@ class Advice:
 
 
 def count_parameters(args) -> int:
-    """n from --params, --model (+ --data) or --model-file (ValueError when none or unusable)."""
+    """n from --params or --model-file (ValueError when neither or unusable)."""
     from .options import parse_count
 
     if args.params:
         return parse_count(args.params)
-    if args.model:
-        from ..experiments.data import load_dataset
-        from ..experiments.models import MODEL_DATA, available_models, make_model
-
-        if args.model not in available_models():
-            raise ValueError(f"unknown model {args.model!r}; available: {', '.join(available_models())}")
-        data = args.data or MODEL_DATA[args.model][0]
-        model = make_model(args.model, load_dataset(data).info)
-        return sum(p.numel() for p in model.parameters() if p.requires_grad)
     if args.model_file:
         return _count_saved(args.model_file)
-    raise ValueError("give the model size: --params N, --model NAME or --model-file PATH")
+    raise ValueError("give the model size: --params N or --model-file PATH")
 
 
 def _count_saved(path: str) -> int:

@@ -30,6 +30,10 @@ RedSync, Fang et al., section 4):
   sent. The optimizer must then be momentum-free (the momentum lives in ``u``).
 * ``density_warmup=E``: DGC's exponential density warm-up over the first E epochs
   (:func:`sparsecomm.integration.dgc.density_schedule`); call :meth:`SparseSynchronizer.set_epoch`.
+* ``freeze_adam_variance=True`` (Adam and AdamW): after the dense warm-up, Adam's second moment is
+  frozen, each rank's gradient is preconditioned by it before the method selects, and :meth:`step`
+  applies AdamW's step with the frozen moment (:mod:`sparsecomm.integration.adam`: error feedback
+  then conserves every element's step, which Adam's live normalization would undo).
 
 Non-finite gradients follow the ``nonfinite`` option (:mod:`.nonfinite`; default ``"error"``) in
 every bucket, dense ones and the warm-up included; once a bucket of a step found NaN/Inf on some
@@ -55,6 +59,7 @@ from ..core.validate import check_int, is_int
 from ..methods import Method, MethodSpec, Stats
 from ..transport.comm import Communicator
 from . import dgc
+from .adam import FrozenVarianceAdam
 from .engine import EngineView, GroupingEngine
 from .nonfinite import SYNCHRONIZER_DEFAULT
 from .residuals import Group
@@ -83,6 +88,10 @@ class SparseSynchronizer(EngineView):
         momentum_correction: the momentum m of DGC momentum correction and factor masking, or
             ``None``; the optimizer must then have no momentum of its own.
         density_warmup: number of epochs of DGC's density warm-up, or ``None``.
+        freeze_adam_variance: with a ``torch.optim.Adam``/``AdamW`` optimizer and
+            ``dense_warmup_steps >= 1``: freeze Adam's second moment at the end of the warm-up and
+            synchronize the preconditioned gradient (:mod:`sparsecomm.integration.adam`); :meth:`step`
+            then makes the optimizer's step itself.
         **method_options: for :func:`sparsecomm.make_method` (e.g. ``density=0.01``), and
             ``nonfinite``: when any rank's gradient holds NaN/Inf, ``"error"`` (default: raise on every
             rank), ``"skip"`` (zeros) or ``"propagate"`` (NaN on every rank, for ``GradScaler``); for
@@ -96,7 +105,8 @@ class SparseSynchronizer(EngineView):
                  method: MethodSpec | str = "spardl", *, process_group=None, bucket_elements: int | None = None,
                  dense_warmup_steps: int = 0, dense_below: int = 0, clip_norm: float | None = None,
                  momentum_correction: float | None = None, density_warmup: int | None = None,
-                 broadcast_parameters: bool = True, **method_options: Any) -> None:
+                 freeze_adam_variance: bool = False, broadcast_parameters: bool = True,
+                 **method_options: Any) -> None:
         spec = MethodSpec.of(method, method_options)
         check_int("dense_warmup_steps", dense_warmup_steps, minimum=0)
         check_int("dense_below", dense_below, minimum=0)
@@ -116,6 +126,13 @@ class SparseSynchronizer(EngineView):
         self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         if momentum_correction is not None:
             self._check_momentum_correction(momentum_correction, spec)
+        self.adam: FrozenVarianceAdam | None = None
+        if freeze_adam_variance:
+            if optimizer is None or momentum_correction is not None or dense_warmup_steps < 1:
+                raise ValueError("freeze_adam_variance needs the Adam/AdamW optimizer, dense_warmup_steps >= 1 "
+                                 "(the warm-up estimates the second moment) and no momentum_correction")
+            self.adam = FrozenVarianceAdam(optimizer, self.params)
+        self._preconditioned = False  # whether the last synchronize() left preconditioned averages
         self.engine = GroupingEngine(spec, lambda: self.comm, dense_warmup_steps=dense_warmup_steps,
                                      dense_below=dense_below, nonfinite_default=SYNCHRONIZER_DEFAULT)
         self.engine.build(self._make_buckets(bucket_elements))
@@ -156,6 +173,12 @@ class SparseSynchronizer(EngineView):
     @property
     def iter(self) -> int:
         return self.engine.iter
+
+    @property
+    def preconditioned(self) -> bool:
+        """Whether the last :meth:`synchronize` left preconditioned averages in ``param.grad``
+        (``freeze_adam_variance`` after the warm-up)."""
+        return self._preconditioned
 
     # ------------------------------------------------------------------ changes between steps
     def switch_method(self, method: MethodSpec | str, **method_options: Any) -> None:
@@ -208,6 +231,10 @@ class SparseSynchronizer(EngineView):
             density = dgc.density_schedule(self.epoch, self.target_density, self.density_warmup)
             if density != engine.spec.density:
                 engine.set_density(density)
+        adam = None if warmup else self.adam
+        self._preconditioned = adam is not None
+        if adam is not None and not adam.frozen:
+            adam.freeze()
         for group in engine.groups:
             params = [self.params[pid] for pid in group.ids]
             correction = None if warmup or group.dense or self.corrections is None or engine.overflowed \
@@ -220,6 +247,9 @@ class SparseSynchronizer(EngineView):
                 flat = correction.velocity_of_pieces(group.outbuf(), pieces)
             else:
                 flat = self._gather(group, params)
+                if adam is not None:
+                    spans = zip(group.ids, group.offsets, group.numels, strict=True)
+                    adam.precondition_((pid, flat[start:start + numel]) for pid, start, numel in spans)
             averaged = engine.reduce(group, flat, warmup=warmup, **({"dense_calls": 1} if warmup else {}))
             if correction is not None:
                 if engine.overflowed:  # the step is dropped: the velocity as before it, never NaN/Inf
@@ -256,11 +286,23 @@ class SparseSynchronizer(EngineView):
         return flat
 
     def step(self, closure=None):
-        """:meth:`synchronize`, then ``optimizer.step(closure)``."""
+        """:meth:`synchronize`, then ``optimizer.step(closure)`` (with ``freeze_adam_variance``, after the
+        warm-up: AdamW's step with the frozen second moment, :meth:`optimizer_step`)."""
         if self.optimizer is None:
             raise RuntimeError("SparseSynchronizer.step needs the optimizer; pass it at construction "
                                "or call synchronize()")
         self.synchronize()
+        return self.optimizer_step(closure)
+
+    def optimizer_step(self, closure=None):
+        """The optimizer's step on the synchronized gradients: ``optimizer.step(closure)``, or, after the
+        warm-up with ``freeze_adam_variance``, AdamW's step with the frozen second moment (the
+        gradients then hold preconditioned averages; a closure is not supported there)."""
+        if self._preconditioned:
+            if closure is not None:
+                raise ValueError("freeze_adam_variance makes the optimizer's step itself: it takes no closure")
+            self.adam.step()
+            return None
         return self.optimizer.step(closure)
 
     # ------------------------------------------------------------------ checkpoints
@@ -270,6 +312,8 @@ class SparseSynchronizer(EngineView):
         state = self.engine.state_dict()
         if self.corrections is not None:
             state["momentum_correction"] = [c.state_dict() for c in self.corrections]
+        if self.adam is not None:
+            state["adam"] = self.adam.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -283,6 +327,8 @@ class SparseSynchronizer(EngineView):
                                  f"this synchronizer {len(self.corrections)} buckets; use the same bucket_elements")
             for correction, saved in zip(self.corrections, state["momentum_correction"], strict=True):
                 correction.load_state_dict(saved)
+        if self.adam is not None:  # after the optimizer's own state: the frozen moment is read from it
+            self.adam.load_state_dict(state.get("adam", {}))
 
     def __repr__(self) -> str:
         return (f"SparseSynchronizer(method={self.method_name!r}, options={self.method_options}, "

@@ -187,7 +187,7 @@ def detect() -> None:
 
 # ---------------------------------------------------------------------------------------- checkpoint
 def _resume_messages(directory: str):
-    from sparsecomm.experiments.checkpoint import CheckpointError, resume_checkpoint
+    from sparsecomm_lab.checkpoint import CheckpointError, resume_checkpoint
 
     try:
         resume_checkpoint(directory, {})
@@ -199,8 +199,9 @@ def _resume_messages(directory: str):
 def checkpoint() -> None:
     import shutil
 
+    from sparsecomm_lab.training import TrainConfig, train
+
     from sparsecomm import run_workers
-    from sparsecomm.experiments.training import TrainConfig, train
 
     print("| P | every rank raised | the same message | message |")
     print("| --- | --- | --- | --- |")

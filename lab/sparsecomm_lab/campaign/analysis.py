@@ -1,0 +1,200 @@
+"""From the campaign's records to its figures: best learning rates, the target, steps and time to it.
+
+* **The target** is DDP's validation metric at 75% of the budget (at DDP's best learning rate, the
+  median over seeds). DDP must have stopped improving by the end: :func:`plateau` is its relative
+  improvement over the last fifth of the budget (the campaign asks for less than 1%).
+* **Steps to the target** of a run: the first evaluation at or past the target.
+* **Time to the target** is composed: ``steps in the warm-up x the warm-up step + the remaining
+  steps x the main step``, the step times measured on each network by the timing phase; the
+  confirmation phase checks the composition against a full run.
+* **The limit** is the floor's step x DDP's steps to the target: the soonest any synchronization
+  could reach the target on this machine.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .plan import Arm, Workload, arms_of
+from .run import TIMING_WARMUP, final_metric
+
+__all__ = ["ArmResult", "Campaign", "analyse", "median_spread"]
+
+
+def _metric(point: dict[str, Any], metric: str) -> float:
+    value = point["test_loss"] if metric == "loss" else point["test_accuracy"]
+    return math.nan if value is None else float(value)
+
+
+def _reaches(value: float, target: float, metric: str) -> bool:
+    return value <= target if metric == "loss" else value >= target
+
+
+def _at_step(record: dict[str, Any], step: int, metric: str) -> float:
+    """The metric of the last evaluation at or before ``step``."""
+    points = [p for p in record["history"] if p["step"] <= step]
+    return _metric(points[-1], metric) if points else math.nan
+
+
+def steps_to_target(record: dict[str, Any], target: float, metric: str) -> int | None:
+    for point in record["history"]:
+        if _reaches(_metric(point, metric), target, metric):
+            return int(point["step"])
+    return None
+
+
+def median_spread(values: Sequence[float], digits: int = 3) -> str:
+    """``median (least-most)``, or the value alone."""
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}g}"
+    return f"{med:.{digits}g} ({min(values):.{digits}g}-{max(values):.{digits}g})"
+
+
+def _phase_times(record: dict[str, Any], warmup: int) -> tuple[float | None, float]:
+    """(median warm-up step s or None, median main step s) of a timing record; the first 2 steps of
+    each phase are left out (first-touch allocations, the switch of method)."""
+    times = [s["time"] for s in record["steps"]]
+    main = times[warmup + 2:] if warmup else times[3:]
+    warm = statistics.median(times[2:warmup]) if warmup > 2 else None
+    return warm, statistics.median(main)
+
+
+@dataclass
+class ArmResult:
+    """What the campaign found for one arm: its grid, best learning rate and, per seed, steps to the
+    target and final metric; per network, its step times and composed times to the target."""
+
+    arm: Arm
+    grid: dict[float, float] = field(default_factory=dict)             # lr -> final metric at seed 0
+    best_lr: float | None = None
+    steps: dict[int, int | None] = field(default_factory=dict)           # seed -> steps to target
+    final: dict[int, float] = field(default_factory=dict)                # seed -> final metric
+    warmup: int = 0                                                      # dense warm-up steps of its runs
+    step_s: dict[str, tuple[float | None, float]] = field(default_factory=dict)  # net -> (warm-up, main) s
+    load: dict[str, float | None] = field(default_factory=dict)          # net -> load before the timing run
+    bytes_per_step: float | None = None
+
+    def time_to_target(self, net: str, seed: int) -> float | None:
+        """The composed time to the target on ``net`` for ``seed`` (None: not reached, or untimed)."""
+        steps = self.steps.get(seed)
+        if steps is None or net not in self.step_s:
+            return None
+        warm_s, main_s = self.step_s[net]
+        in_warmup = min(steps, self.warmup) if warm_s is not None else 0
+        return in_warmup * (warm_s or 0.0) + (steps - in_warmup) * main_s
+
+    def times(self, net: str) -> list[float]:
+        """Composed times over the seeds that reached the target."""
+        return [t for seed in sorted(self.steps) for t in [self.time_to_target(net, seed)] if t is not None]
+
+    def median_time(self, net: str) -> float:
+        """Median over seeds, a seed that never reached the target counting as infinitely late."""
+        values = [self.time_to_target(net, seed) for seed in sorted(self.steps)]
+        return statistics.median([math.inf if v is None else v for v in values]) if values else math.inf
+
+
+@dataclass
+class Campaign:
+    """The analysed campaign of one workload."""
+
+    workload: Workload
+    arms: dict[str, ArmResult]
+    target: float | None
+    plateau: float | None
+    ddp_steps: float | None                     # DDP's median steps to the target
+    nets: list[str]
+    confirmations: dict[str, dict[str, Any]]    # net -> {"measured": s, "composed": s, "ratio": x}
+
+    def limit(self, net: str) -> float | None:
+        """The floor's step x DDP's median steps to the target."""
+        floor = self.arms.get("floor")
+        if floor is None or net not in floor.step_s or self.ddp_steps is None:
+            return None
+        return floor.step_s[net][1] * self.ddp_steps
+
+    def best_baseline(self, net: str) -> tuple[str, float]:
+        """The fastest of DDP and PowerSGD's ranks to the target on ``net`` (name, median time)."""
+        candidates = [(r.median_time(net), name) for name, r in self.arms.items()
+                      if r.arm.kind in ("powersgd",) or name == "ddp"]
+        time, name = min(candidates) if candidates else (math.inf, "-")
+        return name, time
+
+    def final_vs_ddp(self, name: str) -> float | None:
+        """The arm's median final metric relative to DDP's: +0.01 is 1% worse loss (or accuracy
+        points lower x 1/100 for accuracy, as a fraction of DDP's)."""
+        mine, ddp = self.arms[name].final, self.arms["ddp"].final if "ddp" in self.arms else {}
+        if not mine or not ddp:
+            return None
+        a, b = statistics.median(mine.values()), statistics.median(ddp.values())
+        return a / b - 1.0 if self.workload.metric == "loss" else (b - a) / b
+
+
+def analyse(records: Sequence[dict[str, Any]], wl: Workload, nets: Sequence[str] | None = None) -> Campaign:
+    """The :class:`Campaign` of ``wl`` from its records (any phase may be missing: the figures that
+    need it are then None)."""
+    arms = {arm.name: ArmResult(arm, warmup=int(arm.options.get("dense_warmup_steps", 0)))
+            for arm in arms_of(wl.name)}
+    by_phase: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_phase.setdefault(record["campaign"]["phase"], []).append(record)
+    convergence = [r for r in by_phase.get("convergence", []) if r["campaign"]["arm"] in arms]
+    for record in convergence:
+        camp = record["campaign"]
+        if camp["seed"] == 0:
+            arms[camp["arm"]].grid[camp["lr"]] = final_metric(record, wl.metric)
+    for result in arms.values():
+        if result.grid and len(result.grid) == len(wl.lr_grid):
+            result.best_lr = min(result.grid, key=lambda lr: (
+                math.inf if math.isnan(result.grid[lr]) else result.grid[lr] * (1 if wl.metric == "loss" else -1), lr))
+    best_runs = {(r["campaign"]["arm"], r["campaign"]["seed"]): r for r in convergence
+                 if r["campaign"]["lr"] == arms[r["campaign"]["arm"]].best_lr}
+    target = plateau = ddp_steps = None
+    ddp_runs = [r for (arm, _), r in best_runs.items() if arm == "ddp"]
+    if ddp_runs:
+        at = round(0.75 * wl.steps / wl.eval_every) * wl.eval_every
+        target = statistics.median(_at_step(r, at, wl.metric) for r in ddp_runs)
+        fifth = round(0.8 * wl.steps / wl.eval_every) * wl.eval_every
+        plateau = statistics.median(abs(_at_step(r, fifth, wl.metric) - final_metric(r, wl.metric))
+                                    / abs(_at_step(r, fifth, wl.metric)) for r in ddp_runs)
+    for (name, seed), record in sorted(best_runs.items()):
+        result = arms[name]
+        result.final[seed] = final_metric(record, wl.metric)
+        if target is not None:
+            result.steps[seed] = steps_to_target(record, target, wl.metric)
+        if record.get("epochs"):
+            sent = [e.get("bytes_per_step") for e in record["epochs"] if e.get("bytes_per_step")]
+            result.bytes_per_step = statistics.mean(sent) if sent else None
+    if "ddp" in arms and arms["ddp"].steps:
+        values = [math.inf if s is None else s for s in arms["ddp"].steps.values()]
+        ddp_steps = statistics.median(values) if statistics.median(values) < math.inf else None
+    timing = by_phase.get("timing", [])
+    seen_nets = []
+    for record in timing:
+        camp = record["campaign"]
+        if camp["arm"] not in arms:
+            continue
+        warm = camp.get("warmup_steps", TIMING_WARMUP if arms[camp["arm"]].warmup else 0)
+        arms[camp["arm"]].step_s[camp["net"]] = _phase_times(record, warm)
+        arms[camp["arm"]].load[camp["net"]] = record.get("load", {}).get("before")
+        if camp["net"] not in seen_nets:
+            seen_nets.append(camp["net"])
+    campaign = Campaign(wl, arms, target, plateau, ddp_steps, list(nets or seen_nets), {})
+    for record in by_phase.get("confirm", []):
+        camp = record["campaign"]
+        if target is None or camp["arm"] not in arms:
+            continue
+        measured = next((p["train_time"] for p in record["history"]
+                         if _reaches(_metric(p, wl.metric), target, wl.metric)), None)
+        composed = arms[camp["arm"]].time_to_target(camp["net"], 0)
+        campaign.confirmations[camp["net"]] = {
+            "arm": camp["arm"], "measured": measured, "composed": composed,
+            "ratio": measured / composed if measured and composed else None,
+            "load": record.get("load", {}).get("before")}
+    return campaign

@@ -1,0 +1,130 @@
+"""What the campaign trains: the workloads, the configurations compared on each ("arms") and the
+learning-rate grid every arm shares.
+
+A **workload** is a model and its data trained for a fixed budget of optimizer steps with the
+optimizer its users run (AdamW for the transformer, SGD with momentum for the CNN), evaluated every
+``eval_every`` steps. An **arm** is one way to synchronize it: torch's DDP, PowerSGD, a sparse method
+through the DDP hook or the synchronizer with a recipe, the no-synchronization floor. Every arm of a
+workload trains at every learning rate of the workload's grid (log-spaced around the dense default),
+so that no row is tuned harder than another; the floor exchanges nothing and is only timed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparsecomm_lab.training import FLOOR, TrainConfig
+
+__all__ = ["Workload", "Arm", "WORKLOADS", "ARMS", "SEEDS", "arms_of", "workload"]
+
+#: the seeds of the headline figures (each arm's best learning rate runs every one)
+SEEDS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, its data, its optimizer family and its budget. ``metric`` is ``"loss"`` (validation
+    cross-entropy, lower is better) or ``"accuracy"`` (%, higher is better)."""
+
+    name: str
+    model: str
+    data: str
+    metric: str
+    steps: int
+    eval_every: int
+    lr_grid: tuple[float, ...]
+    #: the arm whose recipe the campaign recommends for this workload (the headline row)
+    recommended: str
+    data_options: dict[str, Any] = field(default_factory=dict)
+    model_options: dict[str, Any] = field(default_factory=dict)
+    #: TrainConfig fields every arm of the workload shares (optimizer options, clipping)
+    train_options: dict[str, Any] = field(default_factory=dict)
+
+    def config(self, arm: Arm, lr: float, seed: int, **overrides: Any) -> TrainConfig:
+        """The run of ``arm`` at ``lr`` and ``seed`` (``overrides``: the network, a shorter budget)."""
+        options: dict[str, Any] = {"model": self.model, "data": self.data, "steps": self.steps,
+                                   "eval_every": self.eval_every, "lr_schedule": "cosine", "lr": lr, "seed": seed,
+                                   "data_options": dict(self.data_options),
+                                   "model_options": dict(self.model_options), **self.train_options,
+                                   **arm.options}
+        options.update(overrides)
+        return TrainConfig(**options)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One configuration compared on a workload: ``options`` are :class:`TrainConfig` fields
+    (method, density, sync, recipe switches). ``kind`` groups the rows: ``floor``, ``dense`` (torch's
+    DDP), ``powersgd``, ``sparse``; ``dense_twin`` names the dense arm with the same optimizer where a
+    sparse recipe changes the optimizer (its share of the result is then visible)."""
+
+    name: str
+    kind: str
+    description: str
+    options: dict[str, Any]
+    dense_twin: str | None = None
+
+    @property
+    def timed_only(self) -> bool:
+        """The floor: its ranks train apart, so only its step time is a result."""
+        return self.kind == "floor"
+
+
+_FLOOR = Arm("floor", "floor", "no synchronization: DDP with torch's no-op hook (the step no exchange can beat)",
+             {"method": FLOOR})
+_DDP = Arm("ddp", "dense", "torch DDP (all-reduce)", {"method": "ddp"})
+_POWERSGD = [Arm(f"powersgd-r{r}", "powersgd", f"torch's powerSGD_hook, rank {r} (one bucket)",
+                 {"method": "powersgd", "powersgd_rank": r}) for r in (2, 4)]
+
+#: the dense warm-up of the frozen-variance recipe: Adam's second moment is estimated over it
+FVA_WARMUP = 50
+
+
+def _fva(method: str, density: float | None, name: str, twin: str | None) -> Arm:
+    options: dict[str, Any] = {"method": method, "sync": "synchronizer", "freeze_adam_variance": True,
+                               "dense_warmup_steps": FVA_WARMUP, "clip_norm": 1.0, "max_grad_norm": None}
+    if density is not None:
+        options["density"] = density
+    what = "dense all-reduce" if density is None else f"{method} at {density:g}"
+    return Arm(name, "dense" if density is None else "sparse",
+               f"{what}, AdamW with the second moment frozen after {FVA_WARMUP} dense steps "
+               "(synchronizer, freeze_adam_variance)", options, dense_twin=twin)
+
+
+#: the arms of each workload, in table order
+ARMS: dict[str, list[Arm]] = {
+    "gpt": [
+        _FLOOR, _DDP, *_POWERSGD,
+        _fva("dense", None, "dense-fva", None),
+        Arm("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, AdamW on the averaged gradient",
+            {"method": "topka", "density": 0.01}),
+        _fva("topka", 0.01, "topka-fva@0.01", "dense-fva"),
+        _fva("topka", 0.001, "topka-fva@0.001", "dense-fva"),
+    ],
+}
+
+#: the workloads, with their budgets (cosine schedules over them) and learning-rate grids
+WORKLOADS: dict[str, Workload] = {
+    "gpt": Workload("gpt", "gpt", "python-source", "loss", steps=1000, eval_every=50,
+                    lr_grid=(3e-4, 1e-3, 3e-3, 1e-2), recommended="topka-fva@0.01",
+                    train_options={"max_grad_norm": 1.0}),
+}
+
+
+def workload(name: str) -> Workload:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; available: {', '.join(WORKLOADS)}")
+    return WORKLOADS[name]
+
+
+def arms_of(name: str, only: list[str] | None = None) -> list[Arm]:
+    """The arms of workload ``name`` (``only``: those names, in table order; unknown ones refused)."""
+    arms = ARMS[workload(name).name]
+    if only is None:
+        return list(arms)
+    known = {a.name for a in arms}
+    unknown = [a for a in only if a not in known]
+    if unknown:
+        raise ValueError(f"unknown arm(s) {unknown} for workload {name!r}; available: {', '.join(sorted(known))}")
+    return [a for a in arms if a.name in only]

@@ -1,0 +1,209 @@
+"""The campaign's report: ``report.md`` (tables, goals, command), ``summary.json`` (the figures, which
+``sparsecomm advise``'s accuracy table is built from) and one plot per workload."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+from typing import Any
+
+from sparsecomm.cli.table import markdown_table
+
+from .analysis import Campaign, median_spread
+
+__all__ = ["write_report", "summary", "result_rows", "grid_rows"]
+
+#: what the campaign asks of the recommended sparse arm (the goals of the time-to-quality protocol)
+LIMIT_FACTOR = 1.25
+SPEEDUP = 2.0
+ROOM = 2.5
+QUALITY = 0.01
+
+
+def _optimizer(camp: Campaign, name: str) -> str:
+    options = {**camp.workload.train_options, **camp.arms[name].arm.options}
+    opt = options.get("optimizer") or ("adamw" if camp.workload.model == "gpt" else "sgd")
+    if options.get("freeze_adam_variance"):
+        return "AdamW, v frozen after warm-up"
+    if options.get("momentum_correction"):
+        return "SGD, DGC momentum correction"
+    return {"adamw": "AdamW", "sgd": "SGD + momentum"}.get(opt, opt)
+
+
+def grid_rows(camp: Campaign) -> list[dict[str, Any]]:
+    """Arm x learning rate: the final metric at seed 0 (the best one marked)."""
+    rows = []
+    for name, result in camp.arms.items():
+        if result.arm.timed_only:
+            continue
+        row: dict[str, Any] = {"arm": name, "optimizer": _optimizer(camp, name)}
+        for lr in camp.workload.lr_grid:
+            value = result.grid.get(lr)
+            text = "-" if value is None else "diverged" if math.isnan(value) else f"{value:.4g}"
+            row[f"lr {lr:g}"] = f"**{text}**" if lr == result.best_lr else text
+        rows.append(row)
+    return rows
+
+
+def result_rows(camp: Campaign, net: str) -> list[dict[str, Any]]:
+    """One row per arm on ``net``: best lr, steps and composed time to the target (median over seeds,
+    least-most), step time and its multiple of the floor's, the final metric and its gap to DDP's."""
+    floor = camp.arms.get("floor")
+    floor_s = floor.step_s[net][1] if floor is not None and net in floor.step_s else None
+    limit = camp.limit(net)
+    rows = []
+    for name, result in camp.arms.items():
+        main = result.step_s.get(net, (None, None))[1]
+        times = result.times(net)
+        steps = [s for s in result.steps.values() if s is not None]
+        gap = camp.final_vs_ddp(name)
+        reached = f"{len(steps)}/{len(result.steps)}" if result.steps else "-"
+        rows.append({
+            "arm": name,
+            "optimizer": _optimizer(camp, name),
+            "best lr": "-" if result.best_lr is None else f"{result.best_lr:g}",
+            "steps to target": "floor: trains apart" if result.arm.timed_only else
+            f"{median_spread(steps)} [{reached}]" if steps else f"not reached [{reached}]",
+            "ms/step": "-" if main is None else f"{1e3 * main:.0f}",
+            "x floor": "-" if main is None or not floor_s else f"{main / floor_s:.2f}",
+            "time to target s": "-" if result.arm.timed_only else median_spread(times) if times else "not reached",
+            "x limit": "-" if not times or limit is None else f"{result.median_time(net) / limit:.2f}",
+            f"final {camp.workload.metric}": median_spread(list(result.final.values()), 4) if result.final else "-",
+            "vs DDP": "-" if gap is None or name == "ddp" else f"{100 * gap:+.1f}%",
+            "load": "-" if result.load.get(net) is None else f"{result.load[net]:.2f}",
+        })
+    return rows
+
+
+def goals(camp: Campaign, net: str) -> dict[str, Any]:
+    """The recommended arm against the campaign's goals on ``net``, measured."""
+    name = camp.workload.recommended
+    result = camp.arms[name]
+    mine = result.median_time(net)
+    limit = camp.limit(net)
+    base_name, base = camp.best_baseline(net)
+    gap = camp.final_vs_ddp(name)
+    out: dict[str, Any] = {"network": net, "recommended": name, "time to target s": mine, "limit s": limit,
+                           "best of DDP/PowerSGD": base_name, "its time s": base}
+    if limit and mine < math.inf:
+        out["x limit"] = mine / limit
+        out["within 1.25x the limit"] = mine <= LIMIT_FACTOR * limit
+    if base < math.inf and mine < math.inf:
+        out["speed-up vs best baseline"] = base / mine
+        if limit and base >= ROOM * limit:
+            out["2x sooner than the best baseline"] = base / mine >= SPEEDUP
+        else:
+            out["2x sooner than the best baseline"] = "no room (the best baseline is under 2.5x the limit)"
+    if gap is not None:
+        out["final vs DDP"] = gap
+        out["within 1% of DDP"] = gap <= QUALITY
+    return out
+
+
+def summary(camp: Campaign) -> dict[str, Any]:
+    """The figures as data (``summary.json``): per arm its configuration, best lr, steps to target
+    and final metric per seed, step times per network; the target, DDP's plateau, the goals."""
+    wl = camp.workload
+    return {
+        "workload": {"name": wl.name, "model": wl.model, "data": wl.data, "metric": wl.metric, "steps": wl.steps,
+                     "eval_every": wl.eval_every, "lr_grid": list(wl.lr_grid), "recommended": wl.recommended},
+        "target": camp.target, "ddp_plateau": camp.plateau, "ddp_steps_to_target": camp.ddp_steps,
+        "arms": {name: {"kind": r.arm.kind, "options": r.arm.options, "optimizer": _optimizer(camp, name),
+                        "dense_twin": r.arm.dense_twin, "grid": {f"{lr:g}": v for lr, v in r.grid.items()},
+                        "best_lr": r.best_lr, "steps_to_target": {str(s): v for s, v in r.steps.items()},
+                        "final": {str(s): v for s, v in r.final.items()},
+                        "step_s": {net: {"warmup": w, "main": m} for net, (w, m) in r.step_s.items()},
+                        "final_vs_ddp": camp.final_vs_ddp(name)}
+                 for name, r in camp.arms.items()},
+        "goals": [goals(camp, net) for net in camp.nets],
+        "confirmations": camp.confirmations,
+    }
+
+
+def _plot(camp: Campaign, records: list[dict[str, Any]], path: str) -> str | None:
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wl = camp.workload
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for record in records:
+        c = record["campaign"]
+        result = camp.arms.get(c["arm"])
+        if c["phase"] != "convergence" or c["seed"] != 0 or result is None or c["lr"] != result.best_lr:
+            continue
+        values = [p["test_loss"] if wl.metric == "loss" else p["test_accuracy"] for p in record["history"]]
+        ax.plot([p["step"] for p in record["history"]], values, label=f"{c['arm']} (lr {c['lr']:g})",
+                linewidth=2.5 if c["arm"] == "ddp" else 1.3)
+    if camp.target is not None:
+        ax.axhline(camp.target, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("validation loss" if wl.metric == "loss" else "validation accuracy (%)")
+    if wl.metric == "loss" and camp.target is not None:
+        ax.set_ylim(camp.target * 0.9, camp.target * 1.6)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{wl.model} on {wl.data}, P = 4, seed 0, each arm at its best lr; target dashed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_report(camp: Campaign, records: list[dict[str, Any]], outdir: str, command: str) -> str:
+    """Write ``report.md``, ``summary.json`` and the plot into ``outdir``; returns the report's path."""
+    os.makedirs(outdir, exist_ok=True)
+    wl = camp.workload
+    data = summary(camp)
+    data["command"] = command
+    data["written"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
+    with open(os.path.join(outdir, "summary.json"), "w") as handle:
+        json.dump(data, handle, indent=1, default=str)
+    plot = _plot(camp, records, os.path.join(outdir, f"{wl.name}.png"))
+    loads = [r.get("load", {}).get("before") for r in records if r["campaign"]["phase"] != "convergence"]
+    loads = [x for x in loads if x is not None]
+    lines = [f"# Campaign: {wl.model} on {wl.data}", "",
+             f"Written {data['written']} by `{command}`. P = 4 workers; {wl.steps} optimizer steps per run "
+             f"(cosine schedule), validation every {wl.eval_every} steps.", ""]
+    if camp.target is not None:
+        lines += [f"**Target**: DDP's validation {wl.metric} at 75% of the budget, {camp.target:.4g} (median over "
+                  f"its seeds at its best lr). DDP's improvement over the last fifth of the budget: "
+                  f"{100 * (camp.plateau or 0):.2f}% (the protocol asks for under 1%).", ""]
+    lines += ["**Protocol.** Every arm trains at every learning rate of the grid with seed 0 on loopback; its best "
+              "lr (final metric) then trains seeds 1 and 2. The metric after a given step does not depend on the "
+              "link or the load (the runs are deterministic), so the time to the target is composed: steps to "
+              "the target x the step time measured on each emulated network on a quiet machine (dense warm-up "
+              "steps at the warm-up's step time). One full run per network checks the composition. `x limit`: "
+              "the time over the limit, the floor's step x DDP's steps to the target.", ""]
+    if plot:
+        lines += [f"![{os.path.basename(plot)}]({os.path.basename(plot)})", ""]
+    for net in camp.nets:
+        lines += [f"## {net}", "", markdown_table(result_rows(camp, net)), ""]
+        g = goals(camp, net)
+        lines += ["Goals of the recommended arm, measured:", "", markdown_table([{k: _fmt(v) for k, v in g.items()}]),
+                  ""]
+    if camp.confirmations:
+        rows = [{"network": net, **{k: _fmt(v) for k, v in c.items()}} for net, c in camp.confirmations.items()]
+        lines += ["## The composition, checked by full runs", "",
+                  "`measured`: the full run's training time to the target on the emulated network; `composed`: "
+                  "steps to target x step times from the timing runs (seed 0).", "", markdown_table(rows), ""]
+    lines += ["## The learning-rate grid (final metric, seed 0; best in bold)", "", markdown_table(grid_rows(camp)), ""]
+    if loads:
+        lines += [f"Load average before the timed runs: {min(loads):.2f}-{max(loads):.2f} "
+                  f"(median {statistics.median(loads):.2f}).", ""]
+    path = os.path.join(outdir, "report.md")
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines))
+    return path
+
+
+def _fmt(value: Any) -> Any:
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:.3g}"
+    return value

@@ -1,0 +1,177 @@
+"""The campaign's three phases and where their records go.
+
+1. **Convergence** (:func:`run_convergence`, loopback): every arm at every learning rate of the grid
+   with seed 0, then each arm's best learning rate with the other seeds. A run's metric after a
+   given step does not depend on the link or on the machine's load (the runs are deterministic), so
+   these runs may train anywhere and at any time.
+2. **Timing** (:func:`run_timing`, on each emulated network, on a quiet machine): each arm's step
+   time, from a short run: its dense warm-up phase (where it has one) and its main phase apart.
+3. **Confirmation** (:func:`run_confirmation`): one full run of the recommended arm per network, whose
+   measured time to the target checks the composition ``steps to target x step time``
+   (:mod:`.analysis`).
+
+Records (the run records of :func:`sparsecomm_lab.training.train`, with a ``campaign`` entry) go to
+``<out>/<workload>/convergence/<arm>/lr<lr>-seed<seed>.json``, ``<out>/<workload>/timing/<net>/<arm>.json``
+and ``<out>/<workload>/confirm/<net>/<arm>.json``; a run whose file exists is skipped, so an
+interrupted campaign resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sparsecomm_lab.training import save_record, train
+
+from .plan import SEEDS, Arm, Workload, arms_of
+from .quiet import QuietPolicy, train_quietly
+
+__all__ = ["run_convergence", "run_timing", "run_confirmation", "load_records", "best_lr", "final_metric",
+           "convergence_path", "timing_path", "confirm_path", "TIMING_STEPS", "TIMING_WARMUP", "safe_name"]
+
+log = logging.getLogger(__name__)
+
+Trainer = Callable[..., dict[str, Any]]
+Echo = Callable[[str], None]
+
+#: steps of a timing run, and the dense warm-up steps it keeps of an arm that has one (enough for a
+#: median of each phase; the first steps of each phase are skipped as warm-up of the caches)
+TIMING_STEPS = 40
+TIMING_WARMUP = 12
+
+
+def safe_name(text: str) -> str:
+    """``text`` with every run of characters outside ``[A-Za-z0-9._-]`` replaced by ``-``."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
+
+
+def convergence_path(out: str, wl: Workload, arm: Arm, lr: float, seed: int) -> str:
+    return os.path.join(out, wl.name, "convergence", arm.name, f"lr{lr:g}-seed{seed}.json")
+
+
+def timing_path(out: str, wl: Workload, arm: Arm, net: str) -> str:
+    return os.path.join(out, wl.name, "timing", safe_name(net), f"{arm.name}.json")
+
+
+def confirm_path(out: str, wl: Workload, arm: Arm, net: str) -> str:
+    return os.path.join(out, wl.name, "confirm", safe_name(net), f"{arm.name}.json")
+
+
+def _load(path: str) -> dict[str, Any]:
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def final_metric(record: dict[str, Any], metric: str) -> float:
+    """The last evaluation's validation loss or accuracy (NaN when training diverged)."""
+    point = record["history"][-1]
+    value = point["test_loss"] if metric == "loss" else point["test_accuracy"]
+    return float(value) if value is not None else math.nan
+
+
+def _rank_key(value: float, metric: str) -> float:
+    """Smaller is better; a diverged run (NaN) ranks last."""
+    if math.isnan(value):
+        return math.inf
+    return value if metric == "loss" else -value
+
+
+def best_lr(out: str, wl: Workload, arm: Arm) -> float | None:
+    """The learning rate of the grid whose seed-0 run ended best (None until every one has run)."""
+    finals = {}
+    for lr in wl.lr_grid:
+        path = convergence_path(out, wl, arm, lr, 0)
+        if not os.path.exists(path):
+            return None
+        finals[lr] = final_metric(_load(path), wl.metric)
+    return min(wl.lr_grid, key=lambda lr: (_rank_key(finals[lr], wl.metric), lr))
+
+
+def _save(record: dict[str, Any], path: str, campaign: dict[str, Any]) -> None:
+    record["campaign"] = campaign
+    save_record(record, os.path.dirname(path), os.path.basename(path))
+
+
+def run_convergence(out: str, wl: Workload, arms: Sequence[Arm] | None = None, seeds: Sequence[int] = SEEDS,
+                    trainer: Trainer = train, echo: Echo = log.warning, **overrides: Any) -> None:
+    """Phase 1 on loopback: the grid at seed 0 for every arm (the floor excepted), then each arm's
+    best learning rate at the other ``seeds``. ``overrides`` go into every run's config (tests: a
+    smaller model or budget)."""
+    arms = [a for a in (arms or arms_of(wl.name)) if not a.timed_only]
+    todo = [(arm, lr, 0) for arm in arms for lr in wl.lr_grid]
+    for stage in ("grid", "seeds"):
+        if stage == "seeds":
+            todo = []
+            for arm in arms:
+                lr = best_lr(out, wl, arm)
+                if lr is None:
+                    raise RuntimeError(f"arm {arm.name}: the grid is incomplete")
+                todo += [(arm, lr, seed) for seed in seeds if seed != 0]
+        for i, (arm, lr, seed) in enumerate(todo, start=1):
+            path = convergence_path(out, wl, arm, lr, seed)
+            name = f"{wl.name} {arm.name} lr {lr:g} seed {seed}"
+            if os.path.exists(path):
+                continue
+            echo(f"[{stage} {i}/{len(todo)}] {name} ...")
+            record = trainer(wl.config(arm, lr, seed, **overrides))
+            _save(record, path, {"workload": wl.name, "arm": arm.name, "lr": lr, "seed": seed,
+                                 "phase": "convergence", "net": "loopback"})
+            echo(f"    final {wl.metric} {final_metric(record, wl.metric):.4f}")
+
+
+def run_timing(out: str, wl: Workload, nets: Sequence[str], arms: Sequence[Arm] | None = None,
+               quiet: QuietPolicy | None = None, trainer: Trainer = train, echo: Echo = log.warning,
+               **overrides: Any) -> None:
+    """Phase 2: each arm's step time on each network, from a :data:`TIMING_STEPS`-step run at its best
+    learning rate (the grid's first for the floor), a warm-up cut to :data:`TIMING_WARMUP` steps; each
+    run waits for a quiet machine (``quiet``) and records the load it started at."""
+    for net in nets:
+        for arm in arms or arms_of(wl.name):
+            path = timing_path(out, wl, arm, net)
+            if os.path.exists(path):
+                continue
+            lr = wl.lr_grid[0] if arm.timed_only else best_lr(out, wl, arm)
+            if lr is None:
+                raise RuntimeError(f"arm {arm.name}: run the convergence phase first (its best learning rate)")
+            timed = {"steps": TIMING_STEPS, "eval_every": TIMING_STEPS, "net": None if net == "loopback" else net}
+            if arm.options.get("dense_warmup_steps"):
+                timed["dense_warmup_steps"] = TIMING_WARMUP
+            echo(f"[timing] {wl.name} {arm.name} on {net} ...")
+            record = train_quietly(wl.config(arm, lr, 0, **{**timed, **overrides}), trainer, quiet, echo)
+            _save(record, path, {"workload": wl.name, "arm": arm.name, "lr": lr, "seed": 0, "phase": "timing",
+                                 "net": net, "warmup_steps": timed.get("dense_warmup_steps", 0)})
+
+
+def run_confirmation(out: str, wl: Workload, nets: Sequence[str], arm: Arm, quiet: QuietPolicy | None = None,
+                     trainer: Trainer = train, echo: Echo = log.warning, **overrides: Any) -> None:
+    """Phase 3: the full run of ``arm`` (its best learning rate, seed 0) on each network."""
+    lr = best_lr(out, wl, arm)
+    if lr is None:
+        raise RuntimeError(f"arm {arm.name}: run the convergence phase first (its best learning rate)")
+    for net in nets:
+        path = confirm_path(out, wl, arm, net)
+        if os.path.exists(path):
+            continue
+        echo(f"[confirm] {wl.name} {arm.name} on {net}, the full budget ...")
+        config = wl.config(arm, lr, 0, **{"net": None if net == "loopback" else net, **overrides})
+        record = train_quietly(config, trainer, quiet, echo)
+        _save(record, path, {"workload": wl.name, "arm": arm.name, "lr": lr, "seed": 0, "phase": "confirm",
+                             "net": net})
+
+
+def load_records(out: str, wl: Workload) -> list[dict[str, Any]]:
+    """Every record of workload ``wl`` under ``out``, each with its path in ``_path``."""
+    records = []
+    for root, _, files in sorted(os.walk(os.path.join(out, wl.name))):
+        for name in sorted(files):
+            if name.endswith(".json"):
+                record = _load(os.path.join(root, name))
+                if "campaign" in record:
+                    record["_path"] = os.path.join(root, name)
+                    records.append(record)
+    return records

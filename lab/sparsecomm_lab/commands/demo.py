@@ -1,0 +1,161 @@
+"""``sparsecomm demo``: the campaign's comparison, live, in at most 10 minutes.
+
+P = 4 local workers on an emulated 1 Gbit/s switch (loopback when the machine cannot emulate it,
+said in the output) train the campaign's transformer (``gpt`` on ``python-source``, AdamW) with the
+campaign's comparison, each arm at the learning rate the campaign found best for it on the shared
+grid (``benchmarks/campaign-gpt/summary.json``): the no-synchronization floor, torch's DDP, the best
+PowerSGD rank, and the recommended sparse recipe. The budget is cut from the campaign's 1000 steps to
+``--steps`` (default 300, its cosine schedule over them), so the demo's target is its own DDP run's
+validation loss at 75% of its budget; every arm's time to it is measured here, on the emulated link,
+not composed. The report gives each arm's step as a multiple of the floor's and the load average
+before its run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+from sparsecomm.cli.table import markdown_table
+from sparsecomm.launch.netemu import emulated_net, unavailable_reason
+from sparsecomm_lab import campaign
+from sparsecomm_lab.campaign.analysis import median_spread, steps_to_target
+from sparsecomm_lab.training import save_record, train
+
+HELP = "the campaign's fair comparison, live on an emulated 1 Gbit/s link: DDP, PowerSGD, sparse, the floor"
+
+#: the campaign whose tuned learning rates the demo takes
+SUMMARY = os.path.join("benchmarks", "campaign-gpt", "summary.json")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", "-P", type=int, default=4, help="worker count (default 4)")
+    parser.add_argument("--net", default="1gbit", help="emulated rate, or 'loopback' (default 1gbit)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
+    parser.add_argument("--arms", default=None, help="comma-separated arms (default: floor, ddp, the campaign's best "
+                        "PowerSGD rank, its recommended sparse arm)")
+    parser.add_argument("--summary", default=SUMMARY, help="the campaign summary with the tuned lrs")
+    parser.add_argument("--out", default=None, help="output folder (default runs/demo-<time>)")
+    parser.add_argument("--copy-to", default=None, help="also copy the report folder here (e.g. benchmarks/demo)")
+    campaign.add_quiet_arguments(parser, max_wait=0.0, redo=0)
+
+
+def check(args: argparse.Namespace) -> None:
+    if args.steps < 20:
+        raise ValueError(f"--steps {args.steps} must be >= 20 (an evaluation every steps/12)")
+    if args.workers < 1:
+        raise ValueError(f"--workers {args.workers} must be >= 1")
+    for path in (args.out, args.copy_to):
+        if path:
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.access(parent if os.path.isdir(parent) else os.path.dirname(parent) or ".", os.W_OK):
+                raise ValueError(f"cannot write {path!r}: its folder is not writable")
+
+
+def tuned(summary_path: str) -> tuple[dict[str, float], str, str]:
+    """(best lr per arm, best PowerSGD arm, recommended arm) from the campaign's summary; without one,
+    every arm at the workload's default lr (said by the caller)."""
+    wl = campaign.workload("gpt")
+    if not os.path.exists(summary_path):
+        return {}, "powersgd-r4", wl.recommended
+    with open(summary_path) as handle:
+        data = json.load(handle)
+    lrs = {name: arm["best_lr"] for name, arm in data["arms"].items() if arm.get("best_lr") is not None}
+    finals = {name: min((v for v in arm["final"].values()), default=float("inf"))
+              for name, arm in data["arms"].items() if name.startswith("powersgd")}
+    best_power = min(finals, key=finals.__getitem__) if finals else "powersgd-r4"
+    return lrs, best_power, data["workload"]["recommended"]
+
+
+def run(args: argparse.Namespace) -> int:
+    wl = campaign.workload("gpt")
+    lrs, best_power, recommended = tuned(args.summary)
+    names = args.arms.split(",") if args.arms else ["floor", "ddp", best_power, recommended]
+    arms = campaign.arms_of("gpt", names)
+    net = emulated_net(args.net)
+    if net is not None and unavailable_reason() is not None:
+        print(f"note: cannot emulate {net} here ({unavailable_reason()}); running on loopback")
+        net = None
+    out = args.out or os.path.join("runs", "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(out, exist_ok=True)
+    eval_every = max(1, args.steps // 12)
+    print(f"demo: {wl.model} on {wl.data}, P={args.workers}, net={net or 'loopback'}, {args.steps} steps; arms: "
+          f"{', '.join(a.name for a in arms)}" + ("" if lrs else f" (no campaign summary at {args.summary}: "
+                                                              "every arm at the default lr)"), flush=True)
+    quiet = campaign.quiet_policy(args)
+    start = time.perf_counter()
+    records: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        lr = lrs.get(arm.name, 1e-3)
+        config = wl.config(arm, lr, 0, steps=args.steps, eval_every=eval_every, net=net, workers=args.workers)
+        if arm.options.get("dense_warmup_steps"):  # the warm-up keeps its share of the shorter budget
+            config.dense_warmup_steps = max(1, round(arm.options["dense_warmup_steps"] * args.steps / wl.steps))
+        print(f"  {arm.name} (lr {lr:g}) ...", flush=True)
+        record = campaign.quiet.train_quietly(config, train, quiet, lambda line: print(line, flush=True))
+        save_record(record, out, f"{arm.name}.json")
+        records[arm.name] = record
+    report = write_demo_report(records, wl, out, args, net)
+    print()
+    print(report["table"])
+    print(f"\nreport: {report['path']} (total {time.perf_counter() - start:.0f} s)")
+    if args.copy_to:
+        if os.path.exists(args.copy_to):
+            shutil.rmtree(args.copy_to)
+        shutil.copytree(out, args.copy_to)
+        print(f"copied to {args.copy_to}")
+    return 0
+
+
+def write_demo_report(records: dict[str, dict[str, Any]], wl: campaign.Workload, out: str,
+                      args: argparse.Namespace, net: str | None) -> dict[str, Any]:
+    """``report.md`` in ``out``: the table (measured times to the demo's target) and the command."""
+    ddp = records.get("ddp")
+    target = None
+    if ddp is not None:
+        at = round(0.75 * args.steps / max(1, args.steps // 12)) * max(1, args.steps // 12)
+        target = [p["test_loss"] for p in ddp["history"] if p["step"] <= at][-1]
+    floor = records.get("floor")
+    floor_ms = 1e3 * _median_step(floor) if floor else None
+    rows = []
+    times = {}
+    for name, record in records.items():
+        ms = 1e3 * _median_step(record)
+        steps = steps_to_target(record, target, "loss") if target is not None and name != "floor" else None
+        reached = next((p["train_time"] for p in record["history"] if p["step"] == steps), None) if steps else None
+        times[name] = reached
+        rows.append({"arm": name, "lr": f"{record['config']['lr']:g}",
+                     "time to target s": "floor: trains apart" if name == "floor" else
+                     "not reached" if reached is None else f"{reached:.1f}",
+                     "steps to target": "-" if steps is None else steps, "ms/step": f"{ms:.0f}",
+                     "x floor": "-" if not floor_ms else f"{ms / floor_ms:.2f}",
+                     "final loss": f"{record['history'][-1]['test_loss']:.4f}",
+                     "load before": "-" if record.get("load") is None else f"{record['load']['before']:.2f}"})
+    base = [t for n, t in times.items() if t and (n == "ddp" or n.startswith("powersgd"))]
+    sparse = [t for n, t in times.items() if t and campaign.arms_of("gpt", [n])[0].kind == "sparse"]
+    headline = ""
+    if base and sparse:
+        headline = (f"The sparse recipe reached the target {min(base) / min(sparse):.2f}x sooner than the best of DDP "
+                    f"and PowerSGD ({median_spread([min(base)])} s against {median_spread([min(sparse)])} s).")
+    table = markdown_table(rows)
+    command = "sparsecomm demo " + " ".join(sys.argv[2:])
+    lines = ["# sparsecomm demo", "",
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `{command.strip()}`: "
+             f"{wl.model} on {wl.data}, P = {args.workers}, {net or 'loopback'}, {args.steps} steps per run (the "
+             f"campaign's budget is {wl.steps}), each arm at the campaign's best lr for it. Target: DDP's validation "
+             + ("loss at 75% of the budget, " + f"{target:.4f}." if target is not None else "loss (DDP did not run)."),
+             "", table, "", headline, ""]
+    path = os.path.join(out, "report.md")
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines))
+    return {"path": path, "table": table + ("\n\n" + headline if headline else ""), "rows": rows}
+
+
+def _median_step(record: dict[str, Any]) -> float:
+    times = sorted(s["time"] for s in record["steps"][3:] if not s.get("warmup"))
+    return times[len(times) // 2] if times else float("nan")
