@@ -19,7 +19,9 @@ time, which reads and writes ``x``). Rows:
   beside ``add+sel``: ``torch.add(r, g, out=acc)`` then ``sel(acc, k)``.
 
 The table is markdown on stdout; ``--json`` writes the rows. ``--check`` first compares each
-selector's indices on the GPU with the CPU's at a smaller size (1M elements).
+selector's indices on the GPU with the CPU's at a smaller size (1M elements). ``--device cpu`` (with
+``TRITON_INTERPRET=1 SPARSECOMM_SCAN=triton``, tiny sizes) runs the same code on the CPU, to check the
+script, not to time anything.
 """
 
 from __future__ import annotations
@@ -62,15 +64,20 @@ def _sizes(text: str) -> list[int]:
     return out
 
 
+def _sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _median_seconds(fn, repeat: int) -> float:
     fn()
     fn()
     times = []
     for _ in range(repeat):
-        torch.cuda.synchronize()
+        _sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -97,55 +104,71 @@ def check(names: list[str]) -> list[str]:
     return wrong
 
 
-def rows(sizes: list[int], densities: list[float], names: list[str], repeat: int, seed: int) -> list[dict]:
+def rows(sizes: list[int], densities: list[float], names: list[str], repeat: int, seed: int,
+         device: str = "cuda") -> list[dict]:
     fallbacks = _Fallbacks()
     for module in ("sparsecomm.selection.exact", "sparsecomm.selection.search"):
         logger = logging.getLogger(module)
         logger.addHandler(fallbacks)
         logger.setLevel(logging.DEBUG)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     out: list[dict] = []
     for n in sizes:
-        x = torch.randn(n, generator=gen, device="cuda")
-        residual, grad = torch.randn(n, generator=gen, device="cuda"), torch.randn(n, generator=gen, device="cuda")
-        acc, copy = torch.empty_like(x), torch.empty_like(x)
-        t_pass = _median_seconds(functools.partial(copy.copy_, x), repeat) / 2
+        vectors = {name: torch.randn(n, generator=gen, device=device) for name in ("x", "residual", "grad")}
+        vectors["acc"] = torch.empty(n, device=device)
+        copy = torch.empty(n, device=device)
+        t_pass = _median_seconds(functools.partial(copy.copy_, vectors["x"]), repeat) / 2
+        del copy
         for density in densities:
-            k = math.ceil(density * n)
-            base = {"n": n, "density": density, "k": k}
-
-            def row(label: str, seconds: float, count: object = "", device: object = "", **extra: object) -> None:
-                out.append({**base, "selector": label, "us": 1e6 * seconds, "passes": seconds / t_pass,
-                            "count": count, "device path": device, **extra})
-                print(f"  {label}: {1e6 * seconds:.1f} us, {seconds / t_pass:.2f} passes", file=sys.stderr, flush=True)
-
-            t_topk = _median_seconds(functools.partial(torch.topk, x.abs(), k, sorted=False), repeat)
-            row("torch.topk(x.abs())", t_topk, k)
-            row("one memory pass", t_pass)
-            for name in names:
-                sel = _make(name, x, k)
-                result: list[torch.Tensor] = []
-                before = fallbacks.count
-                seconds = _median_seconds(lambda sel=sel: result.append(sel(x, k)), repeat)
-                row(name, seconds, result[-1].numel(), fallbacks.count == before, **{"vs topk": t_topk / seconds})
-            for name in FUSED:
-                if name not in names:
-                    continue
-                fused, plain = _make(name, x, k), _make(name, x, k)
-                before = fallbacks.count
-
-                def accumulate(sel=fused) -> None:
-                    sel.accumulate(residual, grad, k, dest=acc)
-
-                def add_then_select(sel=plain) -> None:
-                    torch.add(residual, grad, out=acc)
-                    sel(acc, k)
-                t_fused = _median_seconds(accumulate, repeat)
-                row(f"{name} +acc", t_fused, "", fallbacks.count == before, **{"vs topk": t_topk / t_fused})
-                row(f"{name} add+sel", _median_seconds(add_then_select, repeat))
-        del x, residual, grad, acc, copy
-        torch.cuda.empty_cache()
+            out += _density_rows(vectors, density, names, repeat, t_pass, fallbacks)
+        del vectors
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return out
+
+
+def _density_rows(vectors: dict[str, torch.Tensor], density: float, names: list[str], repeat: int, t_pass: float,
+                  fallbacks: _Fallbacks) -> list[dict]:
+    """The rows of one size and density (``vectors``: x, residual, grad and acc)."""
+    x, residual, grad, acc = vectors["x"], vectors["residual"], vectors["grad"], vectors["acc"]
+    n = x.numel()
+    k = math.ceil(density * n)
+    out: list[dict] = []
+
+    def row(label: str, seconds: float, count: object = "", device: object = "", **extra: object) -> None:
+        out.append({"n": n, "density": density, "k": k, "selector": label, "us": 1e6 * seconds,
+                    "passes": seconds / t_pass, "count": count, "device path": device, **extra})
+        print(f"  {label}: {1e6 * seconds:.1f} us, {seconds / t_pass:.2f} passes", file=sys.stderr, flush=True)
+
+    t_topk = _median_seconds(functools.partial(torch.topk, x.abs(), k, sorted=False), repeat)
+    row("torch.topk(x.abs())", t_topk, k)
+    row("one memory pass", t_pass)
+    for name in names:
+        sel = _make(name, x, k)
+        result: list[torch.Tensor] = []
+        before = fallbacks.count
+        seconds = _median_seconds(functools.partial(_select_into, result, sel, x, k), repeat)
+        row(name, seconds, result[-1].numel(), fallbacks.count == before, **{"vs topk": t_topk / seconds})
+    for name in FUSED:
+        if name not in names:
+            continue
+        before = fallbacks.count
+        t_fused = _median_seconds(functools.partial(_make(name, x, k).accumulate, residual, grad, k, dest=acc),
+                                  repeat)
+        row(f"{name} +acc", t_fused, "", fallbacks.count == before, **{"vs topk": t_topk / t_fused})
+        row(f"{name} add+sel", _median_seconds(functools.partial(_add_then_select, _make(name, x, k), residual,
+                                                                 grad, acc, k), repeat))
+    return out
+
+
+def _select_into(result: list[torch.Tensor], sel: selectors.Selector, x: torch.Tensor, k: int) -> None:
+    result.append(sel(x, k))
+
+
+def _add_then_select(sel: selectors.Selector, residual: torch.Tensor, grad: torch.Tensor, acc: torch.Tensor,
+                     k: int) -> None:
+    torch.add(residual, grad, out=acc)
+    sel(acc, k)
 
 
 def markdown(table: list[dict]) -> str:
@@ -169,22 +192,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--check", action="store_true", help="compare the GPU's indices with the CPU's first")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("select_table: needs a CUDA GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("select_table: needs a CUDA GPU (or --device cpu to check the script)", file=sys.stderr)
         return 2
     names = selectors.available() if args.selectors == "all" else args.selectors.split(",")
-    if args.check:
+    if args.check and args.device == "cuda":
         wrong = check(names)
         print(f"check at 1M: {'every selector agrees with the CPU' if not wrong else 'DIFFER: ' + ', '.join(wrong)}",
               file=sys.stderr, flush=True)
-    table = rows(args.sizes, args.densities, names, args.repeat, args.seed)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
+    table = rows(args.sizes, args.densities, names, args.repeat, args.seed, args.device)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (script check, no timing meaning)"
+    print(f"{device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
     print(markdown(table))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": table}, f, indent=1)
+            json.dump({"device": device, "torch": torch.__version__, "rows": table}, f, indent=1)
     return 0
 
 

@@ -29,6 +29,8 @@ Triton ships with CUDA builds of PyTorch. ``TRITON_INTERPRET=1`` runs the same k
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -272,33 +274,48 @@ class Buffers:
     ``partials``/``chunks``: the pass's per-program figures and candidate slots; the candidates,
     unordered as the pass writes them and in index order; the sample; a pinned copy of the state."""
 
+    #: CUDA graphs kept per buffer set (the oldest is dropped past this)
+    GRAPHS_KEPT = 8
+
     def __init__(self) -> None:
         self.device: torch.device | None = None
-        self.state = self.hists = self.slots = self.sample = self.host = None
+        self.state = self.hists = self.slots = self.sample = self.host = self.draw = self.draw_host = None
         self.partials = self.chunks = self.block_counts = None
         self.loose_idx = self.loose_val = self.idx = self.val = None
         self.dirty = True
         #: candidates of the previous gathering call (sizes the next output)
         self.last_count = 0
+        #: (n, sample plan) -> candidates a call needed room for (grown when one overflowed)
+        self.needed: dict = {}
+        #: the pipelines' CUDA graphs: key -> (graph, its output tensors); the keys run once already
+        self.graphs: dict = {}
+        self.seen: set = set()
 
     def prepare(self, x: Tensor, programs: int) -> None:
         """Fit the fixed buffers to ``x``'s device and ``programs`` programs of the pass; zero the
         histograms if a pipeline left them dirty."""
         if self.device != x.device or self.state is None:
+            self.forget_graphs()
             self.device = x.device
             self.state = torch.zeros(_STATE_SIZE, dtype=torch.float64, device=x.device)
             self.hists = torch.zeros(_HISTS_SIZE, dtype=torch.int32, device=x.device)
             self.slots = torch.zeros(1, dtype=torch.int64, device=x.device)
+            self.draw = torch.zeros(1, dtype=torch.int64, device=x.device)
             self.sample = None
             self.partials = self.chunks = self.block_counts = None
             self.loose_idx = self.loose_val = self.idx = self.val = None
             self.host = torch.empty(_STATE_SIZE, dtype=torch.float64, pin_memory=x.is_cuda)
+            self.draw_host = torch.empty(1, dtype=torch.int64, pin_memory=x.is_cuda)
             self.dirty = False
         if self.partials is None or self.partials.numel() < 4 * programs:
+            self.forget_graphs()
             self.partials = torch.empty(4 * programs, dtype=torch.float64, device=x.device)
             self.chunks = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
-        if self.dirty:
-            assert self.hists is not None and self.slots is not None
+        self.prepare_histograms()
+
+    def prepare_histograms(self) -> None:
+        """Zero the histograms and the slot counter if a pipeline left them dirty."""
+        if self.dirty and self.hists is not None and self.slots is not None:
             self.hists.zero_()
             self.slots.zero_()
             self.dirty = False
@@ -307,22 +324,43 @@ class Buffers:
         """Candidate buffers of at least ``capacity`` elements of ``dtype`` (unordered and ordered)."""
         if self.loose_idx is None or self.loose_idx.numel() < capacity or self.loose_val is None \
                 or self.loose_val.dtype != dtype:
+            self.forget_graphs()
             size = max(capacity, _MIN_CAPACITY)
             self.loose_idx = torch.empty(size, dtype=torch.int64, device=self.device)
             self.loose_val = torch.empty(size, dtype=dtype, device=self.device)
         if self.idx is None or self.idx.numel() < capacity or self.val is None or self.val.dtype != dtype:
+            self.forget_graphs()
             self.idx = torch.empty(max(capacity, _MIN_CAPACITY), dtype=torch.int64, device=self.device)
             self.val = torch.empty(max(capacity, _MIN_CAPACITY), dtype=dtype, device=self.device)
 
     def sample_buffer(self, size: int) -> Tensor:
         if self.sample is None or self.sample.numel() < size:
+            self.forget_graphs()
             self.sample = torch.empty(size, dtype=torch.float32, device=self.device)
         return self.sample
 
     def counts_buffer(self, blocks: int) -> Tensor:
         if self.block_counts is None or self.block_counts.numel() < 2 * blocks:
+            self.forget_graphs()
             self.block_counts = torch.empty(2 * blocks, dtype=torch.int32, device=self.device)
         return self.block_counts
+
+    def set_draw(self, x: Tensor, draw: int) -> None:
+        """The call's random draw (MSTopK's window) into device memory, where the graphs read it."""
+        self.prepare(x, max(1, -(-x.numel() // int(SHAPE["block"]))))
+        assert self.draw is not None and self.draw_host is not None
+        self.draw_host[0] = draw
+        self.draw.copy_(self.draw_host, non_blocking=True)
+
+    def keep_graph(self, key: tuple, graph: Any, outputs: tuple) -> None:
+        if len(self.graphs) >= self.GRAPHS_KEPT:
+            self.graphs.pop(next(iter(self.graphs)))
+        self.graphs[key] = (graph, outputs)
+
+    def forget_graphs(self) -> None:
+        """Drop the CUDA graphs: they hold the addresses of buffers about to be replaced."""
+        self.graphs.clear()
+        self.seen.clear()
 
 
 _SAMPLE = Launcher(_sample_kernel) if triton is not None else None

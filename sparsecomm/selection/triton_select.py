@@ -34,7 +34,10 @@ call (:class:`Fallback`). The results equal the CPU's wherever the device path d
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +62,12 @@ _RADIX_BITS = 9
 MSTOPK_DRAW = (1 << 32, 1 << 62)
 
 _MODE_GE, _MODE_TOPK, _MODE_WINDOW = 0, 1, 2
+
+#: whether the pipelines run as CUDA graphs from their second call with the same inputs and sizes
+#: (``SPARSECOMM_CUDA_GRAPHS=0``: the kernels are launched one by one on every call)
+GRAPHS = os.environ.get("SPARSECOMM_CUDA_GRAPHS", "1") not in ("", "0")
+
+log = logging.getLogger(__name__)
 _BAND, _MSTOPK = 0, 1
 
 
@@ -118,15 +127,16 @@ if triton is not None:
             tl.atomic_add(hist_ptr + low, 1, mask=ok & (low > 0) & (low < last), sem="relaxed")
             tl.atomic_add(hist_ptr + last, tl.sum(((low == last) & ok).to(tl.int32), 0), sem="relaxed")
 
-    @triton.jit(do_not_specialize=["n", "k", "limit", "steps", "draw"],
-                do_not_specialize_on_alignment=["state_ptr"])
-    def _replay_kernel(hist_ptr, state_ptr, n, k, limit, steps, draw, DEPTH: tl.constexpr, MODE: tl.constexpr,
+    @triton.jit(do_not_specialize=["n", "k", "limit", "steps"],
+                do_not_specialize_on_alignment=["state_ptr", "draw_ptr"])
+    def _replay_kernel(hist_ptr, state_ptr, n, k, limit, steps, draw_ptr, DEPTH: tl.constexpr, MODE: tl.constexpr,
                        LAST: tl.constexpr):
         """One program: the counts at the bracket's midpoints (suffix sums of the histogram, which is
         cleared), then up to ``steps`` bisection steps replayed from them as the host would make
         them: RedSync's band search (``MODE`` 0: stop at a count in ``[k, limit]``) or MSTopK's
         (``MODE`` 1: keep the last threshold with at most ``k`` and the last with more); the new
-        bracket into the state. ``LAST``: the search's end (no band found; MSTopK's window)."""
+        bracket into the state. ``LAST``: the search's end (no band found; MSTopK's window, placed by
+        the call's draw, an int64 in device memory)."""
         bins = tl.arange(0, 1 << DEPTH)
         h = tl.load(hist_ptr + bins)
         tl.store(hist_ptr + bins, tl.zeros_like(h))
@@ -195,7 +205,7 @@ if triton is not None:
                     flags = flags | 1
                 if missing > band:  # no bracket (NaN input)
                     flags = flags | 8
-                start = draw % tl.maximum(band - missing + 1, 1)
+                start = tl.load(draw_ptr) % tl.maximum(band - missing + 1, 1)
                 tl.store(state_ptr + 14, start.to(tl.float64))
                 tl.store(state_ptr + 15, (start + missing).to(tl.float64))
         tl.store(state_ptr + 5, flags.to(tl.float64))
@@ -410,16 +420,88 @@ def _select(buffers: Buffers, k: int, capacity: int, out_capacity: int, mode: in
 
 
 def _capacity(n: int, plan: SamplePlan | None, buffers: Buffers) -> int:
+    """Room for the candidates: every element without a sample; else 1.5 times what the sample leads
+    to expect, or what an earlier call at these sizes needed (the same from call to call, so that the
+    pipeline's CUDA graph is replayed)."""
     if plan is None:
         return n
-    return min(n, max(plan.expected + plan.expected // 2, buffers.last_count + buffers.last_count // 4, 4096))
+    return min(n, max(plan.expected + plan.expected // 2 + 4096, buffers.needed.get((n, plan), 0)))
+
+
+def _queued(buffers: Buffers, key: tuple, queue: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, bool]:
+    """``queue()``'s outputs (it queues a pipeline's kernels and returns its output tensors), and whether
+    they are a CUDA graph's (the caller copies what it keeps: the next replay overwrites them).
+
+    On a GPU the first call with a ``key`` (the inputs' addresses and every size) runs the kernels as
+    they are (compiling them where needed), the second captures them into a CUDA graph, and every
+    later one replays it: one launch for the host instead of one per kernel. ``SPARSECOMM_CUDA_GRAPHS=0``
+    (or a capture that fails) keeps the kernels launched one by one."""
+    if not GRAPHS or buffers.device is None or buffers.device.type != "cuda":
+        return (*queue(), False)
+    if buffers.dirty:  # a pipeline left midway: its histograms are cleared before the graph runs
+        buffers.prepare_histograms()
+    entry = buffers.graphs.get(key)
+    if entry is not None:
+        entry[0].replay()
+        return (*entry[1], True)
+    if key not in buffers.seen:
+        buffers.seen.add(key)
+        return (*queue(), False)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            outputs = queue()
+    except RuntimeError as err:
+        _disable_graphs(err)
+        buffers.forget_graphs()
+        buffers.dirty = True
+        buffers.prepare_histograms()
+        return (*queue(), False)
+    buffers.keep_graph(key, graph, outputs)
+    graph.replay()
+    return (*outputs, True)
+
+
+def _disable_graphs(err: Exception) -> None:
+    global GRAPHS
+    GRAPHS = False
+    log.warning("the device selections' CUDA graphs are off (capture failed: %s); kernels are launched one by one",
+                err)
+
+
+def _pipeline(x: Tensor, k: int, buffers: Buffers, plan: SamplePlan | None, addend: Tensor | None,
+              dest: Tensor | None, *, search: Callable[[int], None], mode: int, out_capacity: int, levels: int,
+              key: tuple, check_finite: bool, name: str) -> tuple[np.ndarray, Tensor, Tensor]:
+    """The sample, the pass, ``search(capacity)`` (the search's kernels), the selection, then the one
+    synchronization: (the state on the host, the picks' indices, the sum ``x + addend`` where the pass
+    wrote it, else ``x``). More candidates than the buffers held: gathered again (of the sum) with
+    room for them. Non-finite input raises (``check_finite``) or falls back."""
+    summed = x if addend is None else (x if dest is None else dest)
+    n = x.numel()
+    capacity = _capacity(n, plan, buffers)
+    for _attempt in range(2):
+        def queue(x: Tensor = x, addend: Tensor | None = addend, dest: Tensor | None = dest,
+                  capacity: int = capacity) -> tuple[Tensor, Tensor]:
+            used = _gather(x, buffers, plan, addend, dest, capacity)
+            search(used)
+            return _select(buffers, k, used, out_capacity, mode, levels)
+        address = tuple(0 if t is None else t.data_ptr() for t in (x, addend, dest))
+        shape = tuple(triton_scan.SHAPE.values())
+        out_idx, _, replayed = _queued(buffers, (*key, n, k, capacity, plan, address, shape), queue)
+        state = finish(buffers)
+        larger = _checked(state, buffers, summed, capacity, check_finite, name)
+        if not larger:
+            return state, out_idx.clone() if replayed else out_idx, summed
+        buffers.needed[(n, plan)] = larger + larger // 4
+        capacity, x, addend, dest = larger, summed, None, None  # the sum is written: gather it again
+    raise Fallback("more candidates than the buffers held", summed)
 
 
 def _checked(state: np.ndarray, buffers: Buffers, summed: Tensor, capacity: int, check_finite: bool, name: str
              ) -> int:
-    """The flags of a finished device selection, once the common cases are ruled out: non-finite
-    input (raises with ``check_finite``, else the host path), more candidates than were kept (the
-    caller runs again with room for them, returned as the new capacity: else 0)."""
+    """The common outcomes of a finished device selection: non-finite input (raises with
+    ``check_finite``, else :class:`Fallback`), more candidates than were kept (returned: the caller
+    gathers again with room for them); else 0."""
     from .base import assert_finite
 
     if state[STATE["nonfinite"]] > 0:
@@ -442,28 +524,17 @@ def exact_topk(x: Tensor, k: int, buffers: Buffers, plan: SamplePlan | None, *, 
     the pass, 3 radix levels over the candidates (4 without a sample: every element is one), the
     selection; one synchronization. Raises :class:`Fallback` where the device path did not decide."""
     assert _RADIX is not None
-    summed = x if addend is None else (x if dest is None else dest)
-    capacity = _capacity(x.numel(), plan, buffers)
-    for _attempt in range(2):
-        capacity = _gather(x, buffers, plan, addend, dest, capacity)
-        levels = 3 if plan is not None else 4
-        assert buffers.val is not None
-        blocks = max(1, -(-capacity // _BLOCK))
+    levels = 3 if plan is not None else 4
+
+    def search(capacity: int) -> None:
+        assert _RADIX is not None
         for level in range(levels):
-            _RADIX(blocks, buffers.val, buffers.state, buffers.hists, k, capacity, warps=4, LEVEL=level,
-                   BLOCK=_BLOCK)
-        out_idx, _ = _select(buffers, k, capacity, k, _MODE_TOPK, levels)
-        state = finish(buffers)
-        larger = _checked(state, buffers, summed, capacity, check_finite, name)
-        if not larger:
-            break
-        capacity, x, addend, dest = larger, summed, None, None  # the sum is written: gather it again
-    else:
-        raise Fallback("more candidates than the buffers held", summed)
-    flags = int(state[STATE["flags"]])
-    if flags:
-        buffers.dirty = True
-        raise Fallback(_reason(flags), summed)
+            _RADIX(max(1, -(-capacity // _BLOCK)), buffers.val, buffers.state, buffers.hists, k, capacity, warps=4,
+                   LEVEL=level, BLOCK=_BLOCK)
+    state, out_idx, summed = _pipeline(x, k, buffers, plan, addend, dest, search=search, mode=_MODE_TOPK,
+                                       out_capacity=k, levels=levels, key=("topk",), check_finite=check_finite,
+                                       name=name)
+    _raise_flags(state, buffers, summed)
     return out_idx
 
 
@@ -475,26 +546,17 @@ def band_search(x: Tensor, k: int, eps: float, buffers: Buffers, plan: SamplePla
     ``[k, 2k]``; where none does, (the exact top-k, ``None``), as on the CPU. ``plan``: the sample
     for a floor with more than ``2k`` elements above it."""
     assert _GRID is not None and _REPLAY is not None
-    summed = x if addend is None else (x if dest is None else dest)
     steps = bisection_steps(eps)
-    capacity = _capacity(x.numel(), plan, buffers)
-    for _attempt in range(2):
-        capacity = _gather(x, buffers, plan, addend, dest, capacity)
-        _bisect(buffers, x.numel(), capacity, k, 2 * k, steps, 0, _BAND)
-        out_idx, _ = _select(buffers, k, capacity, 2 * k, _MODE_GE)
-        state = finish(buffers)
-        larger = _checked(state, buffers, summed, capacity, check_finite, name)
-        if not larger:
-            break
-        capacity, x, addend, dest = larger, summed, None, None
-    else:
-        raise Fallback("more candidates than the buffers held", summed)
+
+    def search(capacity: int) -> None:
+        _bisect(buffers, x.numel(), capacity, k, 2 * k, steps, _BAND)
+    state, out_idx, summed = _pipeline(x, k, buffers, plan, addend, dest, search=search, mode=_MODE_GE,
+                                       out_capacity=2 * k, levels=3, key=("band", steps), check_finite=check_finite,
+                                       name=name)
     flags = int(state[STATE["flags"]])
     if flags & FLAGS["no_band"] and not flags & ~FLAGS["no_band"]:  # as on the CPU: the exact top-k instead
         return exact_topk(summed, k, buffers, plan, check_finite=False, name=name), None
-    if flags:
-        buffers.dirty = True
-        raise Fallback(_reason(flags), summed)
+    _raise_flags(state, buffers, summed)
     return out_idx[:int(state[STATE["result"]])], float(state[STATE["threshold"]])
 
 
@@ -506,27 +568,25 @@ def mstopk(x: Tensor, k: int, samplings: int, draw: int, buffers: Buffers, plan:
     ``thres1`` and the window of the band ``[thres2, thres1)`` that starts at
     ``draw % (band - missing + 1)``, in increasing index order (exactly ``k``)."""
     assert _GRID is not None and _REPLAY is not None
-    summed = x if addend is None else (x if dest is None else dest)
-    capacity = _capacity(x.numel(), plan, buffers)
-    for _attempt in range(2):
-        capacity = _gather(x, buffers, plan, addend, dest, capacity)
-        _bisect(buffers, x.numel(), capacity, k, k, samplings, draw, _MSTOPK)
-        out_idx, _ = _select(buffers, k, capacity, k, _MODE_WINDOW)
-        state = finish(buffers)
-        larger = _checked(state, buffers, summed, capacity, check_finite, name)
-        if not larger:
-            break
-        capacity, x, addend, dest = larger, summed, None, None
-    else:
-        raise Fallback("more candidates than the buffers held", summed)
+    buffers.set_draw(x, draw)
+
+    def search(capacity: int) -> None:
+        _bisect(buffers, x.numel(), capacity, k, k, samplings, _MSTOPK)
+    state, out_idx, summed = _pipeline(x, k, buffers, plan, addend, dest, search=search, mode=_MODE_WINDOW,
+                                       out_capacity=k, levels=3, key=("mstopk", samplings), check_finite=check_finite,
+                                       name=name)
+    _raise_flags(state, buffers, summed)
+    return out_idx
+
+
+def _raise_flags(state: np.ndarray, buffers: Buffers, summed: Tensor) -> None:
     flags = int(state[STATE["flags"]])
     if flags:
         buffers.dirty = True
         raise Fallback(_reason(flags), summed)
-    return out_idx
 
 
-def _bisect(buffers: Buffers, n: int, capacity: int, k: int, limit: int, steps: int, draw: int, mode: int) -> None:
+def _bisect(buffers: Buffers, n: int, capacity: int, k: int, limit: int, steps: int, mode: int) -> None:
     """Queue ``steps`` bisection steps: counting passes of up to :data:`_DEPTH` steps, each followed
     by its replay."""
     assert _GRID is not None and _REPLAY is not None and buffers.val is not None
@@ -537,7 +597,7 @@ def _bisect(buffers: Buffers, n: int, capacity: int, k: int, limit: int, steps: 
         depth = min(_DEPTH, max(left, 1))
         last = left <= _DEPTH
         _GRID(blocks, buffers.val, buffers.state, n, hist, capacity, warps=4, DEPTH=depth, BLOCK=_BLOCK)
-        _REPLAY(1, hist, buffers.state, n, k, limit, min(left, depth), draw, warps=16 if depth > 12 else 4,
+        _REPLAY(1, hist, buffers.state, n, k, limit, min(left, depth), buffers.draw, warps=16 if depth > 12 else 4,
                 DEPTH=depth, MODE=mode, LAST=last)
         left -= depth
         if last:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = ["Launcher", "interpreted", "installed"]
@@ -57,10 +58,26 @@ class Launcher:
             return
         key = (x.device.index, x.dtype, x.data_ptr() % 16 == 0, warps, *constants.values(),
                *[a.dtype for a in args if isinstance(a, Tensor)])
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            compiled = self.kernel.warmup(x, *args, **constants, num_warps=warps, grid=grid, **self.options)
-            compiled = compiled.result() if hasattr(compiled, "result") else compiled
-            self.compiled[key] = compiled
-        compiled[grid](x, *args, *constants.values())
+        launch = self.compiled.get(key)
+        if launch is None:
+            launch = self.compiled[key] = self._compile(x, args, warps, constants, grid)
+        launch(grid, x, *args, *constants.values())
+
+    def _compile(self, x: Tensor, args: tuple, warps: int, constants: dict, grid: tuple):
+        """The compiled kernel's launch: its launcher called with the handles it needs, on torch's
+        current stream (what ``compiled[grid](...)`` does, less the per-call lookups)."""
+        compiled = self.kernel.warmup(x, *args, **constants, num_warps=warps, grid=grid, **self.options)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        compiled._init_handles()
+        run, function, metadata = (getattr(compiled, name, None) for name in ("run", "function", "packed_metadata"))
+        if run is None or function is None:  # another Triton's layout: its own launch path
+            return lambda grid, *values: compiled[grid](*values)
+        device = x.device.index
+        # the raw current stream, as Triton's own launch asks torch for it (a Stream object costs more)
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+        def launch(grid: tuple, *values: Any) -> None:
+            stream = raw_stream(device) if raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+            run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *values)
+        return launch
 
