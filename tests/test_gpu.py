@@ -141,14 +141,19 @@ def _search_worker(name: str) -> list[tuple]:
     return results + [("fallbacks", fallbacks, [])]
 
 
-@pytest.mark.parametrize("name", sorted(set(DEVICE_SEARCHES) | set(FUSED)))
-def test_selector_on_cuda_decides_on_the_device_and_matches_the_cpu(name):
-    results = run_workers(1, _search_worker, name, timeout=240)[0]
-    *pairs, (_, fallbacks, _) = results
-    for what, on_cpu, on_gpu in pairs:
-        assert torch.equal(on_cpu, on_gpu), f"{name}, {what}: CUDA differs from the CPU"
-    if name in DEVICE_SEARCHES:
-        assert not fallbacks, f"{name}: the device search handed calls to the host: {fallbacks}"
+def _searches_worker(names: list[str]) -> dict[str, list[tuple]]:
+    return {name: _search_worker(name) for name in names}
+
+
+def test_selectors_on_cuda_decide_on_the_device_and_match_the_cpu():
+    """One worker for all (a CUDA context each would cost more than the checks)."""
+    names = sorted(set(DEVICE_SEARCHES) | set(FUSED))
+    for name, results in run_workers(1, _searches_worker, names, timeout=300)[0].items():
+        *pairs, (_, fallbacks, _) = results
+        for what, on_cpu, on_gpu in pairs:
+            assert torch.equal(on_cpu, on_gpu), f"{name}, {what}: CUDA differs from the CPU"
+        if name in DEVICE_SEARCHES:
+            assert not fallbacks, f"{name}: the device search handed calls to the host: {fallbacks}"
 
 
 def _graph_worker(name: str) -> list[tuple]:
@@ -175,13 +180,18 @@ def _graph_worker(name: str) -> list[tuple]:
     return out + [("fallbacks", fallbacks, kept)]
 
 
-@pytest.mark.parametrize("name", ["exact_topk", "trimmed", "binary_search", "mstopk"])
-def test_device_search_replayed_as_a_cuda_graph_matches_the_cpu(name):
-    *pairs, (_, fallbacks, kept) = run_workers(1, _graph_worker, name, timeout=240)[0]
-    for what, on_cpu, on_gpu in pairs:
-        assert torch.equal(on_cpu, on_gpu), f"{name}, {what}: CUDA differs from the CPU"
-    assert not fallbacks, fallbacks
-    assert kept, f"{name}: no CUDA graph was kept (SPARSECOMM_CUDA_GRAPHS=0, or the capture failed)"
+def _graphs_worker(names: list[str]) -> dict[str, list[tuple]]:
+    return {name: _graph_worker(name) for name in names}
+
+
+def test_device_searches_replayed_as_cuda_graphs_match_the_cpu():
+    names = ["exact_topk", "trimmed", "binary_search", "mstopk"]
+    for name, results in run_workers(1, _graphs_worker, names, timeout=300)[0].items():
+        *pairs, (_, fallbacks, kept) = results
+        for what, on_cpu, on_gpu in pairs:
+            assert torch.equal(on_cpu, on_gpu), f"{name}, {what}: CUDA differs from the CPU"
+        assert not fallbacks, fallbacks
+        assert kept, f"{name}: no CUDA graph was kept (SPARSECOMM_CUDA_GRAPHS=0, or the capture failed)"
 
 
 def _kernels_worker() -> list[tuple]:

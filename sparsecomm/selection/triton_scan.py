@@ -320,15 +320,17 @@ class Buffers:
             self.slots.zero_()
             self.dirty = False
 
-    def candidates(self, capacity: int, dtype: torch.dtype) -> None:
-        """Candidate buffers of at least ``capacity`` elements of ``dtype`` (unordered and ordered)."""
+    def candidates(self, capacity: int, dtype: torch.dtype, ordered: bool = True) -> None:
+        """Candidate buffers of at least ``capacity`` elements of ``dtype`` (unordered, and with
+        ``ordered`` the ordered ones the pipelines reuse)."""
         if self.loose_idx is None or self.loose_idx.numel() < capacity or self.loose_val is None \
                 or self.loose_val.dtype != dtype:
             self.forget_graphs()
             size = max(capacity, _MIN_CAPACITY)
             self.loose_idx = torch.empty(size, dtype=torch.int64, device=self.device)
             self.loose_val = torch.empty(size, dtype=dtype, device=self.device)
-        if self.idx is None or self.idx.numel() < capacity or self.val is None or self.val.dtype != dtype:
+        if ordered and (self.idx is None or self.idx.numel() < capacity or self.val is None
+                        or self.val.dtype != dtype):
             self.forget_graphs()
             self.idx = torch.empty(max(capacity, _MIN_CAPACITY), dtype=torch.int64, device=self.device)
             self.val = torch.empty(max(capacity, _MIN_CAPACITY), dtype=dtype, device=self.device)
@@ -410,7 +412,7 @@ def launch_gather(x: Tensor, buffers: Buffers, *, floor: float = 0.0, rank: int 
     buffers.prepare(x, programs)
     if gather:
         capacity = min(n, max(capacity, _MIN_CAPACITY))
-        buffers.candidates(capacity, x.dtype)
+        buffers.candidates(capacity, x.dtype, ordered=not fresh)
         if fresh:
             buffers.idx = torch.empty(capacity, dtype=torch.int64, device=x.device)
             buffers.val = torch.empty(capacity, dtype=x.dtype, device=x.device)
