@@ -265,6 +265,10 @@ if triton is not None:
         tl.store(x_ptr + i, tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty), mask=inside)
 
 
+#: an empty tensor: a buffer not allocated yet
+_NONE = torch.empty(0)
+
+
 class Buffers:
     """Device buffers of the pass and the searches (one set per selector scratch, reused across calls).
 
@@ -278,10 +282,10 @@ class Buffers:
     GRAPHS_KEPT = 8
 
     def __init__(self) -> None:
-        self.device: torch.device | None = None
-        self.state = self.hists = self.slots = self.sample = self.host = self.draw = self.draw_host = None
-        self.partials = self.chunks = self.block_counts = None
-        self.loose_idx = self.loose_val = self.idx = self.val = None
+        self.device: torch.device | None = None  # None until the first call fits the buffers to one
+        self.state = self.hists = self.slots = self.sample = self.host = self.draw = self.draw_host = _NONE
+        self.partials = self.chunks = self.block_counts = _NONE
+        self.loose_idx = self.loose_val = self.idx = self.val = _NONE
         self.dirty = True
         #: candidates of the previous gathering call (sizes the next output)
         self.last_count = 0
@@ -294,20 +298,19 @@ class Buffers:
     def prepare(self, x: Tensor, programs: int) -> None:
         """Fit the fixed buffers to ``x``'s device and ``programs`` programs of the pass; zero the
         histograms if a pipeline left them dirty."""
-        if self.device != x.device or self.state is None:
+        if self.device != x.device:
             self.forget_graphs()
             self.device = x.device
             self.state = torch.zeros(_STATE_SIZE, dtype=torch.float64, device=x.device)
             self.hists = torch.zeros(_HISTS_SIZE, dtype=torch.int32, device=x.device)
             self.slots = torch.zeros(1, dtype=torch.int64, device=x.device)
             self.draw = torch.zeros(1, dtype=torch.int64, device=x.device)
-            self.sample = None
-            self.partials = self.chunks = self.block_counts = None
-            self.loose_idx = self.loose_val = self.idx = self.val = None
+            self.sample = self.partials = self.chunks = self.block_counts = _NONE
+            self.loose_idx = self.loose_val = self.idx = self.val = _NONE
             self.host = torch.empty(_STATE_SIZE, dtype=torch.float64, pin_memory=x.is_cuda)
             self.draw_host = torch.empty(1, dtype=torch.int64, pin_memory=x.is_cuda)
             self.dirty = False
-        if self.partials is None or self.partials.numel() < 4 * programs:
+        if self.partials.numel() < 4 * programs:
             self.forget_graphs()
             self.partials = torch.empty(4 * programs, dtype=torch.float64, device=x.device)
             self.chunks = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
@@ -315,7 +318,7 @@ class Buffers:
 
     def prepare_histograms(self) -> None:
         """Zero the histograms and the slot counter if a pipeline left them dirty."""
-        if self.dirty and self.hists is not None and self.slots is not None:
+        if self.dirty and self.device is not None:
             self.hists.zero_()
             self.slots.zero_()
             self.dirty = False
@@ -323,26 +326,24 @@ class Buffers:
     def candidates(self, capacity: int, dtype: torch.dtype, ordered: bool = True) -> None:
         """Candidate buffers of at least ``capacity`` elements of ``dtype`` (unordered, and with
         ``ordered`` the ordered ones the pipelines reuse)."""
-        if self.loose_idx is None or self.loose_idx.numel() < capacity or self.loose_val is None \
-                or self.loose_val.dtype != dtype:
+        if self.loose_idx.numel() < capacity or self.loose_val.dtype != dtype:
             self.forget_graphs()
             size = max(capacity, _MIN_CAPACITY)
             self.loose_idx = torch.empty(size, dtype=torch.int64, device=self.device)
             self.loose_val = torch.empty(size, dtype=dtype, device=self.device)
-        if ordered and (self.idx is None or self.idx.numel() < capacity or self.val is None
-                        or self.val.dtype != dtype):
+        if ordered and (self.idx.numel() < capacity or self.val.dtype != dtype):
             self.forget_graphs()
             self.idx = torch.empty(max(capacity, _MIN_CAPACITY), dtype=torch.int64, device=self.device)
             self.val = torch.empty(max(capacity, _MIN_CAPACITY), dtype=dtype, device=self.device)
 
     def sample_buffer(self, size: int) -> Tensor:
-        if self.sample is None or self.sample.numel() < size:
+        if self.sample.numel() < size:
             self.forget_graphs()
             self.sample = torch.empty(size, dtype=torch.float32, device=self.device)
         return self.sample
 
     def counts_buffer(self, blocks: int) -> Tensor:
-        if self.block_counts is None or self.block_counts.numel() < 2 * blocks:
+        if self.block_counts.numel() < 2 * blocks:
             self.forget_graphs()
             self.block_counts = torch.empty(2 * blocks, dtype=torch.int32, device=self.device)
         return self.block_counts
@@ -350,7 +351,6 @@ class Buffers:
     def set_draw(self, x: Tensor, draw: int) -> None:
         """The call's random draw (MSTopK's window) into device memory, where the graphs read it."""
         self.prepare(x, max(1, -(-x.numel() // int(SHAPE["block"]))))
-        assert self.draw is not None and self.draw_host is not None
         self.draw_host[0] = draw
         self.draw.copy_(self.draw_host, non_blocking=True)
 
@@ -418,8 +418,8 @@ def launch_gather(x: Tensor, buffers: Buffers, *, floor: float = 0.0, rank: int 
             buffers.val = torch.empty(capacity, dtype=x.dtype, device=x.device)
     idx, val = (buffers.loose_idx, buffers.loose_val) if gather else (buffers.state, buffers.state)
     sampled = rank is not None
-    floor_arg = 0.0 if sampled else floor_in(x.dtype, floor)
-    rank_arg = int(rank) if sampled else 0
+    floor_arg = 0.0 if rank is not None else floor_in(x.dtype, floor)
+    rank_arg = int(rank) if rank is not None else 0
     target = x if dest is None else dest
     _PASS(programs, x, x if addend is None else addend, target, n, floor_arg, buffers.hists, rank_arg, idx, val,
           capacity, buffers.chunks, buffers.partials, buffers.slots, programs, warps=int(SHAPE["pass_warps"]),
@@ -436,7 +436,6 @@ def finish(buffers: Buffers) -> np.ndarray:
     """The state on the host: the call's one synchronization (a copy through a pinned buffer and a
     wait on the stream on a GPU)."""
     state = buffers.state
-    assert state is not None and buffers.host is not None
     if not state.is_cuda:
         return state.numpy().copy()
     buffers.host.copy_(state, non_blocking=True)
@@ -468,8 +467,7 @@ def scan_ge(x: Tensor, floor: float, buffers: Buffers, *, gather: bool = True, e
         launch_gather(x, buffers, floor=floor, capacity=count, fresh=True)
         indices, values = buffers.idx, buffers.val
         finish(buffers)
-    buffers.idx = buffers.val = None  # the caller owns them now
-    assert indices is not None and values is not None
+    buffers.idx = buffers.val = _NONE  # the caller owns them now
     return count, total, top, indices[:count], values[:count]
 
 

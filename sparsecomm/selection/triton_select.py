@@ -185,8 +185,8 @@ if triton is not None:
                     thres1 = t
                     count1 = c
             step += 1
-        tl.store(state_ptr + 6, lo + span * (jl.to(tl.float64) * (1.0 / (1 << DEPTH))))
-        tl.store(state_ptr + 7, lo + span * (jh.to(tl.float64) * (1.0 / (1 << DEPTH))))
+        tl.store(state_ptr + 6, lo + span * (tl.cast(jl, tl.float64) * (1.0 / (1 << DEPTH))))
+        tl.store(state_ptr + 7, lo + span * (tl.cast(jh, tl.float64) * (1.0 / (1 << DEPTH))))
         if MODE == 0:
             tl.store(state_ptr + 13, found_t)
             tl.store(state_ptr + 12, found_c.to(tl.float64))
@@ -313,9 +313,9 @@ if triton is not None:
                 if count < k:
                     flags = flags | 16
                 tl.store(state_ptr + 5, flags.to(tl.float64))
-                tl.store(state_ptr + 13, key.to(tl.float64))
+                tl.store(state_ptr + 13, tl.cast(key, tl.float64))
                 tl.store(state_ptr + 14, 0.0)
-                tl.store(state_ptr + 15, need.to(tl.float64))
+                tl.store(state_ptr + 15, tl.cast(need, tl.float64))
 
     @triton.jit(do_not_specialize=["blocks", "capacity", "out_capacity"],
                 do_not_specialize_on_alignment=["state_ptr", "hists_ptr", "counts_ptr", "val_ptr", "out_idx_ptr",
@@ -407,7 +407,6 @@ def _select(buffers: Buffers, k: int, capacity: int, out_capacity: int, mode: in
             ) -> tuple[Tensor, Tensor]:
     """Queue the selection's two kernels over the candidates: its picks in index order."""
     assert _SELECT_COUNT is not None and _SELECT_WRITE is not None
-    assert buffers.idx is not None and buffers.val is not None
     blocks = max(1, -(-capacity // _BLOCK))
     counts = buffers.counts_buffer(blocks)
     out_idx = torch.empty(out_capacity, dtype=torch.int64, device=buffers.device)
