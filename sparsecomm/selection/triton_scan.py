@@ -180,7 +180,8 @@ if triton is not None:
                                                 "src_val_ptr", "dst_idx_ptr", "dst_val_ptr"])
     def _order_kernel(chunks_ptr, programs, src_idx_ptr, src_val_ptr, dst_idx_ptr, dst_val_ptr, capacity,
                       partials_ptr, slots_ptr, state_ptr, floor, hists_ptr, rank, GROUP: tl.constexpr,
-                      TILE: tl.constexpr, SCAN: tl.constexpr, SAMPLED: tl.constexpr, GATHER: tl.constexpr):
+                      TILE: tl.constexpr, SCAN: tl.constexpr, REDUCE: tl.constexpr, SAMPLED: tl.constexpr,
+                      GATHER: tl.constexpr):
         """Per program, ``GROUP`` of the pass's programs: their candidates copied to their place in
         index order (the prefix of the counts of the programs before, summed here; the group's
         chunks side by side, ``TILE`` elements of each a round). Program 0 also reduces
@@ -217,20 +218,20 @@ if triton is not None:
                 tl.store(dst_val_ptr + dst, tl.load(src_val_ptr + src, mask=ok), mask=ok)
                 done += TILE
         if g == 0:
-            lanes = tl.arange(0, SCAN)
-            total = tl.zeros([SCAN], dtype=tl.float64)
-            top = tl.zeros([SCAN], dtype=tl.float64)
-            hits = tl.zeros([SCAN], dtype=tl.float64)
-            bad = tl.zeros([SCAN], dtype=tl.float64)
+            part = tl.arange(0, REDUCE)
+            total = tl.zeros([REDUCE], dtype=tl.float64)
+            top = tl.zeros([REDUCE], dtype=tl.float64)
+            hits = tl.zeros([REDUCE], dtype=tl.float64)
+            bad = tl.zeros([REDUCE], dtype=tl.float64)
             start = 0
             while start < programs:
-                offs = start + lanes
+                offs = start + part
                 ok = offs < programs
                 total += tl.load(partials_ptr + offs, mask=ok, other=0.0)
                 top = tl.maximum(top, tl.load(partials_ptr + programs + offs, mask=ok, other=0.0))
                 hits += tl.load(partials_ptr + 2 * programs + offs, mask=ok, other=0.0)
                 bad += tl.load(partials_ptr + 3 * programs + offs, mask=ok, other=0.0)
-                start += SCAN
+                start += REDUCE
             tl.store(state_ptr + 0, tl.sum(hits, 0))
             tl.store(state_ptr + 1, tl.sum(total, 0))
             tl.store(state_ptr + 2, tl.max(top, 0))
@@ -428,7 +429,8 @@ def launch_gather(x: Tensor, buffers: Buffers, *, floor: float = 0.0, rank: int 
     dst_idx, dst_val = (buffers.idx, buffers.val) if gather else (buffers.state, buffers.state)
     _ORDER(-(-programs // group) if gather else 1, buffers.chunks, programs, idx, val, dst_idx, dst_val, capacity,
            buffers.partials, buffers.slots, buffers.state, floor_arg, buffers.hists, rank_arg,
-           warps=int(SHAPE["order_warps"]), GROUP=group, TILE=64, SCAN=4096, SAMPLED=sampled, GATHER=gather)
+           warps=int(SHAPE["order_warps"]), GROUP=group, TILE=32, SCAN=2048, REDUCE=1024, SAMPLED=sampled,
+           GATHER=gather)
     return capacity
 
 
