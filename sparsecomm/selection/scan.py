@@ -190,8 +190,9 @@ class Scratch:
         if dest is not None and (addend is None or dest.shape != x.shape or dest.dtype != x.dtype
                                  or dest.device != x.device):
             raise ValueError("scan: dest needs an addend and the shape, dtype and device of x")
-        if addend is not None and not (self.uses_compiled(x, addend, *([] if dest is None else [dest]))
-                                       or self._fuses_on_device(x, addend, dest)):
+        if addend is not None and not (addend.shape == x.shape
+                                       and (self.uses_compiled(x, addend, *([] if dest is None else [dest]))
+                                            or self._fuses_on_device(x, addend, dest))):
             x = x.add_(addend) if dest is None else torch.add(x, addend, out=dest)
             addend = dest = None
         if self._use_compiled(x):
