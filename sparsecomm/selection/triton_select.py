@@ -1,7 +1,11 @@
 """Threshold searches on a GPU: the loop on the device, one host synchronization per selection.
 
-The CPU runs RedSync's and Shi et al.'s threshold bisections step by step on the gathered
-candidates (:mod:`.search`); each step's count is cheap there. On a GPU every step that asks the
+The searches are RedSync's threshold binary search (Fang et al., "RedSync: Accelerating Distributed
+Deep Learning Training with Gradient Compression", Journal of Parallel and Distributed Computing,
+2019, Algorithm 3; its trimmed top-k, Algorithm 2, selects the exact top-k) and MSTopK (Shi et al.,
+"Towards Scalable Distributed Training of Deep Learning on Public Cloud Clusters", MLSys 2021,
+Algorithm 1). The CPU runs these bisections step by step on the gathered candidates (:mod:`.search`);
+each step's count is cheap there. On a GPU every step that asks the
 host costs a round trip, so here a selection is a fixed short sequence of kernels queued back to
 back, and the host waits once, at the end, for a few figures:
 
@@ -25,6 +29,10 @@ back, and the host waits once, at the end, for a few figures:
    block's picks at the prefix of the counts before it (ties with the k-th largest, or MSTopK's
    window of the band between its two thresholds, taken in index order by their rank among the
    tied).
+
+From the second call with the same input tensors and sizes, the sequence is captured as a CUDA graph
+and replayed: the host's part of a selection is then one launch and the synchronization
+(:data:`GRAPHS`).
 
 A case the device path does not decide -- the floor above a threshold whose exact count is needed
 (a sample that misjudged), no threshold in RedSync's band, non-finite input, more candidates than
@@ -54,8 +62,6 @@ __all__ = ["Fallback", "SamplePlan", "exact_topk", "band_search", "mstopk", "bis
 _DEPTH = 15
 #: candidates per program of the search kernels
 _BLOCK = 2048
-#: radix bits per level of the exact top-k (512 bins: one histogram per program, added once)
-_RADIX_BITS = 9
 #: MSTopK's window is placed by one draw ``u`` of ``torch.randint(*MSTOPK_DRAW)`` per call, taken
 #: before the search on both devices: ``start = u % (band - missing + 1)`` (from 2^32 on, so that the
 #: kernels always take it as a 64-bit integer)
