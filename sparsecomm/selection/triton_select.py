@@ -456,7 +456,7 @@ def _queued(buffers: Buffers, key: tuple, queue: Callable[[], tuple[Tensor, Tens
     try:
         with torch.cuda.graph(graph):
             outputs = queue()
-    except RuntimeError as err:
+    except Exception as err:  # noqa: BLE001  (any failure of the capture: the kernels then run one by one)
         _disable_graphs(err)
         buffers.forget_graphs()
         buffers.dirty = True
