@@ -15,7 +15,8 @@
 #              (profile-d0.01.json, profile-d0.001.json)
 #   test       make test-gpu: python3 -m pytest -m gpu tests/test_gpu.py (test-gpu.log)
 #
-# Every stage runs under its own timeout; run.log holds the machine, each stage's command, output and exit.
+# Every stage runs under its own timeout (120, 60, 2 x 60 and 180 s: 480 s at most, about 300 s expected,
+# the first Triton compilations included); run.log holds the machine, each stage's command, output and exit.
 # SMOKE=1 runs the select, gpt and calibrate stages' code on the CPU at tiny sizes (Triton's interpreter)
 # to check the script: nothing it prints is a measurement.
 set -u
@@ -60,20 +61,20 @@ for s in $stages; do
     case $s in
         select)
             check=$([ "$DEVICE" = cuda ] && echo --check)
-            stage select 150 $PY benchmarks/gpu/select_table.py $check --device "$DEVICE" --sizes "$SIZES" \
+            stage select 120 $PY benchmarks/gpu/select_table.py $check --device "$DEVICE" --sizes "$SIZES" \
                 --densities "$DENSITIES" --repeat "$REPEAT" --json "$OUT/select.json" >"$OUT/select.md" 2>>"$LOG" ;;
         gpt)
-            stage gpt 90 $PY benchmarks/gpu/gpt_step.py $GPT_ARGS --peers 8 --gradients "$GRADS" \
+            stage gpt 60 $PY benchmarks/gpu/gpt_step.py $GPT_ARGS --peers 8 --gradients "$GRADS" \
                 --json "$OUT/gpt-step.json" >>"$LOG" 2>&1 ;;
         calibrate)
             for density in 0.01 0.001; do
-                stage "calibrate $density" 90 $PY -m sparsecomm calibrate --device "$DEVICE" --peers 8 \
+                stage "calibrate $density" 60 $PY -m sparsecomm calibrate --device "$DEVICE" --peers 8 \
                     --gradients "$GRADS" --step "$OUT/gpt-step.json" --methods "$METHODS" --density "$density" \
                     --repeat 5 -o "$OUT/profile-d$density.json" >>"$LOG" 2>&1
             done ;;
         test)
             if [ "$DEVICE" = cuda ]; then
-                stage test 200 $PY -m pytest -q -ra -m gpu tests/test_gpu.py -p no:cacheprovider \
+                stage test 180 $PY -m pytest -q -ra -m gpu tests/test_gpu.py -p no:cacheprovider \
                     >"$OUT/test-gpu.log" 2>&1
             else
                 echo "== test: skipped (no GPU: SMOKE=1)" >>"$LOG"
