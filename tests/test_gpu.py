@@ -3,7 +3,10 @@
 Skipped without a CUDA GPU. Every test runs in forked workers (``run_workers``) so that the pytest
 process never initializes CUDA (a forked child of a process that did cannot use the GPU):
 
-* selectors: the same indices on CUDA as on the CPU, with the Triton scan in use;
+* selectors: the same indices on CUDA as on the CPU, with the Triton scan in use; the threshold
+  searches decided on the device (no fallback to the host's loop), with the residual's addition fused
+  and with the device buffers reused from call to call; the packing and the decompression kernels
+  give the CPU's bits;
 * methods at P = 1 (NCCL) and P = 2 (gloo, which reads host memory only: the communicator stages
   CUDA tensors through host copies; NCCL refuses two ranks on one GPU): the invariants of every
   method (consistency, conservation, density 1 = dense, meter = formula) and results bit-identical
@@ -81,6 +84,149 @@ def test_selector_on_cuda_selects_what_the_cpu_selects(name):
         assert torch.equal(on_cpu, on_gpu), (f"{name}, n={n}, density={density}: {on_gpu.numel()} indices on CUDA, "
                                              f"{on_cpu.numel()} on the CPU, "
                                              f"{len(set(on_cpu.tolist()) ^ set(on_gpu.tolist()))} differ")
+
+
+#: the selectors whose whole search runs on the device (:mod:`sparsecomm.selection.triton_select`)
+DEVICE_SEARCHES = ("exact_topk", "trimmed", "binary_search", "mstopk", "sampled_binary_search")
+#: those with the residual's addition fused into their pass (``Selector.accumulate``)
+FUSED = ("exact_topk", "binary_search", "mstopk", "sampled_binary_search", "fixed_threshold")
+
+
+def _watch_fallbacks() -> list[str]:
+    """Collects the selection modules' messages that a device search handed a call to the host."""
+    import logging
+
+    seen: list[str] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "host path" in record.getMessage():
+                seen.append(record.getMessage())
+    for module in ("sparsecomm.selection.exact", "sparsecomm.selection.search"):
+        logger = logging.getLogger(module)
+        logger.addHandler(Handler())
+        logger.setLevel(logging.DEBUG)
+    return seen
+
+
+def _search_worker(name: str) -> list[tuple]:
+    """One selector instance called on several inputs in turn (its device buffers reused), plain and
+    with the residual's addition: (what, on the CPU, on CUDA) per call, and the fallbacks seen."""
+    fallbacks = _watch_fallbacks()
+    results = []
+    reused = name not in SELECTOR_OPTIONS  # a primed threshold is made for its input
+    cpu_sel = gpu_sel = None
+    for call, (n, density) in enumerate(((2_000_000, 0.001), (2_000_000, 0.01), (3_000_001, 0.001),
+                                         (2_000_000, 0.001))):
+        x = make_gradient(n, 0, call, seed=n, dtype=torch.float32)
+        k = math.ceil(density * n)
+        if cpu_sel is None or gpu_sel is None or not reused:
+            cpu_sel, gpu_sel = _selector(name, x, k), _selector(name, x, k)
+        results.append((f"call {call}", torch.sort(cpu_sel(x, k)).values,
+                        torch.sort(gpu_sel(x.cuda(), k).cpu()).values))
+    if name in FUSED:
+        residual, grad = make_gradient(2_000_000, 0, 7), make_gradient(2_000_000, 1, 7)
+        k = 2000
+        cpu_sel, gpu_sel = _selector(name, residual + grad, k), _selector(name, residual + grad, k)
+        for call in range(3):
+            acc_cpu, acc_gpu = torch.empty_like(residual), torch.empty_like(residual).cuda()
+            r_gpu, g_gpu = residual.cuda(), grad.cuda()
+            picked_cpu = cpu_sel.accumulate(residual, grad, k, dest=acc_cpu)
+            picked_gpu = gpu_sel.accumulate(r_gpu, g_gpu, k, dest=acc_gpu)
+            results.append((f"fused {call} indices", torch.sort(picked_cpu).values,
+                            torch.sort(picked_gpu.cpu()).values))
+            results.append((f"fused {call} acc", acc_cpu, acc_gpu.cpu()))
+            results.append((f"fused {call} residual kept", residual, r_gpu.cpu()))
+            grad = grad * 1.01
+    return results + [("fallbacks", fallbacks, [])]
+
+
+def _searches_worker(names: list[str]) -> dict[str, list[tuple]]:
+    return {name: _search_worker(name) for name in names}
+
+
+def test_selectors_on_cuda_decide_on_the_device_and_match_the_cpu():
+    """One worker for all (a CUDA context each would cost more than the checks)."""
+    names = sorted(set(DEVICE_SEARCHES) | set(FUSED))
+    for name, results in run_workers(1, _searches_worker, names, timeout=300)[0].items():
+        *pairs, (_, fallbacks, _) = results
+        for what, on_cpu, on_gpu in pairs:
+            assert torch.equal(on_cpu, on_gpu), f"{name}, {what}: CUDA differs from the CPU"
+        if name in DEVICE_SEARCHES:
+            assert not fallbacks, f"{name}: the device search handed calls to the host: {fallbacks}"
+
+
+def _graph_worker(name: str) -> list[tuple]:
+    """One selector called again and again on the same tensors with new contents (the pipeline's
+    CUDA graph captured at the second call, replayed after): (what, on the CPU, on CUDA) per call,
+    and whether a graph was kept."""
+    fallbacks = _watch_fallbacks()
+    n, k = 2_000_000, 2000
+    x_gpu, residual_gpu, grad_gpu = (torch.empty(n, device="cuda") for _ in range(3))
+    cpu_sel, gpu_sel = _selector(name, torch.ones(8), 1), _selector(name, torch.ones(8), 1)
+    cpu_acc, gpu_acc = _selector(name, torch.ones(8), 1), _selector(name, torch.ones(8), 1)
+    out = []
+    for call in range(4):
+        x, residual, grad = (make_gradient(n, rank, call) for rank in range(3))
+        x_gpu.copy_(x)
+        residual_gpu.copy_(residual)
+        grad_gpu.copy_(grad)
+        out.append((f"call {call}", torch.sort(cpu_sel(x, k)).values, torch.sort(gpu_sel(x_gpu, k).cpu()).values))
+        picked_cpu = cpu_acc.accumulate(residual, grad, k)
+        picked_gpu = gpu_acc.accumulate(residual_gpu, grad_gpu, k)
+        out.append((f"fused call {call}", torch.sort(picked_cpu).values, torch.sort(picked_gpu.cpu()).values))
+        out.append((f"fused call {call} sum", residual, residual_gpu.cpu()))
+    kept = bool(gpu_sel._scratch.device_buffers.graphs)
+    return out + [("fallbacks", fallbacks, kept)]
+
+
+def _graphs_worker(names: list[str]) -> dict[str, list[tuple]]:
+    return {name: _graph_worker(name) for name in names}
+
+
+def test_device_searches_replayed_as_cuda_graphs_match_the_cpu():
+    names = ["exact_topk", "trimmed", "binary_search", "mstopk"]
+    for name, results in run_workers(1, _graphs_worker, names, timeout=300)[0].items():
+        *pairs, (_, fallbacks, kept) = results
+        for what, on_cpu, on_gpu in pairs:
+            assert torch.equal(on_cpu, on_gpu), f"{name}, {what}: CUDA differs from the CPU"
+        assert not fallbacks, fallbacks
+        assert kept, f"{name}: no CUDA graph was kept (SPARSECOMM_CUDA_GRAPHS=0, or the capture failed)"
+
+
+def _kernels_worker() -> list[tuple]:
+    from sparsecomm.selection.scan import take_and_clear
+    from sparsecomm.transport import merge
+
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    x = torch.randn(1_000_003, generator=gen)
+    idx = torch.randperm(x.numel(), generator=gen)[:20_000]
+    on_cpu, on_gpu = x.clone(), x.cuda()
+    out.append(("take_and_clear values", on_cpu.index_select(0, idx), take_and_clear(on_gpu, idx.cuda()).cpu()))
+    on_cpu.index_fill_(0, idx, 0)
+    out.append(("take_and_clear rest", on_cpu, on_gpu.cpu()))
+    n = 2_000_003
+    for P, keep_sign in ((8, False), (3, True), (1, False)):
+        chunks = [torch.sort(torch.randperm(n, generator=gen)[:20_000 + 37 * p]).values for p in range(P)]
+        values = [torch.randn(c.numel(), generator=gen) for c in chunks]
+        values[0][::5] = -0.0
+        cpu_out, gpu_out = torch.zeros(n), torch.full((n,), 7.0).cuda()
+        merge.average_into(cpu_out, chunks, values, P, keep_sign=keep_sign)
+        stale, _ = merge.average_sorted_into(gpu_out, [c.cuda() for c in chunks], [v.cuda() for v in values], P,
+                                             stale="all", keep_sign=keep_sign)
+        out.append((f"average P={P} keep_sign={keep_sign}", cpu_out.view(torch.int32), gpu_out.cpu().view(torch.int32)))
+        again, _ = merge.average_sorted_into(gpu_out, [c.cuda() for c in chunks[:1]], [v.cuda() for v in values[:1]],
+                                             1, stale=stale)
+        cpu_again = torch.zeros(n)
+        merge.average_into(cpu_again, chunks[:1], values[:1], 1)
+        out.append((f"average again after P={P}", cpu_again.view(torch.int32), gpu_out.cpu().view(torch.int32)))
+    return out
+
+
+def test_packing_and_decompression_kernels_on_cuda_give_the_cpu_bits():
+    for what, on_cpu, on_gpu in run_workers(1, _kernels_worker, timeout=240)[0]:
+        assert torch.equal(on_cpu, on_gpu), f"{what}: CUDA differs from the CPU"
 
 
 def _full_density_options(name: str) -> dict:

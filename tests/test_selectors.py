@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from sparsecomm import selectors
 from sparsecomm.selection import NonFiniteInputError, scan
+from sparsecomm.selection.triton_select import MSTOPK_DRAW
 
 EXACT = ["exact_topk", "trimmed", "mstopk"]
 ALL = ["binary_search", "block_topk", "dgc_sampled", "exact_topk", "fixed_threshold", "mstopk",
@@ -263,7 +264,8 @@ def test_state_dict_round_trip_reproduces_the_next_call(name):
 def test_mstopk_is_everything_above_thres1_and_a_window_of_the_band_in_index_order(monkeypatch, n, k):
     """Shi et al. Algorithm 1's result, read off the two thresholds the search ended with: every
     element >= thres1 and a random contiguous window (in index order) of those in [thres2, thres1),
-    returned sorted; the window's start drawn from the selector's generator as before."""
+    returned sorted; the window's start ``u % (band - missing + 1)`` for the call's one draw ``u`` of the
+    selector's generator, taken before the search."""
     bracket = []
     marking = scan.MagnitudeView.indices_ge_marking
 
@@ -283,7 +285,7 @@ def test_mstopk_is_everything_above_thres1_and_a_window_of_the_band_in_index_ord
     band = band.squeeze(1)
     missing = k - upper.numel()
     assert 0 < missing <= band.numel()  # the window is used at these sizes
-    start = int(torch.randint(0, band.numel() - missing + 1, (1,), generator=drawn))
+    start = int(torch.randint(*MSTOPK_DRAW, (1,), generator=drawn)) % (band.numel() - missing + 1)
     expected = torch.sort(torch.cat([upper, band[start:start + missing]])).values
     assert torch.equal(got, expected)
 

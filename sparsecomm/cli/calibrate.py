@@ -4,6 +4,14 @@ The profile holds alpha and beta per link kind, the native all-reduce's fitted a
 each selector's time per element, the time per received sparse element, and each method's per-step
 work and traffic measured at ``-P`` workers; ``sparsecomm simulate --profile`` and ``sparsecomm advise``
 read it. See :mod:`sparsecomm.simulator.calibration`.
+
+With ``--peers P --gradients FILE`` it measures one device's local work instead, in one process: each
+method's calls on a saved gradient (selection, residual, packing, its own decompression) and the
+decompression of P simulated ranks' messages (cut from the saved gradients by the method's selector),
+with no link measured: projections take ``--alpha``/``--bandwidth`` and the formulas' traffic
+(``sparsecomm simulate --formula-comm``). ``--step FILE`` records a training step's figures (the
+JSON of ``benchmarks/gpu/gpt_step.py``: the step without synchronization, PowerSGD's local work and
+message sizes) in the profile, for ``simulate --step-compute``/``--powersgd``.
 """
 
 from __future__ import annotations
@@ -27,8 +35,17 @@ def add_arguments(parser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--density", type=float, default=0.01, help="density of the sparse methods "
                         "(default: %(default)s)")
-    parser.add_argument("--methods", default="all", help="comma-separated methods or 'all' (default: %(default)s)")
+    parser.add_argument("--methods", default="all", help="comma-separated methods or 'all'; a method's options "
+                        "follow its name after colons, e.g. redsync:large=binary_search (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per measurement (default: %(default)s)")
+    parser.add_argument("--peers", type=int, default=None,
+                        help="measure one device's local work with this many simulated ranks' messages to "
+                        "decompress (one process, no links; needs --gradients)")
+    parser.add_argument("--gradients", default=None,
+                        help="with --peers: a saved gradients file (torch.save of {'gradients': float32 [G, n], "
+                        "'layout': [(offset, numel), ...]}), e.g. from benchmarks/gpu/gpt_step.py")
+    parser.add_argument("--step", default=None,
+                        help="with --peers: a JSON of a training step's figures to record in the profile's meta")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where the methods' gradients live: cuda measures the GPU's work (the forked workers "
                         "share this machine's one GPU; under torchrun each rank uses its LOCAL_RANK's GPU) "
@@ -106,13 +123,71 @@ def _summary(profile, path: str) -> None:
     print(f"profile written to {path}")
 
 
+def _option_value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def method_options(text: str) -> list[tuple[str, dict]]:
+    """``name[:key=value...]`` entries, comma-separated (or 'all'): (name, options) pairs, names checked."""
+    from .simulate import method_names
+
+    if text.strip() == "all":
+        return [(name, {}) for name in method_names("all")]
+    out = []
+    for entry in text.split(","):
+        name, *pairs = entry.strip().split(":")
+        options = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or not key:
+                raise ValueError(f"--methods entry {entry!r}: options go as name:key=value")
+            options[key] = _option_value(value)
+        out.append((method_names(name)[0], options))
+    return out
+
+
+def _local(args, methods: list[tuple[str, dict]]) -> int:
+    """``--peers``: one device's local work with simulated peers (:func:`~.simulator.calibration.calibrate_local`)."""
+    from ..simulator.calibration import calibrate_local
+    from .simulate import fail
+
+    meta = {}
+    if args.step:
+        try:
+            with open(args.step) as f:
+                meta["step"] = json.load(f)
+        except (OSError, json.JSONDecodeError) as err:
+            return fail("calibrate", f"--step {args.step}: {err}")
+    print(f"local work of {len(methods)} methods on {args.device} with {args.peers} simulated peers, "
+          f"{args.repeat} timed calls each", file=sys.stderr, flush=True)
+    try:
+        profile = calibrate_local(methods, args.density, args.gradients, peers=args.peers, repeat=args.repeat,
+                                  device=args.device, meta=meta)
+    except (ValueError, OSError) as err:
+        return fail("calibrate", str(err))
+    profile.save(args.out)
+    print(json.dumps({name: _work_line(m) for name, m in profile.methods.items()}, indent=1))
+    print(f"profile written to {args.out}")
+    return 0
+
+
 def run(args) -> int:
     from ..simulator.model import UnknownMethodError
     from .options import parse_count
-    from .simulate import fail, method_names
+    from .simulate import fail
 
     try:
-        methods = method_names(args.methods)
+        with_options = method_options(args.methods)
+        methods = [name for name, _ in with_options]
+        if args.peers is not None and not args.gradients:
+            raise ValueError("--peers needs --gradients (a saved gradients file)")
+        if args.peers is None and any(options for _, options in with_options):
+            raise ValueError("method options in --methods are taken with --peers only")
         sizes = [parse_count(s) for s in args.size.split(",")]
         if not 0 < args.density <= 1:
             raise ValueError(f"--density={args.density} must lie in (0, 1]")
@@ -131,6 +206,8 @@ def run(args) -> int:
             parse_rate(args.net)
     except (UnknownMethodError, ValueError) as err:
         return fail("calibrate", str(err))
+    if args.peers is not None:
+        return _local(args, with_options)
     if _under_torchrun():
         return _torchrun(args, methods, sizes)
     from ..simulator.calibration import calibrate

@@ -87,6 +87,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     parser.add_argument("--long", action="store_true", help="one row per method and P (comm, work, step) instead "
                         "of one row per method")
+    parser.add_argument("--step-compute", default=None,
+                        help="the training step's own time, added to every method's (the step becomes compute + "
+                        "synchronization): a time such as 95ms, or 'auto' for the profile's measured step "
+                        "(calibrate --step)")
+    parser.add_argument("--powersgd", default=None,
+                        help="comma-separated PowerSGD ranks to project beside the methods (torch's hook: three "
+                        "ring all-reduces of the sizes the profile's step records, plus its measured local work)")
+    parser.add_argument("--steps-to-target", default=None,
+                        help="steps to the target quality, to project the time to it: a number for every method, "
+                        "or method=steps pairs (e.g. dense=1000,topka=1150,powersgd-r4=1300)")
 
 
 def model_kwargs(args) -> dict:
@@ -128,6 +138,73 @@ def pivot(rows: list[dict], methods: list[str], workers: list[int]) -> list[dict
     return out
 
 
+def _steps_to_target(text: str, methods: list[str]) -> dict[str, float]:
+    """``--steps-to-target``: one number for every method, or ``method=steps`` pairs (each method listed)."""
+    if "=" not in text:
+        steps = float(text)
+        if steps <= 0:
+            raise ValueError(f"--steps-to-target={text!r} must be positive")
+        return dict.fromkeys(methods, steps)
+    out = {}
+    for pair in text.split(","):
+        name, _, value = pair.partition("=")
+        out[name.strip()] = float(value)
+    missing = [name for name in methods if name not in out]
+    if missing or any(v <= 0 for v in out.values()):
+        raise ValueError(f"--steps-to-target needs a positive number of steps for every method; missing: "
+                         f"{', '.join(missing) or 'none'}")
+    return out
+
+
+def _step_rows(args, rows: list[dict], workers: list[int], kwargs: dict) -> list[str]:
+    """Add the step's compute (``--step-compute``), PowerSGD's rows (``--powersgd``) and the time to the
+    target (``--steps-to-target``) to ``rows`` (the speed-ups then over dense's step); returns the names
+    of the rows added."""
+    from ..simulator.model import powersgd_seconds
+
+    profile = kwargs["profile"]
+    step = (profile.meta.get("step") or {}) if profile is not None else {}
+    compute = 0.0
+    if args.step_compute == "auto":
+        if "step_s" not in step:
+            raise ValueError("--step-compute auto: the profile records no step (calibrate --step FILE)")
+        compute = float(step["step_s"])
+    elif args.step_compute:
+        compute = parse_seconds(args.step_compute)
+    added = []
+    if args.powersgd:
+        alpha = kwargs["alpha"] if kwargs["alpha"] is not None else profile.alpha
+        beta = kwargs["beta"] if kwargs["beta"] is not None else profile.beta
+        for rank in args.powersgd.split(","):
+            figures = (step.get("powersgd") or {}).get(rank.strip())
+            if figures is None:
+                raise ValueError(f"--powersgd {rank}: the profile records no PowerSGD rank {rank} (calibrate --step)")
+            name = f"powersgd-r{rank.strip()}"
+            added.append(name)
+            for P in workers:
+                comm, local = powersgd_seconds(P, figures, alpha, beta, float(figures.get("local_s", 0.0)))
+                local /= kwargs["compute_scale"]
+                rows.append({"method": name, "P": P, "time_s": comm + local, "comm_s": comm, "work_s": local,
+                             "speedup": 1.0, "rests_on": f"PowerSGD rank {rank}: three ring all-reduces by the "
+                             "formula, local work measured"})
+    for row in rows:
+        row["sync_s"] = row["time_s"]
+        row["time_s"] += compute
+        row["compute_s"] = compute
+    for P in workers:
+        dense = next(r["time_s"] for r in rows if r["method"] == "dense" and r["P"] == P) if any(
+            r["method"] == "dense" for r in rows) else None
+        for row in rows:
+            if row["P"] == P and dense is not None:
+                row["speedup"] = dense / row["time_s"] if row["time_s"] > 0 else float("inf")
+    if args.steps_to_target:
+        steps = _steps_to_target(args.steps_to_target, sorted({r["method"] for r in rows}))
+        for row in rows:
+            row["steps_to_target"] = steps[row["method"]]
+            row["to_target_s"] = steps[row["method"]] * row["time_s"]
+    return added
+
+
 def fail(command: str, message: str) -> int:
     print(f"sparsecomm {command}: error: {message}", file=sys.stderr)
     return 2
@@ -144,6 +221,8 @@ def run(args) -> int:
             raise ValueError(f"--density={args.density} must lie in (0, 1]")
         kwargs = model_kwargs(args)
         rows = speedup_table(methods, workers, n, args.density, **kwargs)
+        extra = _step_rows(args, rows, workers, kwargs)
+        methods = methods + extra
     except (UnknownMethodError, ValueError) as err:
         return fail("simulate", str(err))
     if args.long:
@@ -151,7 +230,16 @@ def run(args) -> int:
                   "step (ms)": 1e3 * r["time_s"], "speed-up vs dense": r["speedup"]} for r in rows]
     else:
         table = pivot(rows, methods, workers)
+    if args.step_compute or args.powersgd or args.steps_to_target:
+        print("PROJECTION from measured rates and the cost formulas, not a measurement of a cluster: "
+              + ("each step = the measured step without synchronization + the method's synchronization"
+                 if args.step_compute else "synchronization only") + "\n")
     print(markdown_table(table, list(table[0])))
+    if args.steps_to_target:
+        print("\ntime to the target (s): steps to the target x the projected step\n")
+        target = [{"method": name, **{f"P={P} s": next(r["to_target_s"] for r in rows if r["method"] == name
+                                                      and r["P"] == P) for P in workers}} for name in methods]
+        print(markdown_table(target, list(target[0])))
     profile = kwargs["profile"]
     source = f"profile {args.profile} ({profile.net}; work measured on {profile.device})" if profile else "given"
     alpha = kwargs["alpha"] if kwargs["alpha"] is not None else profile.alpha

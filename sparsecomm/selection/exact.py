@@ -11,9 +11,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import triton_select
 from .base import Selector, assert_finite
 from .registry import register_selector
-from .scan import MagnitudeView, Scratch, sample_floor
+from .scan import MagnitudeView, Scratch, device_plan, sample_floor
 
 __all__ = ["TopK", "Trimmed"]
 
@@ -48,9 +49,23 @@ class TopK(Selector):
         self.algorithm = algorithm
         self._scratch = Scratch()
 
+    def _sampled(self, n: int) -> bool:
+        return self.algorithm == "sampled" or (self.algorithm == "auto" and n >= _SAMPLED_MIN_N)
+
     def select(self, x: Tensor, k: int) -> Tensor:
-        sampled = self.algorithm == "sampled" or (self.algorithm == "auto" and x.numel() >= _SAMPLED_MIN_N)
-        floor = sample_floor(x, k) if sampled else None
+        if self._sampled(x.numel()) and self._scratch.searches_on_device(x):
+            plan = device_plan(x.numel(), k)
+            if plan is not None:  # else torch.topk, as on the CPU
+                try:
+                    return triton_select.exact_topk(x, k, self._scratch.device_buffers, plan,
+                                                    check_finite=self.check_finite, name=self.name)
+                except triton_select.Fallback as fallback:
+                    log.debug("topk: %s; the host path", fallback.reason)
+        return self._select_host(x, k)
+
+    def _select_host(self, x: Tensor, k: int) -> Tensor:
+        """:meth:`select` with the candidates' top-k chosen by the host (the CPU; a GPU's fallback)."""
+        floor = sample_floor(x, k) if self._sampled(x.numel()) else None
         if floor is not None:
             view = MagnitudeView(x, self._scratch, floor, name=self.name, check_finite=self.check_finite,
                                  count=k, need_mean=False)
@@ -69,9 +84,18 @@ class TopK(Selector):
         """On the sampled path the addition happens inside the scan (one read of ``x`` and ``addend``,
         one write of the sum to ``dest`` or ``x``; the floor is sampled from the sums), with the same
         result as the addition followed by :meth:`select`."""
-        sampled = self.algorithm == "sampled" or (self.algorithm == "auto" and x.numel() >= _SAMPLED_MIN_N)
-        if not sampled or addend.dtype != x.dtype or addend.device != x.device:
+        if not self._sampled(x.numel()) or addend.dtype != x.dtype or addend.device != x.device:
             return None
+        if self._scratch.searches_on_device(x, addend, dest):
+            plan = device_plan(x.numel(), k)
+            if plan is None:
+                return None
+            try:
+                return triton_select.exact_topk(x, k, self._scratch.device_buffers, plan, addend=addend, dest=dest,
+                                                check_finite=self.check_finite, name=self.name)
+            except triton_select.Fallback as fallback:
+                log.debug("topk: %s; the host path", fallback.reason)
+                return self._select_host(fallback.summed, k)
         floor = sample_floor(x, k, addend=addend)
         if floor is None:
             return None
@@ -110,6 +134,14 @@ class Trimmed(Selector):
         self._scratch = Scratch()
 
     def select(self, x: Tensor, k: int) -> Tensor:
+        if self._scratch.searches_on_device(x):
+            # the loop below ends at the first threshold with k elements above it and takes their top k:
+            # the exact top-k (lowest indices first among ties) whatever the threshold, found on the device
+            try:
+                return triton_select.exact_topk(x, k, self._scratch.device_buffers, device_plan(x.numel(), k),
+                                                check_finite=self.check_finite, name=self.name)
+            except triton_select.Fallback as fallback:
+                log.debug("trimmed: %s; the host path", fallback.reason)
         view = MagnitudeView(x, self._scratch, sample_floor(x, k), name=self.name,
                              check_finite=self.check_finite, count=k)
         mean, top = view.mean, view.max()

@@ -50,10 +50,11 @@ from torch import Tensor
 
 from ..core.optional import compiled_extension
 from ..transport.chunk import SparseChunk
-from . import triton_scan
+from . import triton_scan, triton_select
 from .base import assert_finite
 
-__all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "sampled_magnitudes", "kth_largest",
+__all__ = ["Scratch", "ScanResult", "MagnitudeView", "sample_floor", "sample_plan", "device_plan", "sampled_magnitudes",
+           "kth_largest",
            "above_float32", "kernel", "available_kernels",
            "use_kernel", "take_and_clear", "split_largest", "largest_of_chunk",
            "compiled_block_energies"]
@@ -69,6 +70,9 @@ _COMPILED_KERNELS = ("avx512", "avx2", "scalar")
 
 #: the compiled kernel takes vectors shorter than this (it writes the candidates' indices as int32)
 _COMPILED_MAX_N = 1 << 31
+
+#: the device searches take vectors shorter than this (their counts, up to twice k, stay int32)
+_DEVICE_SEARCH_MAX_N = 1 << 30
 
 #: the kernel's output buffers keep at most this many candidates (or 4x the expected count, or the last
 #: scan's count up to 1/_KEEP_FRACTION of the input) between calls, so that a rare scan at a low
@@ -158,7 +162,7 @@ class Scratch:
         self._out_indices = torch.empty(0, dtype=torch.int32)  # the kernel's int32 output, widened when copied out
         self._out_values = torch.empty(0, dtype=torch.float32)
         self._candidates: Scratch | None = None
-        self._triton = triton_scan._Buffers()
+        self._triton = triton_scan.Buffers()
 
     @property
     def candidates(self) -> Scratch:
@@ -186,15 +190,17 @@ class Scratch:
         if dest is not None and (addend is None or dest.shape != x.shape or dest.dtype != x.dtype
                                  or dest.device != x.device):
             raise ValueError("scan: dest needs an addend and the shape, dtype and device of x")
-        if addend is not None and not (self._use_compiled(x) and self._use_compiled(addend)
-                                       and (dest is None or self._use_compiled(dest)) and addend.shape == x.shape):
+        if addend is not None and not (addend.shape == x.shape
+                                       and (self.uses_compiled(x, addend, *([] if dest is None else [dest]))
+                                            or self._fuses_on_device(x, addend, dest))):
             x = x.add_(addend) if dest is None else torch.add(x, addend, out=dest)
             addend = dest = None
         if self._use_compiled(x):
             result = self._scan_compiled(x, floor, expected, addend, dest)
             x = x if dest is None else dest
         elif self.uses_triton(x):
-            result = self._scan_triton(x, floor, expected)
+            result = self._scan_triton(x, floor, expected, addend, dest)
+            x = x if dest is None else dest
         else:
             a = self.magnitudes(x)
             total = _sum_of_magnitudes(a) if need_total or check_finite else math.nan
@@ -212,9 +218,12 @@ class Scratch:
             return triton_scan.scan_ge(x, t, self._triton, gather=False)[0]
         return int(torch.count_nonzero(self._mask_ge(self.magnitudes(x), t)))
 
-    def _scan_triton(self, x: Tensor, floor: float, expected: int) -> ScanResult:
-        """The GPU scan (:func:`.triton_scan.scan_ge`): candidates in increasing index order."""
-        count, total, top, indices, values = triton_scan.scan_ge(x, floor, self._triton, expected=expected)
+    def _scan_triton(self, x: Tensor, floor: float, expected: int, addend: Tensor | None = None,
+                     dest: Tensor | None = None) -> ScanResult:
+        """The GPU scan (:func:`.triton_scan.scan_ge`): one read of ``x`` (and ``addend``, the sum
+        written to ``dest``), candidates in increasing index order."""
+        count, total, top, indices, values = triton_scan.scan_ge(x, floor, self._triton, expected=expected,
+                                                                 addend=addend, dest=dest)
         assert indices is not None and values is not None
         return ScanResult(indices, values, total, top)
 
@@ -222,6 +231,24 @@ class Scratch:
     def uses_triton(x: Tensor) -> bool:
         """Whether scans of ``x`` run the Triton kernels (CUDA tensors where Triton is installed)."""
         return triton_scan.available(x, on_cpu=_kernel == "triton")
+
+    @classmethod
+    def searches_on_device(cls, x: Tensor, *others: Tensor | None) -> bool:
+        """Whether the threshold searches of ``x`` run on the device (:mod:`.triton_select`): a
+        float32 tensor the Triton kernels scan, with ``others`` (an addend, a destination) alike."""
+        return (cls.uses_triton(x) and x.dtype == torch.float32 and x.numel() < _DEVICE_SEARCH_MAX_N
+                and all(t is None or (t.dtype == x.dtype and t.device == x.device and t.shape == x.shape
+                                      and t.is_contiguous()) for t in others))
+
+    @classmethod
+    def _fuses_on_device(cls, x: Tensor, addend: Tensor, dest: Tensor | None) -> bool:
+        """Whether the Triton pass adds ``addend`` itself (float32, alike tensors)."""
+        return cls.searches_on_device(x, addend, dest)
+
+    @property
+    def device_buffers(self) -> triton_scan.Buffers:
+        """The Triton pipelines' device buffers (reused across calls)."""
+        return self._triton
 
     @staticmethod
     def _use_compiled(x: Tensor) -> bool:
@@ -328,7 +355,16 @@ def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 
     Returns ``None`` when that count is not much below ``n`` (small inputs: the caller then scans ``x``
     whole). The answer is a guess: callers check the real count.
     """
-    n = x.numel()
+    plan = sample_plan(x.numel(), count, min_hits=min_hits, sigmas=sigmas)
+    if plan is None:
+        return None
+    runs, stride, rank = plan
+    return kth_largest(_sampled_magnitudes(x, runs, stride, addend), rank)
+
+
+def sample_plan(n: int, count: int, *, min_hits: int = 256, sigmas: float = 4.0) -> tuple[int, int, int] | None:
+    """:func:`sample_floor`'s sample for ``count`` of ``n`` elements: (runs, their stride, the rank in
+    the sample of the floor), or ``None`` where it takes no sample. A function of the sizes alone."""
     if count <= 0 or count >= n:
         return None
     size = min(math.ceil(min_hits * n / count), _MAX_SAMPLE, int(n * _MAX_SAMPLE_FRACTION))
@@ -338,10 +374,19 @@ def sample_floor(x: Tensor, count: int, *, min_hits: int = 256, sigmas: float = 
     if count > n * _MAX_SAMPLE_FRACTION:
         return None
     runs = -(-size // _SAMPLE_RUN)
-    sample = _sampled_magnitudes(x, runs, n // runs, addend)
-    hits = count * sample.numel() / n
-    rank = min(sample.numel(), int(hits + sigmas * math.sqrt(_SAMPLE_RUN * hits)) + 2)
-    return kth_largest(sample, rank)
+    sampled = runs * _SAMPLE_RUN
+    hits = count * sampled / n
+    return runs, n // runs, min(sampled, int(hits + sigmas * math.sqrt(_SAMPLE_RUN * hits)) + 2)
+
+
+def device_plan(n: int, count: int) -> triton_select.SamplePlan | None:
+    """The device searches' sample (:func:`sample_plan`'s, with the candidates it leads to expect):
+    the floor is placed on the device from it, with no host round trip (:mod:`.triton_select`)."""
+    plan = sample_plan(n, count)
+    if plan is None:
+        return None
+    runs, stride, rank = plan
+    return triton_select.SamplePlan(runs, stride, rank, triton_select.sample_expected(n, runs, rank))
 
 
 #: :func:`kth_largest` scans from this many elements on (below it the radix select of all is as fast)
@@ -581,7 +626,8 @@ def take_and_clear(x: Tensor, indices: Tensor) -> Tensor:
     (as a selection returns them), any order.
 
     Where the compiled kernel is in use (float32 ``x`` on the CPU) one C loop visits each touched cache
-    line once (``_scan.take_and_clear``); else ``index_select`` and ``index_fill_``, with the same
+    line once (``_scan.take_and_clear``); on a GPU one Triton kernel reads and clears the entries
+    (:func:`.triton_scan.take_and_clear`); else ``index_select`` and ``index_fill_``, with the same
     result."""
     if _compiled_applies(x, torch.float32) and indices.dtype == torch.int64 and indices.device.type == "cpu" \
             and indices.is_contiguous():
@@ -590,6 +636,9 @@ def take_and_clear(x: Tensor, indices: Tensor) -> Tensor:
                                     values.data_ptr()) != 0:
             raise IndexError(f"take_and_clear: an index lies outside the {x.numel()} elements of x")
         return values
+    if (Scratch.uses_triton(x) and x.dim() == 1 and indices.dim() == 1 and indices.device == x.device
+            and indices.dtype in (torch.int32, torch.int64) and x.numel() < _COMPILED_MAX_N):
+        return triton_scan.take_and_clear(x, indices.contiguous())
     values = x.index_select(0, indices)
     x.index_fill_(0, indices, 0)
     return values

@@ -17,9 +17,10 @@ import torch
 from torch import Tensor
 
 from ..core.validate import check_int
+from . import triton_select
 from .base import Selector
 from .registry import register_selector
-from .scan import MagnitudeView, Scratch, sample_floor
+from .scan import MagnitudeView, Scratch, device_plan, sample_floor
 
 __all__ = ["BinarySearch", "SampledBinarySearch", "MSTopK"]
 
@@ -131,7 +132,16 @@ class BinarySearch(Selector):
 
     def _search(self, x: Tensor, k: int, addend: Tensor | None = None, dest: Tensor | None = None) -> tuple:
         """(indices, threshold or None when completed to exact top-k); with ``addend`` the search is of
-        ``x + addend``, written to ``dest`` (default ``x``) by its first scan."""
+        ``x + addend``, written to ``dest`` (default ``x``) by its first scan. On a GPU the whole
+        search runs on the device (:func:`.triton_select.band_search`), the same thresholds visited."""
+        if self._scratch.searches_on_device(x, addend, dest):
+            try:
+                return triton_select.band_search(x, k, self.eps, self._scratch.device_buffers,
+                                                 device_plan(x.numel(), 2 * k), addend=addend, dest=dest,
+                                                 check_finite=self.check_finite, name=self.name)
+            except triton_select.Fallback as fallback:
+                log.debug("%s: %s; the host path", self.name, fallback.reason)
+                x, addend, dest = fallback.summed, None, None
         view = MagnitudeView(x, self._scratch, sample_floor(x, 2 * k, addend=addend), name=self.name,
                              check_finite=self.check_finite, count=2 * k, addend=addend, dest=dest)
         return self._search_view(view, k)
@@ -227,6 +237,11 @@ class MSTopK(Selector):
     updated) we start from "no element" (``thres1 = +inf``, ``k1 = 0``); ``thres2`` starts at 0 as in
     the paper.
 
+    The window's start is ``u % (band - (k - k1) + 1)`` for one draw ``u`` of the generator per call,
+    taken before the search (whether a window is needed or not), so that a GPU, which learns the
+    band's size only on the device, places it where the CPU does (:func:`.triton_select.mstopk`: the
+    whole selection in one device sequence).
+
     Args:
         samplings: N, the number of bisection steps (default 30, the paper's setting).
         seed: seed of the generator that places the random window (its state is in ``state_dict``).
@@ -251,6 +266,15 @@ class MSTopK(Selector):
     def _select(self, x: Tensor, k: int, addend: Tensor | None = None, dest: Tensor | None = None) -> Tensor:
         """:meth:`select` of ``x``, or with ``addend`` of ``x + addend``, written to ``dest`` (default
         ``x``) by the scan."""
+        draw = int(torch.randint(*triton_select.MSTOPK_DRAW, (1,), generator=self.generator))
+        if self._scratch.searches_on_device(x, addend, dest):
+            try:
+                return triton_select.mstopk(x, k, self.samplings, draw, self._scratch.device_buffers,
+                                            device_plan(x.numel(), k), addend=addend, dest=dest,
+                                            check_finite=self.check_finite, name=self.name)
+            except triton_select.Fallback as fallback:
+                log.debug("mstopk: %s; the host path", fallback.reason)
+                x, addend, dest = fallback.summed, None, None
         view = MagnitudeView(x, self._scratch, sample_floor(x, k, addend=addend), name=self.name,
                              check_finite=self.check_finite, count=k, addend=addend, dest=dest)
         x = view.x
@@ -279,7 +303,7 @@ class MSTopK(Selector):
         between = torch.nonzero(~upper).squeeze(1)  # positions in ``indices``
         if between.numel() < missing:  # only NaN input (check_finite=False) breaks the bracket
             return torch.topk(x.abs(), k, sorted=False).indices
-        start = int(torch.randint(0, between.numel() - missing + 1, (1,), generator=self.generator))
+        start = draw % (between.numel() - missing + 1)
         # the window between[start:start + missing] spans a range of indices that holds no other
         # entry of the band, so "above thres1, or inside that range" selects the result already sorted
         first, last = indices[between[start]], indices[between[start + missing - 1]]

@@ -173,19 +173,25 @@ def estimate_kth_magnitude(x: Tensor, k: int, shift: int = 0, addend: Tensor | N
     else:
         gen = torch.Generator().manual_seed(_SEED_STRIDE * shift + n)
         picked = torch.randint(0, n // _ESTIMATE_PIECE, (max(1, size // _ESTIMATE_PIECE),), generator=gen)
-        picked = picked.to(x.device)
+        if x.is_cuda:  # through pinned memory: a copy from pageable memory would wait for the device
+            picked = picked.pin_memory().to(x.device, non_blocking=True)
 
         def pieces(v: Tensor) -> Tensor:
             return v[: n // _ESTIMATE_PIECE * _ESTIMATE_PIECE].view(-1, _ESTIMATE_PIECE).index_select(0, picked)
 
         sample = pieces(x) if addend is None else pieces(x).add_(pieces(addend))
         sample = sample.reshape(-1).abs_()
-    if not math.isfinite(float(sample.sum())):  # NaN/Inf in the sample (a finite sum: none, no mask needed)
-        sample = sample[torch.isfinite(sample)]
+    rank = min(sample.numel(), max(1, round(k * sample.numel() / n)))
+    if sample.is_cuda:  # the sum and the k-th value in one copy to the host (one synchronization)
+        total, kth = torch.stack([sample.sum(), torch.topk(sample, rank, sorted=False).values.min()]).tolist()
+        if math.isfinite(total):
+            return kth
+    elif math.isfinite(float(sample.sum())):
+        return kth_largest(sample, rank)
+    sample = sample[torch.isfinite(sample)]  # NaN/Inf in the sample (a finite sum: none, no mask needed)
     if sample.numel() == 0:
         return 0.0
-    rank = min(sample.numel(), max(1, round(k * sample.numel() / n)))
-    return kth_largest(sample, rank)
+    return kth_largest(sample, min(sample.numel(), max(1, round(k * sample.numel() / n))))
 
 
 def cap_selection(x: Tensor, indices: Tensor, limit: int) -> Tensor:

@@ -1,22 +1,24 @@
-"""The selectors' passes on a GPU: Triton kernels that read the gradient twice, with one host synchronization.
+"""The selectors' pass over the gradient on a GPU: Triton kernels that read ``x`` once.
 
-The CPU path reads ``x`` once with the C kernel; on CUDA the same contract is met by these kernels
-(see :mod:`sparsecomm.selection.scan` for how the selectors use them):
+The CPU path reads ``x`` once with the C kernel; on CUDA the same contract is met here (see
+:mod:`sparsecomm.selection.scan` for how the selectors use it, :mod:`.triton_select` for the
+threshold searches built on it):
 
-* :func:`scan_ge` -- ``sum |x|`` (in float64, per program, then summed in a fixed order, so the
-  result does not depend on scheduling), ``max |x|`` and the candidates ``|x| >= floor`` (indices
-  and magnitudes, in increasing index order) in two reads of ``x`` and one host synchronization, at
-  the end: a statistics kernel (the figures of each program and the count of each gather tile, 1024
-  elements by default), a prefix sum of those counts on the device, and a gather kernel with one
-  program per gather tile, which writes that tile's candidates at its prefix-sum offset (no
-  atomics: the same result on every run).
-  The three are queued back to back, so the host's launches overlap the GPU's work; the output is
-  sized from the previous calls' counts, and a call that finds more candidates than fit gathers
-  again into an exact buffer. (A single read with an atomic slot reservation per program was
-  measured too: its output is unordered, and sorting it cost more than the second read.)
-* :func:`counts_ge` -- the exact counts ``#{v >= t_j}`` at many thresholds at once, from the
-  candidates sorted by magnitude (one binary search per threshold), so that a threshold bisection
-  of depth ``L`` costs one launch and one host synchronization instead of ``L`` passes and syncs.
+* :func:`launch_gather`, the *pass*: one read of ``x`` (and, fused, of an ``addend``, writing
+  ``dest = x + addend`` once: error feedback's ``acc = residual + grad``) giving each program's
+  ``sum |x|`` (float64), ``max |x|``, NaN/Inf count and the candidates ``|x| >= floor`` (indices and
+  magnitudes), written at a slot the program reserves with one atomic addition; then the *order*
+  kernel, which copies every program's candidates to their place in increasing index order (a
+  prefix of the programs' counts, summed by each of its programs) and reduces the programs' figures
+  in a fixed order, so that the result is the same on every run. The candidates are a small share
+  of ``x``: the order kernel moves a few percent of a pass.
+* The floor is a number, or, for the searches, placed on the device from a strided sample of
+  ``|x|`` (:func:`launch_sample`: the sample's exponent histogram, then a histogram of the mantissa's
+  top 8 bits within the chosen octave; every program of the pass reads the floor off the two
+  histograms), so that no host round trip sits between the sample and the pass.
+* :func:`finish` brings the figures to the host: the call's one synchronization.
+* :func:`counts_ge` -- the exact counts ``#{v >= t_j}`` at many thresholds at once, from values
+  sorted by magnitude (the host-driven searches' fallback).
 
 Comparisons are made in the input's dtype with the threshold rounded to it, exactly as the C kernel
 and torch's ``ge`` do on the CPU, so counts and index sets are the same on both devices.
@@ -27,13 +29,16 @@ Triton ships with CUDA builds of PyTorch. ``TRITON_INTERPRET=1`` runs the same k
 
 from __future__ import annotations
 
-import os
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["available", "installed", "interpreted", "scan_ge", "counts_ge", "SHAPE"]
+from ..transport.triton_launch import Launcher, interpreted
+
+__all__ = ["available", "installed", "interpreted", "scan_ge", "counts_ge", "launch_gather", "launch_sample",
+           "finish", "take_and_clear", "Buffers", "SHAPE", "STATE", "FLAGS"]
 
 try:
     import triton
@@ -42,20 +47,26 @@ except ImportError:  # CPU builds of torch come without Triton: the torch passes
     triton = None
     tl = None
 
-#: elements per step of the statistics kernel's loop (its count is kept per gather tile, a divisor)
-_TILE = 1024
-#: the launch shape: tiles per program of the statistics kernel, elements per program of the gather
-#: (a power of two up to the tile; the statistics count per such piece), warps per program of each
-#: kernel, and whether the figures come to the host through a pinned buffer (``docs/gpu/tune_scan.py``
-#: times the alternatives on a GPU)
-SHAPE = {"tiles": 16, "gather_tile": 1024, "stats_warps": 4, "gather_warps": 4, "pinned": True}
-#: the smallest output the gather is given before the count is known (elements)
+#: the launch shape: elements per program of the pass, programs' chunks copied per program of the
+#: order kernel, sample runs per program of the sample kernels, and warps of each
+SHAPE: dict[str, int] = {"block": 2048, "pass_warps": 8, "group": 64, "order_warps": 8, "sample_runs": 256}
+#: the smallest candidate buffer the pass is given before the count is known (elements)
 _MIN_CAPACITY = 1 << 12
+#: elements per sample run (whole 16-byte pieces: one sector holds two runs)
+SAMPLE_RUN = 4
 
-
-def interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+#: positions in the device state (float64) the pipelines share: the pass's figures, the floor, the
+#: searches' bracket and thresholds, and the selection's count
+STATE = {"count": 0, "sum": 1, "max": 2, "nonfinite": 3, "floor": 4, "flags": 5, "lo": 6, "hi": 7, "thres1": 8,
+         "thres2": 9, "count1": 10, "count2": 11, "result": 12, "threshold": 13, "low_rank": 14, "high_rank": 15,
+         "done": 16}
+_STATE_SIZE = 32
+#: what the device searches report in ``STATE["flags"]`` (bits): the host then takes another path
+FLAGS = {"floor_high": 1, "no_band": 2, "unresolved": 4, "window": 8, "short": 16}
+#: the int32 histograms: the sample's exponents and mantissas, the radix levels, the bisection grid
+HISTS = {"exponent": 0, "mantissa": 256, "radix": 512, "grid": 512 + 4 * 512}
+_GRID_DEPTH_MAX = 15
+_HISTS_SIZE = HISTS["grid"] + (1 << _GRID_DEPTH_MAX)
 
 
 def installed() -> bool:
@@ -73,126 +84,296 @@ def available(x: Tensor, *, on_cpu: bool = False) -> bool:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n", "floor", "programs"],
-                do_not_specialize_on_alignment=["out_ptr", "tile_counts_ptr"])
-    def _stats_kernel(x_ptr, n, floor, out_ptr, tile_counts_ptr, programs, TILE: tl.constexpr, TILES: tl.constexpr,
-                      PIECE: tl.constexpr):
-        """Per program p, into the float64 array out: out[p] = sum |x| (float64), out[programs + p] =
-        max |x|, out[2 programs + p] = #{|x| >= floor}, over its chunk of x (one host copy reads all);
-        and into the int32 array tile_counts, #{|x| >= floor} of each piece of PIECE elements (the
-        gather's tile; a divisor of TILE) of its tiles."""
-        pid = tl.program_id(0)
-        start = pid.to(tl.int64) * (TILE * TILES)
-        lanes = tl.arange(0, TILE)
-        total = tl.zeros([TILE], dtype=tl.float64)
-        top = tl.zeros([TILE], dtype=tl.float32)
-        hits = tl.zeros([TILE], dtype=tl.int32)
-        for t in range(TILES):
-            offs = start + t * TILE + lanes
-            inside = offs < n
-            a = tl.abs(tl.load(x_ptr + offs, mask=inside, other=0.0))
-            total += a.to(tl.float64)
-            top = tl.maximum(top, a.to(tl.float32))
-            hit = ((a >= floor) & inside).to(tl.int32)
-            pieces = tl.sum(tl.reshape(hit, [TILE // PIECE, PIECE]), axis=1)
-            first = (pid * TILES + t) * (TILE // PIECE)
-            tl.store(tile_counts_ptr + first + tl.arange(0, TILE // PIECE), pieces)
-            hits += hit
-        tl.store(out_ptr + pid, tl.sum(total, axis=0))
-        tl.store(out_ptr + programs + pid, tl.max(top, axis=0).to(tl.float64))
-        tl.store(out_ptr + 2 * programs + pid, tl.sum(hits, axis=0).to(tl.float64))
+    @triton.jit
+    def _pick(hist_ptr, BINS: tl.constexpr, rank):
+        """(the largest bin ``b`` of the int32 histogram with at least ``rank`` elements in bins
+        ``>= b``, the elements in bins ``> b``); ``(-1, total)`` when the histogram holds fewer."""
+        bins = tl.arange(0, BINS)
+        h = tl.load(hist_ptr + bins)
+        suffix = tl.cumsum(h, 0, reverse=True)
+        b = tl.max(tl.where(suffix >= rank, bins, -1), 0)
+        return b, tl.sum(tl.where(bins > b, h, 0), 0)
 
-    @triton.jit(do_not_specialize=["n", "floor", "capacity"],
-                do_not_specialize_on_alignment=["ends_ptr", "idx_ptr", "val_ptr"])
-    def _gather_kernel(x_ptr, n, floor, ends_ptr, idx_ptr, val_ptr, capacity, TILE: tl.constexpr):
-        """Per program, one tile of x: write the indices and magnitudes of its |x| >= floor, in order,
-        from the slot ``ends[pid - 1]`` (``ends``: the inclusive prefix sum of the tiles' counts), those
-        below ``capacity`` only. A tile without candidates is not read. (Loading every tile at once,
-        beside the prefix sum, instead of after it was timed too: no faster, docs/gpu.md.)"""
+    @triton.jit
+    def _sampled_floor(hists_ptr, rank):
+        """The floor read off the sample's histograms: the lower edge of the 1/256-octave bin that
+        holds the sample's ``rank``-th largest magnitude (0 when the sample is smaller)."""
+        e, above = _pick(hists_ptr, 256, rank)
+        m, _ = _pick(hists_ptr + 256, 256, rank - above)
+        bits = (tl.maximum(e, 0) << 23) | (tl.maximum(m, 0) << 15)
+        return tl.where(e >= 0, bits.to(tl.float32, bitcast=True), 0.0)
+
+    @triton.jit(do_not_specialize=["runs", "stride"], do_not_specialize_on_alignment=["addend_ptr", "sample_ptr",
+                                                                                   "hists_ptr"])
+    def _sample_kernel(x_ptr, addend_ptr, runs, stride, sample_ptr, hists_ptr, RUNS: tl.constexpr,
+                       RUN: tl.constexpr, ADD: tl.constexpr):
+        """``|x + addend|`` at the ``RUN`` elements from ``r * stride`` on, for this program's
+        ``RUNS`` runs ``r < runs``, into the sample; their float32 exponents into the histogram."""
         pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
+        r = pid * RUNS + tl.arange(0, RUNS)
+        j = tl.arange(0, RUN)
+        ok = (r < runs)[:, None] & (j < RUN)[None, :]
+        offs = r.to(tl.int64)[:, None] * stride + j[None, :]
+        v = tl.load(x_ptr + offs, mask=ok, other=0.0)
+        if ADD:
+            v += tl.load(addend_ptr + offs, mask=ok, other=0.0)
+        a = tl.abs(v).to(tl.float32)
+        tl.store(sample_ptr + r[:, None] * RUN + j[None, :], a, mask=ok)
+        e = tl.reshape(a.to(tl.int32, bitcast=True) >> 23, [RUNS * RUN])
+        h = tl.histogram(e, 256, mask=tl.reshape(ok, [RUNS * RUN]))
+        tl.atomic_add(hists_ptr + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+
+    @triton.jit(do_not_specialize=["size", "rank"], do_not_specialize_on_alignment=["hists_ptr"])
+    def _sample_fine_kernel(sample_ptr, size, hists_ptr, rank, TILE: tl.constexpr):
+        """The top 8 mantissa bits of this program's sample elements in the octave that holds the
+        sample's ``rank``-th largest, into the second histogram."""
+        pid = tl.program_id(0)
+        offs = pid * TILE + tl.arange(0, TILE)
+        bits = tl.load(sample_ptr + offs, mask=offs < size, other=0.0).to(tl.int32, bitcast=True)
+        e, _ = _pick(hists_ptr, 256, rank)
+        h = tl.histogram((bits >> 15) & 255, 256, mask=(offs < size) & ((bits >> 23) == e))
+        tl.atomic_add(hists_ptr + 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+
+    @triton.jit(do_not_specialize=["n", "floor", "rank", "capacity", "programs"],
+                do_not_specialize_on_alignment=["addend_ptr", "dest_ptr", "hists_ptr", "idx_ptr", "val_ptr",
+                                                "chunks_ptr", "partials_ptr", "slots_ptr"])
+    def _pass_kernel(x_ptr, addend_ptr, dest_ptr, n, floor, hists_ptr, rank, idx_ptr, val_ptr, capacity,
+                     chunks_ptr, partials_ptr, slots_ptr, programs, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                     SAMPLED: tl.constexpr, GATHER: tl.constexpr):
+        """One read of this program's ``BLOCK`` elements of ``x`` (with ``ADD``, of ``x + addend``,
+        written to ``dest``): its figures (``partials[q * programs + pid]``: sum |x| in float64,
+        max |x|, the candidates, the NaN/Inf elements) and, with ``GATHER``, its candidates
+        ``|x| >= floor`` in index order from a slot reserved by one atomic addition (those below
+        ``capacity``), the slot and the count in ``chunks``. ``SAMPLED``: the floor is read off the
+        sample's histograms (``rank``), not ``floor``."""
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
-        slot = tl.load(ends_ptr + pid - 1, mask=pid > 0, other=0)
-        end = tl.load(ends_ptr + pid)
-        if (end > slot) & (slot < capacity):
-            a = tl.abs(tl.load(x_ptr + offs, mask=inside, other=0.0))
-            hit = (a >= floor) & inside
-            position = slot + (tl.cumsum(hit.to(tl.int32), axis=0) - 1).to(tl.int64)
+        v = tl.load(x_ptr + offs, mask=inside, other=0.0)
+        if ADD:
+            v = v + tl.load(addend_ptr + offs, mask=inside, other=0.0)
+            tl.store(dest_ptr + offs, v, mask=inside)
+        a = tl.abs(v)
+        af = a.to(tl.float32)
+        if SAMPLED:
+            lim = _sampled_floor(hists_ptr, rank)
+        else:
+            lim = floor
+        bad = ((af != af) | (af > 3.4028234663852886e38)) & inside
+        hit = (af >= lim) & inside
+        count = tl.sum(hit.to(tl.int32), 0)
+        tl.store(partials_ptr + pid, tl.sum(af.to(tl.float64), 0))
+        tl.store(partials_ptr + programs + pid, tl.max(af, 0).to(tl.float64))
+        tl.store(partials_ptr + 2 * programs + pid, count.to(tl.float64))
+        tl.store(partials_ptr + 3 * programs + pid, tl.sum(bad.to(tl.int32), 0).to(tl.float64))
+        if GATHER:
+            slot = tl.atomic_add(slots_ptr, count.to(tl.int64), sem="relaxed")
+            position = slot + tl.cumsum(hit.to(tl.int32), 0).to(tl.int64) - 1
             keep = hit & (position < capacity)
             tl.store(idx_ptr + position, offs, mask=keep)
             tl.store(val_ptr + position, a, mask=keep)
+            tl.store(chunks_ptr + pid, slot)
+            tl.store(chunks_ptr + programs + pid, count.to(tl.int64))
+
+    @triton.jit(do_not_specialize=["programs", "capacity", "floor", "rank"],
+                do_not_specialize_on_alignment=["partials_ptr", "slots_ptr", "state_ptr", "hists_ptr", "src_idx_ptr",
+                                                "src_val_ptr", "dst_idx_ptr", "dst_val_ptr"])
+    def _order_kernel(chunks_ptr, programs, src_idx_ptr, src_val_ptr, dst_idx_ptr, dst_val_ptr, capacity,
+                      partials_ptr, slots_ptr, state_ptr, floor, hists_ptr, rank, GROUP: tl.constexpr,
+                      TILE: tl.constexpr, SCAN: tl.constexpr, REDUCE: tl.constexpr, SAMPLED: tl.constexpr,
+                      GATHER: tl.constexpr):
+        """Per program, ``GROUP`` of the pass's programs: their candidates copied to their place in
+        index order (the prefix of the counts of the programs before, summed here; the group's
+        chunks side by side, ``TILE`` elements of each a round). Program 0 also reduces
+        the pass's figures in a fixed order into the state (count, sum, max, NaN/Inf, floor) and
+        frees the slots for the next pass."""
+        g = tl.program_id(0)
+        first = g * GROUP
+        if GATHER:
+            lanes = tl.arange(0, SCAN)
+            before = tl.zeros([SCAN], dtype=tl.int64)
+            start = 0
+            while start < first:  # (while loops: Triton's interpreter takes no tensor as a range bound)
+                offs = start + lanes
+                before += tl.load(chunks_ptr + programs + offs, mask=offs < first, other=0)
+                start += SCAN
+            prefix = tl.sum(before, 0)
+            # the group's chunks side by side: row j copies program first + j's candidates, at the
+            # prefix of the counts before it, TILE a round
+            rows = first + tl.arange(0, GROUP)
+            real = rows < programs
+            slots = tl.load(chunks_ptr + rows, mask=real, other=0)
+            counts = tl.load(chunks_ptr + programs + rows, mask=real, other=0)
+            starts = prefix + tl.cumsum(counts, 0) - counts
+            longest = tl.max(counts, 0)
+            copy = tl.arange(0, TILE)
+            done = 0
+            while done < longest:
+                o = done + copy
+                ok = (o[None, :] < counts[:, None]) & (slots[:, None] + o[None, :] < capacity) \
+                    & (starts[:, None] + o[None, :] < capacity)
+                src = slots[:, None] + o[None, :]
+                dst = starts[:, None] + o[None, :]
+                tl.store(dst_idx_ptr + dst, tl.load(src_idx_ptr + src, mask=ok), mask=ok)
+                tl.store(dst_val_ptr + dst, tl.load(src_val_ptr + src, mask=ok), mask=ok)
+                done += TILE
+        if g == 0:
+            part = tl.arange(0, REDUCE)
+            total = tl.zeros([REDUCE], dtype=tl.float64)
+            top = tl.zeros([REDUCE], dtype=tl.float64)
+            hits = tl.zeros([REDUCE], dtype=tl.float64)
+            bad = tl.zeros([REDUCE], dtype=tl.float64)
+            start = 0
+            while start < programs:
+                offs = start + part
+                ok = offs < programs
+                total += tl.load(partials_ptr + offs, mask=ok, other=0.0)
+                top = tl.maximum(top, tl.load(partials_ptr + programs + offs, mask=ok, other=0.0))
+                hits += tl.load(partials_ptr + 2 * programs + offs, mask=ok, other=0.0)
+                bad += tl.load(partials_ptr + 3 * programs + offs, mask=ok, other=0.0)
+                start += REDUCE
+            tl.store(state_ptr + 0, tl.sum(hits, 0))
+            tl.store(state_ptr + 1, tl.sum(total, 0))
+            tl.store(state_ptr + 2, tl.max(top, 0))
+            tl.store(state_ptr + 3, tl.sum(bad, 0))
+            if SAMPLED:
+                tl.store(state_ptr + 4, _sampled_floor(hists_ptr, rank).to(tl.float64))
+            else:
+                tl.store(state_ptr + 4, tl.cast(floor, tl.float64))
+            # the searches' starting point (:mod:`.triton_select`): no flag, the bracket [0, 1], no
+            # threshold on either side yet (MSTopK's thres1 = +inf, thres2 = 0 with every candidate)
+            tl.store(state_ptr + 5, 0.0)
+            tl.store(state_ptr + 6, 0.0)
+            tl.store(state_ptr + 7, 1.0)
+            tl.store(state_ptr + 8, float("inf"))
+            tl.store(state_ptr + 9, 0.0)
+            tl.store(state_ptr + 10, 0.0)
+            tl.store(state_ptr + 11, tl.sum(hits, 0))
+            tl.store(state_ptr + 12, 0.0)
+            tl.store(state_ptr + 16, 0.0)
+            tl.store(slots_ptr, 0)
 
 
-class _Launcher:
-    """A Triton kernel compiled once per (device, dtype, 16-byte alignment of ``x``, warps, constexpr
-    values) and then launched straight through its compiled handle, which takes the constexprs
-    positionally: pass them as keywords in the kernel's own order.
-
-    Triton's own ``kernel[grid](...)`` binds and specializes the arguments on every call, about 50
-    microseconds of Python in Triton 3.6 (measured on an H100): more than the kernel itself on
-    gradients of a few million elements. The kernels here are declared not to specialize on their
-    integer arguments nor on the alignment of any pointer but ``x``, so one compiled kernel serves
-    every call with the same key. Under the interpreter (``TRITON_INTERPRET=1``) the plain launch is used.
-    """
-
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
-        self.compiled: dict = {}
-
-    def __call__(self, programs: int, x: Tensor, *args, warps: int, **constants: int) -> None:
-        grid = (programs, 1, 1)
-        if interpreted() or not x.is_cuda:
-            self.kernel[grid](x, *args, **constants, num_warps=warps)
-            return
-        key = (x.device.index, x.dtype, x.data_ptr() % 16 == 0, warps, *constants.values())
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            compiled = self.kernel.warmup(x, *args, **constants, num_warps=warps, grid=grid)
-            compiled = compiled.result() if hasattr(compiled, "result") else compiled
-            self.compiled[key] = compiled
-        compiled[grid](x, *args, *constants.values())
+    @triton.jit(do_not_specialize=["m", "n"], do_not_specialize_on_alignment=["x_ptr", "out_ptr"])
+    def _take_clear_kernel(idx_ptr, x_ptr, out_ptr, m, n, BLOCK: tl.constexpr):
+        """``out[j] = x[idx[j]]``, then ``x[idx[j]] = 0``, for this program's ``BLOCK`` indices
+        (distinct; one outside ``[0, n)`` reads 0 and writes nothing)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < m
+        i = tl.load(idx_ptr + offs, mask=ok, other=0).to(tl.int64)
+        inside = ok & (i >= 0) & (i < n)
+        tl.store(out_ptr + offs, tl.load(x_ptr + i, mask=inside, other=0.0), mask=ok)
+        tl.store(x_ptr + i, tl.zeros([BLOCK], dtype=x_ptr.dtype.element_ty), mask=inside)
 
 
-class _Buffers:
-    """Per-scratch device buffers of the scan (reused across calls) and the size of its last output."""
+#: an empty tensor: a buffer not allocated yet
+_NONE = torch.empty(0)
+
+
+class Buffers:
+    """Device buffers of the pass and the searches (one set per selector scratch, reused across calls).
+
+    ``state`` (float64): the figures and the searches' results (:data:`STATE`); ``hists`` (int32): the
+    histograms (:data:`HISTS`), zero between calls: each pipeline's last kernel clears what it used,
+    and a pipeline the host left midway marks them ``dirty`` (zeroed before the next one);
+    ``partials``/``chunks``: the pass's per-program figures and candidate slots; the candidates,
+    unordered as the pass writes them and in index order; the sample; a pinned copy of the state."""
+
+    #: CUDA graphs kept per buffer set (the oldest is dropped past this)
+    GRAPHS_KEPT = 8
 
     def __init__(self) -> None:
-        self.figures: Tensor | None = None  # float64 [3 programs]: sums, maxima, counts
-        self.tile_counts: Tensor | None = None  # int32 [pieces]: candidates per gather tile
-        self.ends: Tensor | None = None  # int64 [pieces]: their inclusive prefix sum
-        self.host: Tensor | None = None  # pinned float64 copy of the figures (CUDA only)
-        self.last_count = 0  # candidates of the previous gathering call (sizes the next output)
+        self.device: torch.device | None = None  # None until the first call fits the buffers to one
+        self.state = self.hists = self.slots = self.sample = self.host = self.draw = self.draw_host = _NONE
+        self.partials = self.chunks = self.block_counts = _NONE
+        self.loose_idx = self.loose_val = self.idx = self.val = _NONE
+        self.dirty = True
+        #: candidates of the previous gathering call (sizes the next output)
+        self.last_count = 0
+        #: (n, sample plan) -> candidates a call needed room for (grown when one overflowed)
+        self.needed: dict = {}
+        #: the pipelines' CUDA graphs: key -> (graph, its output tensors); the keys run once already
+        self.graphs: dict = {}
+        self.seen: set = set()
 
-    def fit(self, x: Tensor, programs: int, tiles: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The three device buffers for ``programs`` programs of the statistics and ``tiles`` gather
-        tiles over ``x``'s device, grown when needed."""
-        if (self.figures is None or self.tile_counts is None or self.ends is None or self.figures.device != x.device
-                or self.figures.numel() < 3 * programs or self.tile_counts.numel() < tiles):
-            self.figures = torch.empty(3 * programs, dtype=torch.float64, device=x.device)
-            self.tile_counts = torch.empty(tiles, dtype=torch.int32, device=x.device)
-            self.ends = torch.empty(tiles, dtype=torch.int64, device=x.device)
-            self.host = None
-        return self.figures[:3 * programs], self.tile_counts[:tiles], self.ends[:tiles]
+    def prepare(self, x: Tensor, programs: int) -> None:
+        """Fit the fixed buffers to ``x``'s device and ``programs`` programs of the pass; zero the
+        histograms if a pipeline left them dirty."""
+        if self.device != x.device:
+            self.forget_graphs()
+            self.device = x.device
+            self.state = torch.zeros(_STATE_SIZE, dtype=torch.float64, device=x.device)
+            self.hists = torch.zeros(_HISTS_SIZE, dtype=torch.int32, device=x.device)
+            self.slots = torch.zeros(1, dtype=torch.int64, device=x.device)
+            self.draw = torch.zeros(1, dtype=torch.int64, device=x.device)
+            self.sample = self.partials = self.chunks = self.block_counts = _NONE
+            self.loose_idx = self.loose_val = self.idx = self.val = _NONE
+            self.host = torch.empty(_STATE_SIZE, dtype=torch.float64, pin_memory=x.is_cuda)
+            self.draw_host = torch.empty(1, dtype=torch.int64, pin_memory=x.is_cuda)
+            self.dirty = False
+        if self.partials.numel() < 4 * programs:
+            self.forget_graphs()
+            self.partials = torch.empty(4 * programs, dtype=torch.float64, device=x.device)
+            self.chunks = torch.empty(2 * programs, dtype=torch.int64, device=x.device)
+        self.prepare_histograms()
 
-    def to_host(self, figures: Tensor) -> np.ndarray:
-        """The figures on the host (the call's one synchronization): through a pinned buffer and a
-        wait on the stream where ``SHAPE["pinned"]`` and ``figures`` is on a GPU, else a plain copy."""
-        if not (SHAPE["pinned"] and figures.is_cuda):
-            return figures.cpu().numpy()
-        if self.host is None or self.host.numel() < figures.numel():
-            self.host = torch.empty(self.figures.numel() if self.figures is not None else figures.numel(),
-                                    dtype=torch.float64, pin_memory=True)
-        host = self.host[:figures.numel()]
-        host.copy_(figures, non_blocking=True)
-        torch.cuda.current_stream(figures.device).synchronize()
-        return host.numpy()
+    def prepare_histograms(self) -> None:
+        """Zero the histograms and the slot counter if a pipeline left them dirty."""
+        if self.dirty and self.device is not None:
+            self.hists.zero_()
+            self.slots.zero_()
+            self.dirty = False
+
+    def candidates(self, capacity: int, dtype: torch.dtype, ordered: bool = True) -> None:
+        """Candidate buffers of at least ``capacity`` elements of ``dtype`` (unordered, and with
+        ``ordered`` the ordered ones the pipelines reuse)."""
+        if self.loose_idx.numel() < capacity or self.loose_val.dtype != dtype:
+            self.forget_graphs()
+            size = max(capacity, _MIN_CAPACITY)
+            self.loose_idx = torch.empty(size, dtype=torch.int64, device=self.device)
+            self.loose_val = torch.empty(size, dtype=dtype, device=self.device)
+        if ordered and (self.idx.numel() < capacity or self.val.dtype != dtype):
+            self.forget_graphs()
+            self.idx = torch.empty(max(capacity, _MIN_CAPACITY), dtype=torch.int64, device=self.device)
+            self.val = torch.empty(max(capacity, _MIN_CAPACITY), dtype=dtype, device=self.device)
+
+    def sample_buffer(self, size: int) -> Tensor:
+        if self.sample.numel() < size:
+            self.forget_graphs()
+            self.sample = torch.empty(size, dtype=torch.float32, device=self.device)
+        return self.sample
+
+    def counts_buffer(self, blocks: int) -> Tensor:
+        if self.block_counts.numel() < 2 * blocks:
+            self.forget_graphs()
+            self.block_counts = torch.empty(2 * blocks, dtype=torch.int32, device=self.device)
+        return self.block_counts
+
+    def set_draw(self, x: Tensor, draw: int) -> None:
+        """The call's random draw (MSTopK's window) into device memory, where the graphs read it."""
+        self.prepare(x, max(1, -(-x.numel() // int(SHAPE["block"]))))
+        self.draw_host[0] = draw
+        self.draw.copy_(self.draw_host, non_blocking=True)
+
+    def keep_graph(self, key: tuple, graph: Any, outputs: tuple) -> None:
+        if len(self.graphs) >= self.GRAPHS_KEPT:
+            self.graphs.pop(next(iter(self.graphs)))
+        self.graphs[key] = (graph, outputs)
+
+    def forget_graphs(self) -> None:
+        """Drop the CUDA graphs: they hold the addresses of buffers about to be replaced."""
+        self.graphs.clear()
+        self.seen.clear()
 
 
-_STATS = _Launcher(_stats_kernel) if triton is not None else None
-_GATHER = _Launcher(_gather_kernel) if triton is not None else None
+_SAMPLE = Launcher(_sample_kernel) if triton is not None else None
+_SAMPLE_FINE = Launcher(_sample_fine_kernel) if triton is not None else None
+_PASS = Launcher(_pass_kernel) if triton is not None else None
+_ORDER = Launcher(_order_kernel) if triton is not None else None
+_TAKE_CLEAR = Launcher(_take_clear_kernel) if triton is not None else None
 
 
-def _floor_in(dtype: torch.dtype, floor: float) -> float:
+def floor_in(dtype: torch.dtype, floor: float) -> float:
     """``floor`` rounded to ``dtype`` (as torch.ge and the C kernel compare), as a Python float."""
     if dtype == torch.float32:
         return float(np.float32(floor))
@@ -201,50 +382,106 @@ def _floor_in(dtype: torch.dtype, floor: float) -> float:
     return float(torch.tensor(floor, dtype=torch.float64).to(dtype).to(torch.float64))
 
 
-def scan_ge(x: Tensor, floor: float, buffers: _Buffers, *, gather: bool = True, expected: int = 0
-            ) -> tuple[int, float, float, Tensor | None, Tensor | None]:
-    """``(count, sum |x|, max |x|, indices, magnitudes)`` of ``|x| >= floor``, indices increasing.
+def launch_sample(x: Tensor, buffers: Buffers, runs: int, stride: int, rank: int, addend: Tensor | None = None
+                  ) -> None:
+    """Queue the sample of ``|x|`` (``|x + addend|``) in ``runs`` runs of :data:`SAMPLE_RUN` elements
+    ``stride`` apart and its two histograms, from which the pass reads the floor above the sample's
+    ``rank``-th largest magnitude. ``x`` float32."""
+    assert _SAMPLE is not None and _SAMPLE_FINE is not None, "Triton is not installed"
+    size = runs * SAMPLE_RUN
+    sample = buffers.sample_buffer(size)
+    per = int(SHAPE["sample_runs"])
+    _SAMPLE(-(-runs // per), x, x if addend is None else addend, runs, stride, sample, buffers.hists, warps=4,
+            RUNS=per, RUN=SAMPLE_RUN, ADD=addend is not None)
+    tile = per * SAMPLE_RUN
+    _SAMPLE_FINE(-(-size // tile), sample, size, buffers.hists, rank, warps=4, TILE=tile)
 
-    The statistics kernel reads ``x`` for each program's figures and each gather tile's count; a
-    prefix sum of those counts on the device gives every gather tile its first output slot; the gather kernel reads
-    ``x`` again (the tiles holding a candidate) and writes the candidates there. All three are queued
-    without waiting; the one synchronization, the copy of the per-program figures to the host, comes
-    last and gives the three scalars. The output is sized before the count is known: at least
-    ``expected`` (the caller's guess) and 1.5 times the previous call's count; a call with more
-    candidates than that gathers again into an exact buffer (a third read). ``gather=False`` stops
-    after the statistics (a count); indices and magnitudes are then ``None``.
-    """
-    assert _STATS is not None and _GATHER is not None, "Triton is not installed"
+
+def launch_gather(x: Tensor, buffers: Buffers, *, floor: float = 0.0, rank: int | None = None,
+                  capacity: int = 0, addend: Tensor | None = None, dest: Tensor | None = None,
+                  gather: bool = True, fresh: bool = False) -> int:
+    """Queue the pass and the order kernel over ``x`` (with ``addend``: over ``x + addend``, written to
+    ``dest``, by default ``x``): the state's figures and, with ``gather``, the candidates
+    ``|x| >= floor`` in increasing index order in ``buffers.idx``/``buffers.val`` (the first
+    ``capacity``; more are counted, not kept), new tensors with ``fresh`` (for a caller that keeps
+    them). ``rank``: the floor comes from the sample's histograms (:func:`launch_sample` queued
+    first), not ``floor``. Returns the capacity used."""
+    assert _PASS is not None and _ORDER is not None, "Triton is not installed"
     n = x.numel()
-    tiles_per_program = int(SHAPE["tiles"])
-    programs = max(1, -(-n // (_TILE * tiles_per_program)))
-    piece = int(SHAPE["gather_tile"])
-    figures, tile_counts, ends = buffers.fit(x, programs, programs * tiles_per_program * (_TILE // piece))
-    floor_arg = _floor_in(x.dtype, floor)
-    _STATS(programs, x, n, floor_arg, figures, tile_counts, programs, warps=int(SHAPE["stats_warps"]), TILE=_TILE,
-           TILES=tiles_per_program, PIECE=piece)
-    gather_shape = {"warps": int(SHAPE["gather_warps"]), "TILE": piece}
-    indices = values = None
-    capacity = 0
+    block = int(SHAPE["block"])
+    programs = max(1, -(-n // block))
+    buffers.prepare(x, programs)
     if gather:
-        capacity = min(n, max(expected, buffers.last_count + buffers.last_count // 2, _MIN_CAPACITY))
-        indices = torch.empty(capacity, dtype=torch.int64, device=x.device)
-        values = torch.empty(capacity, dtype=x.dtype, device=x.device)
-        torch.cumsum(tile_counts, 0, dtype=torch.int64, out=ends)
-        _GATHER(ends.numel(), x, n, floor_arg, ends, indices, values, capacity, **gather_shape)
-    host = buffers.to_host(figures)
-    total = float(host[:programs].sum())
-    top = float(host[programs:2 * programs].max())
-    count = int(host[2 * programs:3 * programs].sum())
+        capacity = min(n, max(capacity, _MIN_CAPACITY))
+        buffers.candidates(capacity, x.dtype, ordered=not fresh)
+        if fresh:
+            buffers.idx = torch.empty(capacity, dtype=torch.int64, device=x.device)
+            buffers.val = torch.empty(capacity, dtype=x.dtype, device=x.device)
+    idx, val = (buffers.loose_idx, buffers.loose_val) if gather else (buffers.state, buffers.state)
+    sampled = rank is not None
+    floor_arg = 0.0 if rank is not None else floor_in(x.dtype, floor)
+    rank_arg = int(rank) if rank is not None else 0
+    target = x if dest is None else dest
+    _PASS(programs, x, x if addend is None else addend, target, n, floor_arg, buffers.hists, rank_arg, idx, val,
+          capacity, buffers.chunks, buffers.partials, buffers.slots, programs, warps=int(SHAPE["pass_warps"]),
+          BLOCK=block, ADD=addend is not None, SAMPLED=sampled, GATHER=gather)
+    group = int(SHAPE["group"])
+    dst_idx, dst_val = (buffers.idx, buffers.val) if gather else (buffers.state, buffers.state)
+    _ORDER(-(-programs // group) if gather else 1, buffers.chunks, programs, idx, val, dst_idx, dst_val, capacity,
+           buffers.partials, buffers.slots, buffers.state, floor_arg, buffers.hists, rank_arg,
+           warps=int(SHAPE["order_warps"]), GROUP=group, TILE=32, SCAN=2048, REDUCE=1024, SAMPLED=sampled,
+           GATHER=gather)
+    return capacity
+
+
+def finish(buffers: Buffers) -> np.ndarray:
+    """The state on the host: the call's one synchronization (a copy through a pinned buffer and a
+    wait on the stream on a GPU)."""
+    state = buffers.state
+    if not state.is_cuda:
+        return state.numpy().copy()
+    buffers.host.copy_(state, non_blocking=True)
+    torch.cuda.current_stream(state.device).synchronize()
+    return buffers.host.numpy().copy()
+
+
+def scan_ge(x: Tensor, floor: float, buffers: Buffers, *, gather: bool = True, expected: int = 0,
+            addend: Tensor | None = None, dest: Tensor | None = None
+            ) -> tuple[int, float, float, Tensor | None, Tensor | None]:
+    """``(count, sum |x|, max |x|, indices, magnitudes)`` of ``|x| >= floor``, indices increasing: one
+    read of ``x`` (:func:`launch_gather`; with ``addend`` (float32), of ``x + addend``, written to
+    ``dest``, default ``x``, and scanned), then one synchronization. The candidate buffer is sized
+    before the count is known: at least ``expected`` (the caller's guess) and 1.5 times the previous
+    call's count; a call with more candidates than that gathers again into an exact buffer (a second
+    read, of the sum). ``gather=False`` counts only; indices and magnitudes are then ``None``."""
+    capacity = max(expected, buffers.last_count + buffers.last_count // 2)
+    capacity = launch_gather(x, buffers, floor=floor, capacity=capacity, gather=gather, fresh=True, addend=addend,
+                             dest=dest)
+    if addend is not None:
+        x = x if dest is None else dest
+    indices, values = buffers.idx, buffers.val
+    state = finish(buffers)
+    count, total, top = int(state[STATE["count"]]), float(state[STATE["sum"]]), float(state[STATE["max"]])
     if not gather:
         return count, total, top, None, None
-    assert indices is not None and values is not None
     buffers.last_count = count
     if count > capacity:  # more candidates than the guess: gather again, into buffers of the exact size
-        indices = torch.empty(count, dtype=torch.int64, device=x.device)
-        values = torch.empty(count, dtype=x.dtype, device=x.device)
-        _GATHER(ends.numel(), x, n, floor_arg, ends, indices, values, count, **gather_shape)
+        launch_gather(x, buffers, floor=floor, capacity=count, fresh=True)
+        indices, values = buffers.idx, buffers.val
+        finish(buffers)
+    buffers.idx = buffers.val = _NONE  # the caller owns them now
     return count, total, top, indices[:count], values[:count]
+
+
+def take_and_clear(x: Tensor, indices: Tensor) -> Tensor:
+    """``x[indices]`` (a new tensor), then ``x[indices] = 0``, in one kernel (``indices`` distinct,
+    int32 or int64, on ``x``'s device; ``x`` contiguous): the values a message takes out of
+    ``acc = residual + grad``, leaving the residual."""
+    assert _TAKE_CLEAR is not None, "Triton is not installed"
+    out = torch.empty(indices.numel(), dtype=x.dtype, device=x.device)
+    if indices.numel():
+        _TAKE_CLEAR(-(-indices.numel() // 1024), indices, x, out, indices.numel(), x.numel(), warps=4, BLOCK=1024)
+    return out
 
 
 def counts_ge(ascending: Tensor, thresholds: np.ndarray) -> np.ndarray:

@@ -43,7 +43,8 @@ from .model import (
     touched_entries,
 )
 
-__all__ = ["calibrate", "calibration_worker", "fit_links", "measure_selectors", "measure_selector_fixed",
+__all__ = ["calibrate", "calibrate_local", "local_worker", "local_profile", "calibration_worker", "fit_links",
+           "measure_selectors", "measure_selector_fixed",
            "profile_from_records", "refit", "merge_records", "method_runs", "time_method_in_worker", "slowest_best",
            "split_work",
            "LINK_SIZES"]
@@ -606,3 +607,153 @@ def calibrate(P: int, methods: Sequence[str], sizes: Sequence[int], density: flo
         block_topk_s=measure_block_topk(n_sel, density, device=device),
         meta={"P": P, "sizes": list(sizes), "density": density, "repeat": repeat,
               "torch_threads_per_worker": 1, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
+
+
+# ---------------------------------------------------------------------- one GPU, simulated peers
+#: where a method's own selection comes from when it names no selector of its own (the messages of
+#: the simulated peers are cut the same way)
+_PEER_SELECTOR = "exact_topk"
+
+
+def _peer_chunks(selector_name: str, gradients: torch.Tensor, peers: int, k: int, device: str
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The ``peers`` simulated ranks' messages: ``k`` entries each (the selector's picks of one of the
+    saved gradients, in turn), indices increasing, on ``device``."""
+    from ..selection import make as make_selector
+
+    selector = make_selector(selector_name if selector_name else _PEER_SELECTOR)
+    indices, values = [], []
+    for p in range(peers):
+        g = gradients[p % gradients.shape[0]].to(device)
+        picked = torch.sort(selector(g, k)).values
+        indices.append(picked)
+        values.append(g.index_select(0, picked))
+    return indices, values
+
+
+def _decompress_seconds(out: torch.Tensor, indices: list[torch.Tensor], values: list[torch.Tensor], repeat: int,
+                        fused: bool) -> float:
+    """The least of ``repeat`` calls' wall time of one decompression of the chunks into ``out``: the
+    torch path every method takes (:func:`~sparsecomm.transport.merge.average_into`), or the sorted
+    chunks' one-kernel merge (:func:`~sparsecomm.transport.merge.average_sorted_into`)."""
+    from ..transport.merge import average_into, average_sorted_into
+
+    merge = average_sorted_into if fused else average_into
+    stale: Any = "all"
+    best = math.inf
+    for i in range(repeat + 1):
+        start = _wall(str(out.device))
+        stale, _ = merge(out, indices, values, len(indices), stale=stale)
+        seconds = _wall(str(out.device)) - start
+        if i:
+            best = min(best, seconds)
+    return best
+
+
+def local_worker(methods: Sequence[tuple[str, dict[str, Any]]], density: float, gradients_path: str, peers: int,
+                 repeat: int, device: str) -> dict[str, Any]:
+    """Runs in one forked worker (a world of one): each method's calls on the first saved gradient
+    (its own work: selection, residual, packing, its own decompression; ``time_comm`` is that of a
+    world of one, subtracted), and the decompression of ``peers`` simulated ranks' messages (the
+    method's selector's picks of the saved gradients, in turn: what its output merges at P = peers)
+    by both merges. ``methods``: (name, options) pairs."""
+    import torch.distributed as dist
+
+    from ..methods.base import selection_count
+
+    saved = torch.load(gradients_path, mmap=True, weights_only=True)
+    gradients = saved["gradients"]
+    layout = [tuple(int(v) for v in span) for span in saved.get("layout", [])] or None
+    n = gradients.shape[1]
+    own = gradients[0].to(device)
+    k = selection_count(density, n)
+    runs = []
+    for name, extra in methods:
+        options = dict(MethodSpec.at_density(name, density,
+                                             **({"warmup_steps": 0} if dense_warmup(name) else {}), **extra).options)
+        result = time_method_in_worker(name, options, n, repeat, 1, layout=layout,
+                                       grad_fn=lambda _n, _rank: own, device=device)
+        stats = result["stats"]
+        entry = {"method": name, "options": extra, "n": n, "times": result["times"],
+                 "time_comm": [s.time_comm for s in stats], "time_select": [s.time_select for s in stats],
+                 "time_decompress": [s.time_decompress for s in stats], "selector": result["selector"],
+                 "bytes_sent": max(s.bytes_sent for s in stats)}
+        if is_sparse(name):
+            selector = result["selector"] if result["selector"] != SAMPLED_THRESHOLD else ""
+            indices, values = _peer_chunks(selector, gradients, peers, k, device)
+            out = torch.empty(n, device=device)
+            entry["peers"] = peers
+            entry["received"] = sum(int(i.numel()) for i in indices)
+            entry["decompress_torch_s"] = _decompress_seconds(out, indices, values, repeat, fused=False)
+            entry["decompress_fused_s"] = _decompress_seconds(out, indices, values, repeat, fused=True)
+            del out, indices, values
+        runs.append(entry)
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    return {"rank": 0, "P": 1, "n": n, "layout_layers": 0 if layout is None else len(layout), "runs": runs}
+
+
+def local_profile(record: dict[str, Any], *, density: float, device: str, selectors: dict[str, float],
+                  selector_fixed_s: dict[str, float], block_topk_s: dict[str, float],
+                  meta: dict[str, Any], fused_decompression: bool = True) -> Profile:
+    """The profile of one GPU's local work with simulated peers (:func:`local_worker`'s record): per
+    method, its work less its own decompression per gradient element (``s1``: selection, residual,
+    packing), and the decompression per entry touched (``d1``), from the merge of the peers'
+    ``P x k`` entries (the one-kernel merge of sorted chunks with ``fused_decompression``, else the
+    torch path the methods take); ``P`` = 1, no link figures (projections take ``--alpha`` and
+    ``--bandwidth`` and the formulas' traffic: ``simulate --formula-comm``)."""
+    methods: dict[str, dict[str, Any]] = {}
+    for run in record["runs"]:
+        n = run["n"]
+        work = min(t - c for t, c in zip(run["times"], run["time_comm"], strict=True))
+        own_decompress = min(run["time_decompress"]) if run["time_decompress"] else 0.0
+        entry: dict[str, Any] = {"P": 1, "density": density, "traffic_factor": 1.0, "n": [n],
+                                 "work_s": {str(n): work}, "peers_simulated": run.get("peers", 0)}
+        if "received" in run:
+            merged = run["decompress_fused_s" if fused_decompression else "decompress_torch_s"]
+            d1 = merged / max(1, run["received"])
+            entry.update({"s1": max(0.0, work - own_decompress) / n, "s0": 0.0, "d1": d1, "d0": 0.0,
+                          "decompress_per": "entry",
+                          "decompress_s": {str(n): own_decompress},
+                          "peers_decompress_s": {"torch": run["decompress_torch_s"],
+                                                 "fused": run["decompress_fused_s"],
+                                                 "entries": run["received"]}})
+        else:
+            entry.update({"w1": work / n, "w0": 0.0})
+        methods[run["method"]] = entry
+    return Profile(net="simulated peers (no links measured)", device=device, cores=1, colocated=False, links={},
+                   dense_allreduce={}, selectors=selectors, methods=methods,
+                   selector_fixed_s=dict(selector_fixed_s), block_topk_s=dict(block_topk_s), meta=meta,
+                   records=[record])
+
+
+def calibrate_local(methods: Sequence[tuple[str, dict[str, Any]]], density: float, gradients_path: str, *,
+                    peers: int = 8, repeat: int = 5, device: str = "cuda", meta: dict[str, Any] | None = None,
+                    timeout: float = 1800.0) -> Profile:
+    """A profile of one device's local work per call on a saved gradient, with ``peers`` simulated
+    ranks' messages to decompress (:func:`local_worker` in one forked worker, then the selectors in
+    this process). The gradients file (``torch.save``): ``{"gradients": float32 [G, n], "layout":
+    [(offset, numel), ...]}``, G >= 1 saved gradients (the first is this rank's; the peers' messages
+    are cut from them in turn)."""
+    from ..launch.launcher import run_workers
+
+    if peers < 1:
+        raise ValueError(f"--peers {peers} must be >= 1")
+    saved = torch.load(gradients_path, mmap=True, weights_only=True)
+    if not isinstance(saved, dict) or "gradients" not in saved or saved["gradients"].dim() != 2:
+        raise ValueError(f"{gradients_path}: not a saved gradients file "
+                         "({'gradients': a [G, n] tensor, 'layout': [(offset, numel), ...]})")
+    n = int(saved["gradients"].shape[1])
+    del saved
+    record = run_workers(1, local_worker, list(methods), density, gradients_path, peers, repeat, device,
+                         timeout=timeout)[0]
+    # the worker is gone: only now may this process start CUDA (a forked child of a CUDA process cannot)
+    return local_profile(
+        record, density=density, device=device_name(device),
+        selectors=measure_selectors(n, density, device=device),
+        selector_fixed_s=measure_selector_fixed(n, density, device=device),
+        block_topk_s=measure_block_topk(n, density, device=device),
+        meta={"P": 1, "peers": peers, "sizes": [n], "density": density, "repeat": repeat,
+              "gradients": os.path.basename(gradients_path),
+              "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), **(meta or {})})

@@ -81,7 +81,7 @@ __all__ = ["Profile", "Prediction", "predict", "predict_comm", "check_methods", 
            "fit_work", "comm_contention", "layout_options", "PROFILE_VERSION", "speedup_table", "crossover",
            "faster_range", "plot_projection", "touched_entries", "work_seconds", "agreement_rounds",
            "decompress_bytes", "comm_cpu_seconds", "shared_cpu", "tc_rate", "cores_seconds", "block_topk_seconds",
-           "mean_comm_cpu_seconds"]
+           "mean_comm_cpu_seconds", "powersgd_seconds"]
 
 PROFILE_VERSION = 1
 
@@ -527,6 +527,23 @@ def fit_work(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     # the same least-squares solver as alpha/beta: seconds = w1 * n + w0 * 1
     w1, w0 = fit_alpha_beta([(n, 1.0, t) for n, t in samples])
     return w1, w0
+
+
+def powersgd_seconds(P: int, elements: dict[str, int], alpha: float, beta: float, local_s: float = 0.0
+                     ) -> tuple[float, float]:
+    """(communication, local work) seconds of one step of torch's PowerSGD hook (Vogels et al.,
+    "PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization", NeurIPS 2019)
+    at P workers: three ring all-reduces one after the other (the tensors it sends uncompressed, the
+    P factors, the Q factors; ``elements``: their float32 element counts, e.g. from
+    ``benchmarks/gpu/gpt_step.py``), each at the ring formula's ``2 (P - 1)`` rounds and
+    ``2 (P - 1) / P`` of its bytes, and ``local_s`` of local work (measured)."""
+    seconds = 0.0
+    for part in ("uncompressed", "p", "q"):
+        count = int(elements.get(part, 0))
+        if count and P > 1:
+            c = cost("ring", P=P, n=count, rank=0)
+            seconds += c.rounds * alpha + c.bytes_sent * beta
+    return seconds, local_s
 
 
 def speedup_table(methods: Sequence[str], workers: Sequence[int], n: int, density: float,

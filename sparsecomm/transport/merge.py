@@ -44,8 +44,10 @@ import torch
 from torch import Tensor
 
 from ..core.optional import compiled_extension
+from . import triton_merge
 
-__all__ = ["merge_sum", "average_into", "average_blocks_into", "clear", "GroupMask", "Stale", "GROUP", "ascending",
+__all__ = ["merge_sum", "average_into", "average_sorted_into", "average_blocks_into", "clear", "GroupMask", "Stale",
+           "GROUP", "ascending",
            "strictly_increasing", "compiled", "IN_PLACE_SHARE", "sketch_insert", "sketch_query_blocks",
            "sketch_variants", "members", "nonzero_positions"]
 
@@ -235,6 +237,22 @@ def average_into(out: Tensor, indices: Sequence[Tensor], values: Sequence[Tensor
     if divisor != 1 and union.numel():
         out[union] = out[union].div_(divisor)  # repeats write the same quotient again
     return union, None
+
+
+def average_sorted_into(out: Tensor, indices: Sequence[Tensor], values: Sequence[Tensor], divisor: int, *,
+                        stale: Stale = None, keep_sign: bool = False) -> tuple[Tensor | GroupMask, int | None]:
+    """:func:`average_into` for chunks whose indices are each strictly increasing (the caller
+    guarantees it: the senders sort their selections), with the same result, bits and return values.
+
+    On a CUDA ``out`` (float32, float32 values, at most :data:`~.triton_merge.MAX_CHUNKS` chunks) the
+    merge is one Triton kernel (:func:`.triton_merge.average_sorted_into`: each block of the output
+    adds its entries chunk after chunk and divides each touched entry once), after zeroing ``stale``:
+    no host synchronization, four launches (the zeroing, the two concatenations, the kernel) where
+    the torch path makes ``P + 4``. Elsewhere :func:`average_into` (the C merge on the CPU)."""
+    if not out.is_cuda or not triton_merge.applies(out, indices, values):
+        return average_into(out, indices, values, divisor, stale=stale, keep_sign=keep_sign)
+    clear(out, stale)
+    return triton_merge.average_sorted_into(out, indices, values, divisor, keep_sign=keep_sign), None
 
 
 def average_blocks_into(out: Tensor, blocks: Tensor, block_size: int, values: Tensor, divisor: int, *,
