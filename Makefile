@@ -11,7 +11,7 @@ STAMP := $(VENV)/.bootstrapped
 # the commands that need them then say how to install them.
 DATA_PACKAGES := dataset-fashion-mnist fortunes-min fortunes
 
-.PHONY: venv data lint test test-slow test-faults test-gpu demo bench clean accuracy-table benchmarks-page
+.PHONY: venv data lint test test-slow test-faults test-gpu demo clean accuracy-table benchmarks-page
 
 venv: $(STAMP)
 
@@ -52,10 +52,9 @@ test-faults: $(STAMP)
 demo: $(STAMP) data
 	$(VENV)/bin/sparsecomm demo
 
-# the accuracy table `sparsecomm advise` checks candidates against, generated from the every-method campaign in benchmarks/
-CAMPAIGN_REPORT ?= benchmarks/campaign-methods/report.md
+# the accuracy table `sparsecomm advise` judges candidates by, built from the campaigns' records
 accuracy-table: $(STAMP)
-	$(PY) -m sparsecomm.simulator.accuracy $(CAMPAIGN_REPORT)
+	$(PY) -m sparsecomm.simulator.accuracy $(sort $(wildcard benchmarks/campaign-*/summary.json))
 
 # docs/benchmarks.md, from the benchmark folders (their commands, conditions and main tables)
 benchmarks-page: $(STAMP)

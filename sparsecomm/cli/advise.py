@@ -6,16 +6,18 @@ given (or a profile's), plus the per-step work measured by ``sparsecomm calibrat
 is given. Each line says what the prediction rests on. With a profile, a method it has no measured work
 for is not ranked (the output names it): its prediction would leave out its work.
 
-The recommendation is by time to accuracy, not by step time alone: each (method, density) is
-checked against the time-to-accuracy campaign (:mod:`sparsecomm.simulator.accuracy`, a table generated
-from the every-method campaign's report, benchmarks/campaign-methods). A candidate that lost more than
-``--accuracy-tolerance`` there (against the best PowerSGD rank's loss, or DDP's with
-``--accuracy-reference ddp``), or did not reach the target, is not recommended, and the output names
-the faster candidates it passed over and why.
-The others are ranked by predicted step time times their epochs to the target over DDP's in the
-campaign (1 for exact methods and for candidates the campaign did not run, which the output marks
-"accuracy unknown"). A method's density is the largest candidate whose predicted time to accuracy is
-within ``--density-slack`` of that method's fastest.
+The recommendation is by time to quality, not by step time alone: each (method, density) is
+checked against the time-to-quality campaigns (:mod:`sparsecomm.simulator.accuracy`, a table built from
+the campaigns' records, benchmarks/campaign-*/summary.json), with the runs of ``--optimizer`` alone
+when it is given (``adamw`` for transformers, ``sgd`` for CNNs). A candidate whose every recipe there
+lost more than ``--accuracy-tolerance`` (percent of DDP's loss, or accuracy points; beyond DDP's, or the
+best PowerSGD rank's with ``--accuracy-reference powersgd``), or did not reach the target, is not
+recommended, and the output names the faster candidates it passed over and why. The others are
+ranked by predicted step time times their steps to the target over DDP's in the campaign (1 for exact
+methods); candidates no campaign measured come after every measured one, marked "accuracy unknown".
+The recipe that did best (e.g. the synchronizer with ``freeze_adam_variance``) is named. A method's
+density is the largest candidate whose predicted time to quality is within ``--density-slack`` of that
+method's fastest.
 
 ``--measure`` checks the advice on this machine (so the prediction takes the workers as colocated on
 its cores, as ``--colocated``): every ranked method runs at its chosen density in one group of ``-P``
@@ -60,15 +62,17 @@ def add_arguments(parser) -> None:
                         help="take the largest density within this fraction of the method's fastest "
                         "(default: %(default)s)")
     parser.add_argument("--top", type=int, default=5, help="alternatives listed (default: %(default)s)")
-    parser.add_argument("--accuracy-tolerance", type=float, default=0.5,
-                        help="the accuracy a candidate may have lost in the campaign beyond the reference's: "
-                        "accuracy points or percent perplexity (default: %(default)s)")
-    parser.add_argument("--accuracy-reference", choices=("powersgd", "ddp"), default="powersgd",
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
+                        help="judge candidates by the campaign runs made with this optimizer (default: any)")
+    parser.add_argument("--accuracy-tolerance", type=float, default=1.0,
+                        help="the quality a candidate may have lost in the campaign beyond the reference's: "
+                        "percent of the loss, or accuracy points (default: %(default)s)")
+    parser.add_argument("--accuracy-reference", choices=("powersgd", "ddp"), default="ddp",
                         help="what the loss is allowed beyond: the best PowerSGD rank's loss against DDP, or DDP "
                         "(default: %(default)s)")
     parser.add_argument("--accuracy-table", default=None,
-                        help="the campaign's accuracy table (default: the one shipped, generated from "
-                        "benchmarks/campaign-methods)")
+                        help="the campaigns' accuracy table (default: the one shipped, built from "
+                        "benchmarks/campaign-*/summary.json)")
     parser.add_argument("--by-step-time", action="store_true",
                         help="rank by predicted step time alone, without the campaign's accuracy")
     add_model_arguments(parser, methods="all")
@@ -98,7 +102,7 @@ class Advice:
     def time_to_accuracy(self, p: Prediction) -> float:
         """Predicted step time times the epochs to target over DDP's (step time without the table)."""
         a = self.accuracy.get((p.method, p.density))
-        return p.total_s * (a.epochs_factor if a else 1.0)
+        return p.total_s * (a.steps_factor if a else 1.0)
 
 
 def count_parameters(args) -> int:
@@ -138,8 +142,8 @@ def _count_saved(path: str) -> int:
 
 
 def advise(methods: list[str], P: int, n: int, densities: list[float], slack: float = 0.10,
-           accuracy_table: dict[str, Any] | None = None, tolerance: float = 0.5, reference: str = "powersgd",
-           **kwargs: Any) -> Advice:
+           accuracy_table: dict[str, Any] | None = None, tolerance: float = 1.0, reference: str = "ddp",
+           optimizer: str | None = None, **kwargs: Any) -> Advice:
     """Rank methods by predicted time to accuracy at their chosen density (the module docstring);
     without ``accuracy_table``, by predicted step time alone.
 
@@ -158,12 +162,16 @@ def advise(methods: list[str], P: int, n: int, densities: list[float], slack: fl
         if accuracy_table is not None:
             sparse = is_sparse(p.method)
             accuracy[(p.method, p.density)] = assess(accuracy_table, p.method, p.density if sparse else None,
-                                                     tolerance, reference) if sparse else EXACT
+                                                     tolerance, reference, optimizer) if sparse else EXACT
         return p
 
     def score(p: Prediction) -> float:
         a = accuracy.get((p.method, p.density))
-        return p.total_s * (a.epochs_factor if a else 1.0)
+        return p.total_s * (a.steps_factor if a else 1.0)
+
+    def rank_key(p: Prediction) -> tuple[bool, float]:
+        a = accuracy.get((p.method, p.density))  # measured quality first, unknown after
+        return (a is not None and a.ok is None, score(p))
 
     def acceptable(p: Prediction) -> bool:
         a = accuracy.get((p.method, p.density))
@@ -186,7 +194,7 @@ def advise(methods: list[str], P: int, n: int, densities: list[float], slack: fl
         passed_over += [p for p in options if not acceptable(p) and p.total_s < fastest]
         if good:
             chosen.append(next(p for p in good if score(p) <= (1 + slack) * fastest))
-    ranked = sorted(chosen, key=score)
+    ranked = sorted(chosen, key=rank_key)
     best = ranked[0] if ranked else dense
     passed_over = sorted((p for p in passed_over if p.total_s < score(best)), key=lambda p: p.total_s)
     return Advice(best, dense, ranked, n, accuracy, passed_over, unmeasured)
@@ -268,7 +276,8 @@ def run(args) -> int:
         kwargs = model_kwargs(args)
         table = None if args.by_step_time else load_table(args.accuracy_table or TABLE_PATH)
         result = advise(methods, args.workers, n, densities, args.density_slack, accuracy_table=table,
-                        tolerance=args.accuracy_tolerance, reference=args.accuracy_reference, **kwargs)
+                        tolerance=args.accuracy_tolerance, reference=args.accuracy_reference,
+                        optimizer=args.optimizer, **kwargs)
     except (UnknownMethodError, ValueError) as err:
         return fail("advise", str(err))
     best, dense = result.best, result.dense
@@ -288,9 +297,12 @@ def run(args) -> int:
               f"(warmup_steps, as in its paper); the prediction is of the calls after them")
     if table is not None:
         verdict = result.accuracy[(best.method, best.density)]
-        print(f"accuracy in the campaign ({table['source']}; tolerance {args.accuracy_tolerance:g} beyond "
-              f"{'the best PowerSGD rank' if args.accuracy_reference == 'powersgd' else 'DDP'}): "
+        print(f"quality in the campaigns ({', '.join(table['sources'])}; tolerance {args.accuracy_tolerance:g} "
+              f"beyond {'the best PowerSGD rank' if args.accuracy_reference == 'powersgd' else 'DDP'}"
+              + (f"; {args.optimizer} runs" if args.optimizer else "") + "): "
               + ("ACCURACY UNKNOWN: " if verdict.ok is None else "") + verdict.note)
+        if verdict.recipe:
+            print(f"recipe: {verdict.recipe} (docs/choosing-a-method.md)")
         for p in result.passed_over:
             print(f"not recommended: {p.method} at density {p.density:g}, predicted {1e3 * p.total_s:.1f} ms per "
                   f"step, lost more than the tolerance in the campaign: {result.accuracy[(p.method, p.density)].note}")
@@ -301,13 +313,13 @@ def run(args) -> int:
                                "vs DDP": dense.total_s / p.total_s}
         if table is not None:
             verdict = result.accuracy[(p.method, p.density)]
-            row.update({"epochs to target x DDP": verdict.epochs_factor,
-                        "time to accuracy vs DDP": dense.total_s / result.time_to_accuracy(p),
-                        "accuracy": "unknown" if verdict.ok is None else "within tolerance"})
+            row.update({"steps to target x DDP": verdict.steps_factor,
+                        "time to quality vs DDP": dense.total_s / result.time_to_accuracy(p),
+                        "quality": "unknown" if verdict.ok is None else "within tolerance"})
         rows.append(row)
     print(markdown_table(rows, list(rows[0])))
     print("Predicted communication and sparsification time per step only: forward/backward compute is "
-          "not included" + ("; time to accuracy multiplies it by the epochs to the target over DDP's in the "
+          "not included" + ("; time to quality multiplies it by the steps to the target over DDP's in the "
                             "campaign." if table is not None else
                             "; lower densities save time but cost accuracy (docs/choosing-a-method.md)."))
     if args.measure:

@@ -1,30 +1,29 @@
-"""What each method and density cost in accuracy in the time-to-accuracy campaign: the table behind
-``sparsecomm advise``'s accuracy check.
+"""What each method, density and recipe cost in quality in the time-to-quality campaigns: the table
+behind ``sparsecomm advise``'s accuracy check.
 
-The table (``accuracy_table.json`` beside this module) is generated, not typed: run
+The table (``accuracy_table.json`` beside this module) is generated from the campaigns' records, not
+typed and not parsed from a report: run
 
-    python -m sparsecomm.simulator.accuracy benchmarks/campaign-methods/report.md
+    make accuracy-table      # python -m sparsecomm.simulator.accuracy benchmarks/campaign-*/summary.json
 
-(``make accuracy-table``), which reads the per-run tables of a campaign report (the lab's
-``campaign.write_campaign_report``: its "All runs" or "Every run" tables) and writes, per workload,
-each run's loss against DDP after the same epochs ("vs DDP, same epochs": accuracy points lost, or
-perplexity percent gained; positive is worse), whether it reached the workload's target and in how
-many epochs. Several seeds of one run give the median.
+Each campaign's ``summary.json`` (written by the lab's ``sparsecomm campaign``) gives, per workload and
+arm (a method at a density with a recipe and an optimizer), the final validation metric per seed at
+the arm's best learning rate, and the steps to the target (DDP's metric at 75% of the budget). The
+table keeps, per arm: its ``loss`` against DDP's (percent of DDP's final loss for a loss metric, accuracy
+points lost for an accuracy metric; positive is worse; the median over seeds), whether most seeds
+reached the target, and its median steps to it over DDP's (``steps_factor``).
 
-A (method, density) is **within tolerance** on a workload when its loss is at most the reference's
-loss plus the tolerance: the reference is the best PowerSGD rank of the same campaign (a sparse
-method worth recommending loses no more than PowerSGD's best rank, give or take the tolerance), or
-DDP (loss 0). :func:`assess` gives the worst over the workloads the campaign measured, and the
-epochs to the target over DDP's (time to accuracy is step time times that). A run that sent as much
-as a dense one (a dense warm-up that outlasted the budget) gives no verdict: its accuracy is not its
-sparse one.
+A (method, density) is **within tolerance** on a workload when one of its recipes there lost at most
+``tolerance`` beyond the reference (DDP, or the best PowerSGD rank) and reached the target;
+:func:`assess` gives the verdict over the workloads that measured it (the worst), with its best
+recipe's steps to the target over DDP's. Where no campaign measured it, the verdict is ``None``:
+accuracy unknown, which ``advise`` says plainly and ranks after the measured candidates.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import statistics
 import sys
 from collections.abc import Sequence
@@ -32,97 +31,42 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TABLE_PATH", "parse_campaign_report", "load_table", "assess", "Assessment", "main"]
+__all__ = ["TABLE_PATH", "build_table", "load_table", "assess", "Assessment", "main"]
 
 #: the generated table shipped with the package
 TABLE_PATH = Path(__file__).with_name("accuracy_table.json")
 
-_DELTA = re.compile(r"^([+-]?\d+(?:\.\d+)?)(%| points)$")
+
+def _entry(arm: dict[str, Any], ddp_steps: float | None, metric: str) -> dict[str, Any]:
+    options = arm.get("options", {})
+    steps = [s for s in arm.get("steps_to_target", {}).values()]
+    reached = [s for s in steps if s is not None]
+    gap = arm.get("final_vs_ddp")
+    recipe = [k for k in ("freeze_adam_variance", "momentum_correction", "dense_fallback") if options.get(k)]
+    if options.get("sync") == "local":
+        recipe.append(f"local_steps={options.get('local_steps')}")
+    return {
+        "method": str(options.get("method", "")), "density": options.get("density"),
+        "sync": options.get("sync", "ddp"), "recipe": "+".join(recipe) or "hook", "kind": arm.get("kind"),
+        "optimizer": arm.get("optimizer"),
+        "loss": None if gap is None else 100.0 * gap,
+        "reached": bool(steps) and len(reached) * 2 > len(steps),
+        "steps_factor": statistics.median(reached) / ddp_steps if reached and ddp_steps else None,
+        "seeds": len(arm.get("final", {})),
+    }
 
 
-def _cells(line: str) -> list[str]:
-    return [cell.strip() for cell in line.strip().strip("|").split("|")]
-
-
-def _number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def parse_campaign_report(text: str, source: str = "") -> dict[str, Any]:
-    """The accuracy table from a campaign report's markdown (see the module docstring)."""
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    metrics: dict[str, str] = {}
-    lines = text.splitlines()
-    i = 0
-    while i < len(lines):
-        if not lines[i].startswith("| workload |"):
-            i += 1
-            continue
-        header = _cells(lines[i])
-        i += 2
-        wanted = {"network", "method", "time to target s", "epochs to target", "vs DDP, same epochs"}
-        final = next((h for h in header if h.startswith("final ")), None)
-        per_run = wanted <= set(header) and final is not None and "seeds" not in header
-        while i < len(lines) and lines[i].startswith("|"):
-            if per_run:
-                row = dict(zip(header, _cells(lines[i]), strict=True))
-                label = row["method"]
-                if "+" not in label and label != "nosync":  # recipes and the floor are not methods' accuracy
-                    workload = row["workload"]
-                    metrics[workload] = final.removeprefix("final ")  # type: ignore[union-attr]
-                    match = _DELTA.match(row["vs DDP, same epochs"])
-                    delta = float(match.group(1)) if match else None
-                    loss = None if delta is None else (-delta if metrics[workload] == "accuracy" else delta)
-                    reached = _number(row["time to target s"]) is not None
-                    runs.setdefault((workload, label), []).append(
-                        {"loss": loss, "reached": reached, "epochs": _number(row["epochs to target"]),
-                         "network": row["network"], "seed": row.get("seed", "0"),
-                         "megabytes": _number(row.get("MB sent/step", ""))})
-            i += 1
-    table: dict[str, Any] = {"source": source, "workloads": {}}
-    for (workload, label), found in sorted(runs.items()):
-        # the trajectory does not depend on the network (the same seed trains the same steps): one
-        # entry per seed, the median over seeds
-        by_seed = {r["seed"]: r for r in found}
-        losses = [r["loss"] for r in by_seed.values() if r["loss"] is not None]
-        epochs = [r["epochs"] for r in by_seed.values() if r["epochs"] is not None]
-        reached_in = sum(r["reached"] for r in by_seed.values())
-        megabytes = [r["megabytes"] for r in by_seed.values() if r["megabytes"] is not None]
-        method, _, density = label.partition("@")
-        entry = {"label": label, "method": method.split("-r")[0] if method.startswith("powersgd") else method,
-                 "density": float(density) if density else None,
-                 "loss": statistics.median(losses) if losses else None,
-                 "reached": reached_in * 2 > len(by_seed), "epochs_to_target": statistics.median(epochs) if epochs
-                 else None, "seeds": len(by_seed),
-                 "megabytes_per_step": statistics.median(megabytes) if megabytes else None}
-        table["workloads"].setdefault(workload, {"metric": metrics[workload], "runs": {}})["runs"][label] = entry
+def build_table(summaries: Sequence[dict[str, Any]], sources: Sequence[str] = ()) -> dict[str, Any]:
+    """The accuracy table from campaign summaries (see the module docstring)."""
+    table: dict[str, Any] = {"sources": list(sources), "workloads": {}}
+    for summary in summaries:
+        wl = summary["workload"]
+        runs = {name: _entry(arm, summary.get("ddp_steps_to_target"), wl["metric"])
+                for name, arm in summary["arms"].items() if arm.get("kind") != "floor" and arm.get("final")}
+        table["workloads"][f"{wl['model']} / {wl['data']}"] = {"metric": wl["metric"], "runs": runs}
     if not table["workloads"]:
-        raise ValueError(f"no per-run campaign table found in {source or 'the text'}")
-    for entry in table["workloads"].values():
-        _mark_dense_runs(entry["runs"])
+        raise ValueError("no campaign summaries to build the accuracy table from")
     return table
-
-
-#: a sparse run that sent more than this many times the median of its density's runs ran dense
-DENSE_TRAFFIC_FACTOR = 5.0
-
-
-def _mark_dense_runs(runs: dict[str, dict[str, Any]]) -> None:
-    """Mark (``ran_dense``) the sparse runs whose metered traffic is more than
-    :data:`DENSE_TRAFFIC_FACTOR` times the median of the runs at their density: they synchronized
-    densely for the whole budget (a dense warm-up that outlasted it, e.g. Ok-Topk's public default of
-    512 warm-up calls), so their accuracy is not their sparse one."""
-    by_density: dict[float, list[float]] = {}
-    for r in runs.values():
-        if r["density"] is not None and r["megabytes_per_step"] is not None:
-            by_density.setdefault(r["density"], []).append(r["megabytes_per_step"])
-    for r in runs.values():
-        mine = r["megabytes_per_step"]
-        r["ran_dense"] = bool(r["density"] is not None and mine is not None
-                              and mine > DENSE_TRAFFIC_FACTOR * statistics.median(by_density[r["density"]]))
 
 
 def load_table(path: str | Path = TABLE_PATH) -> dict[str, Any]:
@@ -134,96 +78,74 @@ def load_table(path: str | Path = TABLE_PATH) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Assessment:
-    """A (method, density)'s accuracy in the campaign: ``ok`` within tolerance on every workload
-    measured (None: not measured), ``epochs_factor`` its epochs to the target over DDP's (the worst
-    workload; inf when it did not reach the target), and ``note``, what the verdict rests on."""
+    """A (method, density)'s quality in the campaigns: ``ok`` within tolerance on every workload that
+    measured it (None: not measured, accuracy unknown), ``steps_factor`` its steps to the target over
+    DDP's (the worst workload; inf when it did not reach the target), ``recipe`` the recipe that did
+    best, and ``note``, what the verdict rests on."""
 
     ok: bool | None
-    epochs_factor: float
+    steps_factor: float
     note: str
+    recipe: str = ""
 
 
 def _unit(metric: str) -> str:
-    return " points" if metric == "accuracy" else "% perplexity"
+    return " points" if metric == "accuracy" else "% loss"
 
 
-def _verdict(runs: dict[str, dict[str, Any]], entry: dict[str, Any], allowed: float) -> tuple[bool, float]:
-    """(within ``allowed`` and reached the target, epochs to the target over DDP's) of one run entry."""
-    ok = entry["loss"] is not None and entry["loss"] <= allowed + 1e-9 and entry["reached"]
-    ddp = runs.get("ddp", {}).get("epochs_to_target")
-    if not entry["reached"]:
-        return ok, math.inf
-    return ok, entry["epochs_to_target"] / ddp if ddp and entry["epochs_to_target"] else 1.0
-
-
-def assess(table: dict[str, Any], method: str, density: float | None, tolerance: float = 0.5,
-           reference: str = "powersgd") -> Assessment:
-    """How ``method`` at ``density`` (None: a dense method) did in the campaign (module docstring).
-
-    A density the campaign did not run is judged from the method's other densities there, on the
-    assumption that accuracy does not improve as the density falls: below a density that lost more
-    than allowed it is presumed to lose more; above one within tolerance, to be within it too (with
-    that density's epochs to the target, an upper bound); otherwise it is unknown."""
+def assess(table: dict[str, Any], method: str, density: float | None, tolerance: float = 1.0,
+           reference: str = "ddp", optimizer: str | None = None) -> Assessment:
+    """How ``method`` at ``density`` (None or 1: dense) did in the campaigns, with its best recipe there;
+    ``optimizer`` (``"adamw"``, ``"sgd"``) keeps only the runs made with it."""
     if reference not in ("powersgd", "ddp"):
         raise ValueError(f"reference={reference!r} must be 'powersgd' or 'ddp'")
     if not tolerance >= 0:
         raise ValueError(f"tolerance={tolerance} must be >= 0")
-    label = method if density is None or density >= 1 else f"{method}@{density:g}"
-    verdicts, factors, notes = [], [], []
+    verdicts, factors, notes, recipes = [], [], [], []
     for workload, entry in table["workloads"].items():
         runs = entry["runs"]
+        candidates = [(name, r) for name, r in runs.items() if r["method"] == method
+                      and (r["density"] == density or (density is None or density >= 1) and r["density"] in (None, 1))
+                      and (optimizer is None or str(r.get("optimizer", "")).lower().startswith(optimizer))]
+        if not candidates:
+            continue
         powersgd = [r["loss"] for r in runs.values() if r["method"] == "powersgd" and r["loss"] is not None]
         allowed = (max(0.0, min(powersgd)) if reference == "powersgd" and powersgd else 0.0) + tolerance
-        unit = _unit(entry["metric"])
-        mine = runs.get(label)
-        if mine is None and density is not None:
-            measured = [r for r in runs.values() if r["method"] == method and r["density"] is not None
-                        and not r.get("ran_dense")]
-            denser_bad = [r for r in measured if r["density"] >= density and not _verdict(runs, r, allowed)[0]]
-            sparser_ok = [r for r in measured if r["density"] <= density and _verdict(runs, r, allowed)[0]]
-            if denser_bad:
-                r = min(denser_bad, key=lambda r: r["density"])
-                verdicts.append(False)
-                factors.append(math.inf)
-                notes.append(f"{workload}: not run at {density:g}; at {r['density']:g} it already lost "
-                             f"{r['loss']:+.1f}{unit} (allowed {allowed:.1f}), a lower density is presumed worse")
-            elif sparser_ok:
-                r = max(sparser_ok, key=lambda r: r["density"])
-                verdicts.append(True)
-                factors.append(_verdict(runs, r, allowed)[1])
-                notes.append(f"{workload}: not run at {density:g}; within tolerance at {r['density']:g}, a "
-                             f"higher density is presumed no worse")
-            elif any(r["method"] == method and r.get("ran_dense") for r in runs.values()):
-                notes.append(f"{workload}: not run at {density:g}, and its campaign run ran dense (its traffic)")
-            continue
-        if mine is None:
-            continue
-        if mine.get("ran_dense"):
-            notes.append(f"{workload}: ran dense in the campaign (its traffic), its sparse accuracy unknown")
-            continue
-        ok, factor = _verdict(runs, mine, allowed)
+        name, best = min(candidates, key=lambda c: (not c[1]["reached"], math.inf if c[1]["loss"] is None
+                                                    else c[1]["loss"]))
+        ok = best["loss"] is not None and best["loss"] <= allowed + 1e-9 and best["reached"]
         verdicts.append(ok)
-        factors.append(factor)
-        what = "did not reach the target, " if not mine["reached"] else ""
-        notes.append(f"{workload}: {what}lost {mine['loss']:+.1f}{unit} vs DDP (allowed {allowed:.1f})"
-                     if mine["loss"] is not None else f"{workload}: {what}no loss figure")
+        factors.append(best["steps_factor"] if best["reached"] and best["steps_factor"] else
+                       (1.0 if best["reached"] else math.inf))
+        recipes.append(f"{name} ({best['optimizer']})")
+        what = "" if best["reached"] else "did not reach the target, "
+        if best["loss"] is None:
+            notes.append(f"{workload}: {name}: no figure")
+        else:
+            notes.append(f"{workload}: {name}, {best['optimizer']}: {what}{best['loss']:+.1f}"
+                         f"{_unit(entry['metric'])} vs DDP (allowed {allowed:.1f})")
     if not verdicts:
-        return Assessment(None, 1.0, "; ".join(notes) or f"{label}: not in the campaign (accuracy unknown)")
-    return Assessment(all(verdicts), max(factors), "; ".join(notes))
+        label = method if density is None or density >= 1 else f"{method}@{density:g}"
+        return Assessment(None, 1.0, f"{label}: no campaign measured it (accuracy unknown)")
+    return Assessment(all(verdicts), max(factors), "; ".join(notes), ", ".join(recipes))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sparsecomm.simulator.accuracy REPORT.md [OUT.json]``: write the table (default: the
-    package's ``accuracy_table.json``)."""
+    """``python -m sparsecomm.simulator.accuracy SUMMARY.json... [-o OUT.json]``: write the table
+    (default: the package's ``accuracy_table.json``)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not 1 <= len(args) <= 2:
-        print("usage: python -m sparsecomm.simulator.accuracy CAMPAIGN_REPORT.md [OUT.json]", file=sys.stderr)
+    out = TABLE_PATH
+    if "-o" in args:
+        i = args.index("-o")
+        out, args = Path(args[i + 1]), args[:i] + args[i + 2:]
+    if not args:
+        print("usage: python -m sparsecomm.simulator.accuracy SUMMARY.json... [-o OUT.json]", file=sys.stderr)
         return 2
-    source, out = Path(args[0]), Path(args[1]) if len(args) > 1 else TABLE_PATH
-    table = parse_campaign_report(source.read_text(), source=str(source))
+    summaries = [json.loads(Path(a).read_text()) for a in args]
+    table = build_table(summaries, sources=args)
     out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    print(f"{out}: {sum(len(w['runs']) for w in table['workloads'].values())} runs over "
-          f"{len(table['workloads'])} workloads from {source}")
+    print(f"{out}: {sum(len(w['runs']) for w in table['workloads'].values())} arms over "
+          f"{len(table['workloads'])} workloads from {', '.join(args)}")
     return 0
 
 
