@@ -158,7 +158,8 @@ ARMS: dict[str, list[Arm]] = {
         _mc(0.001, "topka-mc@0.001", "topka-mc@1"),
         _adamw("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, AdamW", method="topka", density=0.01,
                **_HOOK),
-        _fva("topka", 0.01, "topka-fva@0.01", None),
+        _fva("topka", 1.0, "topka-fvamc@1", None, corrected=True),
+        _fva("topka", 0.01, "topka-fvamc@0.01", "topka-fvamc@1", corrected=True),
     ],
     # a BatchNorm CNN trained with SGD and momentum: DDP broadcasts BatchNorm's buffers every step
     "resnet": [
