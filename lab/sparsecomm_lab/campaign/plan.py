@@ -43,6 +43,10 @@ class Workload:
     model_options: dict[str, Any] = field(default_factory=dict)
     #: TrainConfig fields every arm of the workload shares (optimizer options, clipping)
     train_options: dict[str, Any] = field(default_factory=dict)
+    #: the seeds each arm's best learning rate trains with (the headline figures' median is over them)
+    seeds: tuple[int, ...] = SEEDS
+    #: the workload whose model, data and budget this one shares (a comparison run on a subset of arms)
+    note: str = ""
 
     def optimizer(self, arm: Arm) -> str:
         """The optimizer ``arm`` trains with: its own, else the workload's (the first of its grids)."""
@@ -109,6 +113,24 @@ def _fva(method: str, density: float | None, name: str, twin: str | None, correc
                "(synchronizer, freeze_adam_variance)", options, dense_twin=twin)
 
 
+def _local(method: str, steps: int, density: float | None = None, outer: str = "nesterov") -> Arm:
+    """Local steps: ``steps`` inner AdamW steps per synchronization of the pseudo-gradient
+    (sparsecomm.LocalSteps; DiLoCo's outer Nesterov SGD, lr 0.7, momentum 0.9), or torch's post-local SGD."""
+    options: dict[str, Any] = {"sync": "local", "local_steps": steps, "method": method, "outer": outer,
+                               "momentum_correction": False}
+    if method == "postlocalsgd":
+        options["dense_warmup_steps"] = FVA_WARMUP
+        return Arm(f"postlocalsgd-H{steps}", "local", f"torch's post-local SGD: DDP for {FVA_WARMUP} steps, then "
+                   f"the parameters averaged every {steps} steps (PostLocalSGDOptimizer)", options)
+    if method == "diloco":
+        return Arm(f"diloco-H{steps}", "local", f"DiLoCo: {steps} inner AdamW steps, the dense pseudo-gradient "
+                   "all-reduced, outer Nesterov SGD (lr 0.7, momentum 0.9)", options)
+    options["density"] = density
+    return Arm(f"{method}-local-H{steps}@{density:g}", "local",
+               f"{steps} inner AdamW steps, the pseudo-gradient by {method} at {density:g} with error feedback, "
+               f"outer Nesterov SGD as DiLoCo's", options)
+
+
 def _sgd(name: str, kind: str, description: str, **options: Any) -> Arm:
     return Arm(name, kind, description, {"optimizer": "sgd", **options})
 
@@ -141,6 +163,14 @@ ARMS: dict[str, list[Arm]] = {
         _fva("topka", 1.0, "topka-fvamc@1", None, corrected=True),
         _fva("topka", 0.01, "topka-fvamc@0.01", "topka-fvamc@1", corrected=True),
         _fva("topka", 0.001, "topka-fvamc@0.001", "topka-fvamc@1", corrected=True),
+    ],
+    # local steps against per-step synchronization, on the GPT's budget (one lr, one seed: see WORKLOADS)
+    "gpt-local": [
+        _FLOOR, _DDP,
+        _fva("topka", 0.01, "topka-fvamc@0.01", None, corrected=True),
+        *[_local("diloco", h) for h in (4, 16, 64)],
+        *[_local("topka", h, 0.01) for h in (4, 16, 64)],
+        *[_local("postlocalsgd", h) for h in (4, 16, 64)],
     ],
     # the gradient is mostly a word embedding of which a step touches a few rows: the baselines a user
     # tries first are AdamW and nn.Embedding(sparse=True) (DDP all-gathers the touched rows)
@@ -178,6 +208,11 @@ WORKLOADS: dict[str, Workload] = {
     "gpt": Workload("gpt", "gpt", "python-source", "loss", steps=600, eval_every=30,
                     lr_grids={"adamw": (3e-4, 1e-3, 3e-3, 1e-2)}, recommended="topka-fva@0.01",
                     train_options={"optimizer": "adamw", "max_grad_norm": 1.0}),
+    "gpt-local": Workload("gpt-local", "gpt", "python-source", "loss", steps=600, eval_every=30,
+                          lr_grids={"adamw": (1e-3,)}, recommended="topka-local-H16@0.01",
+                          train_options={"optimizer": "adamw", "max_grad_norm": 1.0}, seeds=(0,),
+                          note="every arm at the inner lr that DDP's grid found best on the GPT, one seed: the "
+                          "local-step arms are compared with each other and with DDP at equal tuning"),
     "word-lstm": Workload("word-lstm", "word-lstm", "fortunes-words", "loss", steps=300, eval_every=20,
                           lr_grids={"sgd": (0.3, 1.0, 3.0, 10.0), "adamw": (3e-4, 1e-3, 3e-3, 1e-2)},
                           recommended="topka-hook@0.01", data_options={"test_size": 200},

@@ -178,6 +178,8 @@ def write_report(camp: Campaign, records: list[dict[str, Any]], outdir: str, com
         lines += [f"**Target**: DDP's validation {wl.metric} at 75% of the budget, {camp.target:.4g} (median over "
                   f"its seeds at its best lr). DDP's improvement over the last fifth of the budget: "
                   f"{100 * (camp.plateau or 0):.2f}% (the protocol asks for under 1%).", ""]
+    if wl.note:
+        lines += [f"**This comparison**: {wl.note}.", ""]
     lines += ["**Protocol.** Every arm trains at every learning rate of the grid with seed 0 on loopback; its best "
               "lr (final metric) then trains seeds 1 and 2. The metric after a given step does not depend on the "
               "link or the load (the runs are deterministic), so the time to the target is composed: steps to "

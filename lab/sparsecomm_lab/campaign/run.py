@@ -28,7 +28,7 @@ from typing import Any
 
 from sparsecomm_lab.training import save_record, train
 
-from .plan import SEEDS, Arm, Workload, arms_of
+from .plan import Arm, Workload, arms_of
 from .quiet import QuietPolicy, train_quietly
 
 __all__ = ["run_convergence", "run_point", "run_timing", "run_confirmation", "load_records", "best_lr", "final_metric",
@@ -97,7 +97,7 @@ def _save(record: dict[str, Any], path: str, campaign: dict[str, Any]) -> None:
     save_record(record, os.path.dirname(path), os.path.basename(path))
 
 
-def run_convergence(out: str, wl: Workload, arms: Sequence[Arm] | None = None, seeds: Sequence[int] = SEEDS,
+def run_convergence(out: str, wl: Workload, arms: Sequence[Arm] | None = None, seeds: Sequence[int] | None = None,
                     trainer: Trainer = train, echo: Echo = log.warning, **overrides: Any) -> None:
     """Phase 1 on loopback: the grid at seed 0 for every arm (the floor excepted), then each arm's
     best learning rate at the other ``seeds``. ``overrides`` go into every run's config (tests: a
@@ -111,7 +111,7 @@ def run_convergence(out: str, wl: Workload, arms: Sequence[Arm] | None = None, s
                 lr = best_lr(out, wl, arm)
                 if lr is None:
                     raise RuntimeError(f"arm {arm.name}: the grid is incomplete")
-                todo += [(arm, lr, seed) for seed in seeds if seed != 0]
+                todo += [(arm, lr, seed) for seed in (wl.seeds if seeds is None else seeds) if seed != 0]
         for i, (arm, lr, seed) in enumerate(todo, start=1):
             if not os.path.exists(convergence_path(out, wl, arm, lr, seed)):
                 echo(f"[{stage} {i}/{len(todo)}] {wl.name} {arm.name} lr {lr:g} seed {seed} ...")
