@@ -15,11 +15,14 @@ See the README and ``docs/`` for the methods, the DDP hook and the CLI. The libr
 """
 
 from . import selectors
+from .integration.checkpoint import CheckpointError, CheckpointManager
+from .integration.consistency import ConfigMismatchError, check_same_config, replica_checksums
 from .integration.datacache import DataCache
 from .integration.hook import SparseHookState, hook
 from .integration.lars import LARS
 from .integration.pto import parallel_apply
 from .integration.synchronizer import SparseSynchronizer
+from .integration.world import StateLoadError
 from .launch.launcher import WorkerError, run_workers
 from .methods import Method, MethodSpec, Stats, available_methods, cost, make_method, register_method
 from .transport import Communicator, SparseChunk, TrafficMeter
@@ -30,4 +33,6 @@ __all__ = ["Communicator", "TrafficMeter", "SparseChunk", "run_workers", "Worker
 __all__ += ["parallel_apply"]
 __all__ += ["LARS"]
 __all__ += ["DataCache"]
+__all__ += ["CheckpointManager", "CheckpointError", "StateLoadError", "ConfigMismatchError", "check_same_config",
+            "replica_checksums"]
 __version__ = "0.1.0"
