@@ -3,7 +3,9 @@
 The profile holds alpha and beta per link kind, the native all-reduce's fitted alpha/beta and rate,
 each selector's time per element, the time per received sparse element, and each method's per-step
 work and traffic measured at ``-P`` workers; ``sparsecomm simulate --profile`` and ``sparsecomm advise``
-read it. See :mod:`sparsecomm.simulator.calibration`.
+read it. See :mod:`sparsecomm.simulator.calibration`. ``--out`` is checked writable before the
+measurements start; a profile that still cannot be written there is saved in the temporary folder,
+and the command says where.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 import os
 import sys
 import time
+
+from .outputs import check_writable, save_or_fallback
 
 HELP = "measure alpha/beta, the dense all-reduce, selectors and each method's work into a JSON profile"
 
@@ -80,8 +84,8 @@ def _torchrun(args, methods, sizes) -> int:
                 block_topk_s=measure_block_topk(n, args.density, device=device),
                 meta={"P": dist.get_world_size(), "sizes": sizes, "density": args.density,
                       "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
-            profile.save(args.out)
-            _summary(profile, args.out)
+            path = save_or_fallback(profile.save, args.out, "profile")
+            _summary(profile, path)
     finally:
         dist.destroy_process_group()
     return 0
@@ -117,6 +121,7 @@ def run(args) -> int:
     from .simulate import fail, method_names
 
     try:
+        check_writable(args.out, "--out")  # before minutes of measurement (also when called without the CLI)
         methods = method_names(args.methods)
         sizes = [parse_count(s) for s in args.size.split(",")]
         if not 0 < args.density <= 1:
@@ -148,8 +153,8 @@ def run(args) -> int:
                             device=args.device)
     except ValueError as err:
         return fail("calibrate", str(err))
-    profile.save(args.out)
-    _summary(profile, args.out)
+    path = save_or_fallback(profile.save, args.out, "profile")
+    _summary(profile, path)
     print(f"measured on {profile.device}, {profile.cores} cores, with P={args.workers} forked workers",
           file=sys.stderr)
     return 0
