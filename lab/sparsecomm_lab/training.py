@@ -21,9 +21,12 @@ gradients by one of:
 The result is a run record (a dict, saved as JSON by :func:`save_record`): the configuration, the
 evaluation history (test accuracy against training wall time, excluding evaluation), per-epoch time
 split into compute / select / communicate / decompress (from the method's stats), bytes per step
-and actual density, and a per-step series for plots. Checkpoints (per rank: model, optimizer,
-synchronization state, RNG) are written at epoch ends; a resumed run follows the trajectory of an
-uninterrupted one exactly.
+and actual density, and a per-step series for plots, and ``consistent``: whether the replicas'
+parameters are equal, from every rank's checksum. Before the first step every rank checks that all
+run the same configuration (:func:`agreed_config`). Checkpoints (per rank: model, optimizer,
+synchronization state, RNG) are written at epoch ends through :class:`sparsecomm.CheckpointManager`
+(an epoch counts once every rank has written it); a resumed run follows the trajectory of an
+uninterrupted one exactly, and a job of another size resumes with the residuals redistributed.
 """
 
 from __future__ import annotations

@@ -38,6 +38,12 @@ How a step runs:
   ``torch.amp.GradScaler`` skips the step and lowers its scale as under plain DDP.
 * **Sparse gradients** (``nn.Embedding(sparse=True)``): DDP hands them over in buckets of their own;
   they go through the row-sparse reducer (:mod:`.sparse_buckets`), outside the groups.
+* **Checkpoints know their world** (:mod:`.world`): a state records the world size and rank it was
+  saved in; :meth:`SparseHookState.load_state_dict` is collective, refuses another rank's state or
+  damaged residuals with the same error on every rank, and takes every old rank's states (a list) to
+  redistribute the residuals into a job of another size, conserving their sum.
+* **Resources**: the thread and the private process group are released by
+  :meth:`SparseHookState.close` and by garbage collection (a gloo group holds threads and sockets).
 
 Bad options raise at construction (``ValueError`` / ``TypeError`` naming the option), before the
 first backward and before the process group exists (the method's spec checks names and values); a
