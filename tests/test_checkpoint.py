@@ -98,3 +98,16 @@ def test_resume_without_a_checkpoint_is_an_error_and_auto_starts_afresh(tmp_path
 
     with pytest.raises(WorkerError, match=r"cannot resume: no complete checkpoint in"):
         train(_small_config(tmp_path, workers=2, resume=True))
+
+
+@pytest.mark.slow
+def test_a_run_resumes_in_a_job_of_another_size_with_the_residuals_redistributed(tmp_path):
+    from sparsecomm_lab.training import train
+
+    train(_small_config(tmp_path, workers=3, epochs=1))
+    old = [torch.load(_file(tmp_path, 1, r), weights_only=False)["state"]["sync"] for r in range(3)]
+    resumed = train(_small_config(tmp_path, workers=2, epochs=2, resume=True), keep_params=True)
+    assert len(resumed["epochs"]) == 2 and resumed["consistent"]
+    assert sorted(os.listdir(tmp_path)) == ["step-000000000002"]  # the old job's files went with the commit
+    new = [torch.load(_file(tmp_path, 2, r, world=2), weights_only=False)["state"]["sync"] for r in range(2)]
+    assert all(s["world"]["size"] == 2 for s in new) and all(s["iter"] > o["iter"] for s in new for o in old)

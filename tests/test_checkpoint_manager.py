@@ -149,6 +149,12 @@ def test_keep_and_a_job_of_another_size_reads_every_old_rank(tmp_path):
     for step, size, ranks, message in run_workers(2, load, str(tmp_path), timeout=60):
         assert (step, size, ranks) == (3, P, [0, 1, 2])
         assert "step 3 was saved by a job of 3 ranks and this job has 2: load_all(3)" in message
+    # a folder that is not shared: no rank sees every old rank's file; never a silent fresh start
+    for step in (2, 3):
+        os.remove(os.path.join(tmp_path, f"step-{step:012d}", "rank-00002-of-00003.pt"))
+    messages = run_workers(2, _resume_message, str(tmp_path), timeout=60)
+    assert len(set(messages)) == 1
+    assert "it holds steps [2, 3] of a job of another size, but no rank sees every old rank's file" in messages[0]
 
 
 def test_an_unwritable_folder_is_refused_at_once(tmp_path):

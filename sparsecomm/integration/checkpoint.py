@@ -243,19 +243,24 @@ class CheckpointManager:
 
         Raises:
             CheckpointError (on every rank): a committed step lacks some rank's file (a damaged or
-                foreign folder: starting afresh would overwrite it), or the ranks see different
-                complete steps of a job of another size.
+                foreign folder: starting afresh would overwrite it), the ranks see different complete
+                steps of a job of another size, or only parts of such steps (a folder that is not
+                shared).
         """
-        own, done, other = set(), set(), set()
+        own: set[int] = set()
+        done: set[int] = set()
+        other: set[int] = set()
+        partial: set[int] = set()
         for step in self._steps():
             files = self._files(step)
             if self.rank in files.get(self.size, set()):
                 own.add(step)
                 if os.path.exists(self._marker(step)):
                     done.add(step)
-            if any(size != self.size and ranks == set(range(size)) for size, ranks in files.items()):
-                other.add(step)
-        rows = self._gather((sorted(own), sorted(done), sorted(other)))
+            for size, ranks in files.items():
+                if size != self.size:
+                    (other if ranks == set(range(size)) else partial).add(step)
+        rows = self._gather((sorted(own), sorted(done), sorted(other), sorted(partial)))
         common = set.intersection(*(set(row[0]) for row in rows))
         foreign = set.intersection(*(set(row[2]) for row in rows))
         if set.union(*(set(row[2]) for row in rows)) != foreign:
@@ -273,6 +278,11 @@ class CheckpointManager:
                                   "(a damaged folder, or files of another job); restore the files, or remove "
                                   "the folder to start afresh")
         best = max(common | foreign, default=None)
+        seen = sorted(set.union(*(set(row[3]) for row in rows)))
+        if best is None and seen:
+            raise CheckpointError(f"cannot resume from {self.directory}: it holds steps {seen} of a job of another "
+                                  "size, but no rank sees every old rank's file of any of them; a job of another "
+                                  "size needs a folder every rank can read (a shared file system)")
         self._clean(best)
         return best
 

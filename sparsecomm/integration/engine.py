@@ -272,8 +272,14 @@ class GroupingEngine:
         engine._loaded_fresh = self._loaded_fresh
         with self._lock:
             engine._stats = list(self._stats)
-        self.plan, self._comm, self._warmup_method = None, None, None
+        self.drop()
         return engine
+
+    def drop(self) -> None:
+        """Give up the groups, their methods and the communicator (when the owner closes or goes):
+        the groups refer back to the engine, so without this they, and the process group their
+        methods hold, would wait for the garbage collector."""
+        self.plan, self._comm, self._warmup_method = None, None, None
 
     # ------------------------------------------------------------------ changes between steps
     def switch_method(self, spec: MethodSpec) -> None:

@@ -105,14 +105,16 @@ class _Resources:
     """What a :class:`SparseHookState` holds outside Python's memory: its communication thread and
     its private process group (a gloo group keeps threads and sockets until it is destroyed).
 
-    Kept apart from the state, and referring to nothing of it, so that :meth:`release` can run from
-    the state's finalizer when garbage collection takes the state (the state itself has no
-    reference cycle, so that happens as soon as the last reference, DDP's, goes)."""
+    Kept apart from the state, and referring to nothing of it but its engine, so that
+    :meth:`release` can run from the state's finalizer when the state goes (the state itself is in
+    no reference cycle, so that is as soon as the last reference, DDP's, goes)."""
 
     def __init__(self, process_group: dist.ProcessGroup | None) -> None:
         self.process_group = process_group
         self.thread: CommThread | None = None
         self.group: PrivateGroup | None = None
+        #: the state's engine, whose groups and methods hold the private group
+        self.engine: GroupingEngine | None = None
         self.closed = False
 
     def comm(self) -> Communicator:
@@ -123,7 +125,8 @@ class _Resources:
         return Communicator(self.group.group)
 
     def release(self) -> None:
-        """Stop the thread (after the work handed to it) and destroy the private group."""
+        """Stop the thread (after the work handed to it), destroy the private group and drop the
+        engine's groups and methods (the group's last references: torch frees it then)."""
         self.closed = True
         thread, self.thread = self.thread, None
         if thread is not None:
@@ -131,6 +134,9 @@ class _Resources:
         group, self.group = self.group, None
         if group is not None:
             group.release()
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.drop()
 
 
 class SparseHookState(EngineView):
@@ -185,7 +191,7 @@ class SparseHookState(EngineView):
         """Take ``engine`` and ``resources``; these are released by :meth:`close` or by garbage
         collection (a finalizer: the state has no reference cycle)."""
         self._resources = resources
-        self.engine = engine
+        self.engine = resources.engine = engine
         self._reset_runtime()
         finalizer = weakref.finalize(self, resources.release)
         finalizer.atexit = False  # at exit the process's groups go with it
@@ -380,10 +386,10 @@ class SparseHookState(EngineView):
         and stats stay readable. Over a subgroup of the job the private group stays until the job's
         group is destroyed (:class:`~.overlap.PrivateGroup`)."""
         self.wait_idle()
-        resources = self._resources
-        resources.release()
         # the methods and communicators refer to the group: the state keeps its state without them
-        self.engine = self.engine.detach(resources.comm)
+        detached = self.engine.detach(self._resources.comm)
+        self._resources.release()
+        self.engine = detached
         self._reset_runtime()
 
     # ------------------------------------------------------------------ statistics
