@@ -15,6 +15,8 @@ by the keys of ``docs/references.md`` ([SparDL], [ShiCloud], ...).
 """
 
 from . import selectors
+from .integration.checkpoint import CheckpointError, CheckpointManager
+from .integration.consistency import ConfigMismatchError, check_same_config, replica_checksums
 from .integration.datacache import DataCache
 from .integration.hook import SparseHookState, hook
 from .integration.hsdp import SparseReplicaState, sparse_replicas
@@ -22,6 +24,7 @@ from .integration.lars import LARS
 from .integration.local_steps import LocalSteps
 from .integration.pto import parallel_apply
 from .integration.synchronizer import SparseSynchronizer
+from .integration.world import StateLoadError
 from .launch.launcher import WorkerError, run_workers
 from .methods import Method, MethodSpec, Stats, available_methods, cost, make_method, register_method
 from .transport import Communicator, SparseChunk, TrafficMeter
@@ -29,5 +32,6 @@ from .transport import Communicator, SparseChunk, TrafficMeter
 __all__ = ["Communicator", "TrafficMeter", "SparseChunk", "run_workers", "WorkerError", "Method", "Stats",
            "make_method", "available_methods", "register_method", "cost", "SparseHookState", "hook",
            "SparseSynchronizer", "selectors", "MethodSpec", "parallel_apply", "LARS", "DataCache",
-           "sparse_replicas", "SparseReplicaState", "LocalSteps"]
+           "sparse_replicas", "SparseReplicaState", "LocalSteps", "CheckpointManager", "CheckpointError",
+           "StateLoadError", "ConfigMismatchError", "check_same_config", "replica_checksums"]
 __version__ = "0.1.0"

@@ -324,7 +324,7 @@ def test_bench_methods_runs_every_method_at_small_P(P, capsys):
 @pytest.mark.parametrize("argv, expected", [
     (["--method", "spardl", "--method-options", '{"teams": 3}'], "teams=3 must be a positive integer dividing"),
     (["--method", "gtopk", "--sync", "synchronizer", "--momentum-correction"], "momentum_correction needs a method"),
-    (["--checkpoint-dir", "{tmp}/none", "--resume"], "ranks 0, 1 have no checkpoint file"),
+    (["--checkpoint-dir", "{tmp}/none", "--resume"], "cannot resume: no complete checkpoint in"),
 ])
 def test_worker_errors_are_one_line_exit_2(argv, expected, tmp_path, capsys):
     """Issue 23, item 6: user errors raised in workers print one line, no traceback, exit status 2."""

@@ -15,7 +15,7 @@ from sparsecomm.transport.deadline import ProtocolBroken, RankStalledError, grou
 
 
 def _private_group_timeout():
-    group = private_group(None)
+    group = private_group(None).group
     # both ranks use the group before either returns: a rank whose worker exits while its peer still
     # connects the group's mesh closes the connection under it ("Connection closed by peer")
     dist.barrier(group=group)

@@ -39,8 +39,9 @@ def test_torchrun_restart_after_kill_resumes_bit_identically(tmp_path):
     assert log.count("training mlp on digits") == 2, log  # it restarted once
     _run(tmp_path / "straight", kill=False)
     for rank in (0, 1):
-        a = torch.load(tmp_path / "killed" / "ck" / f"rank{rank}.pt", weights_only=False)
-        b = torch.load(tmp_path / "straight" / "ck" / f"rank{rank}.pt", weights_only=False)
+        final = os.path.join("ck", "step-000000000004", f"rank-{rank:05d}-of-00002.pt")
+        a = torch.load(tmp_path / "killed" / final, weights_only=False)["state"]
+        b = torch.load(tmp_path / "straight" / final, weights_only=False)["state"]
         assert a["epoch"] == b["epoch"] == 4
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
         residuals_a, residuals_b = a["sync"]["plan"]["residuals"], b["sync"]["plan"]["residuals"]

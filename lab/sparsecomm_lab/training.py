@@ -21,9 +21,12 @@ gradients by one of:
 The result is a run record (a dict, saved as JSON by :func:`save_record`): the configuration, the
 evaluation history (test accuracy against training wall time, excluding evaluation), per-epoch time
 split into compute / select / communicate / decompress (from the method's stats), bytes per step
-and actual density, and a per-step series for plots. Checkpoints (per rank: model, optimizer,
-synchronization state, RNG) are written at epoch ends; a resumed run follows the trajectory of an
-uninterrupted one exactly.
+and actual density, and a per-step series for plots, and ``consistent``: whether the replicas'
+parameters are equal, from every rank's checksum. Before the first step every rank checks that all
+run the same configuration (:func:`agreed_config`). Checkpoints (per rank: model, optimizer,
+synchronization state, RNG) are written at epoch ends through :class:`sparsecomm.CheckpointManager`
+(an epoch counts once every rank has written it); a resumed run follows the trajectory of an
+uninterrupted one exactly, and a job of another size resumes with the residuals redistributed.
 """
 
 from __future__ import annotations
@@ -47,18 +50,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparsecomm.integration.consistency import check_same_config, replica_checksums
 from sparsecomm.integration.hook import SparseHookState, hook
 from sparsecomm.integration.schedule import MethodSchedule
 from sparsecomm.integration.synchronizer import SparseSynchronizer
 from sparsecomm.launch.launcher import STALL_TIMEOUT, run_workers
 from sparsecomm.methods import MethodSpec, Stats, is_sparse, tracks_sent
-from sparsecomm_lab.checkpoint import (
-    checkpoint_path,
-    checkpoints_present,
-    parameter_checksum,
-    resume_checkpoint,
-    save_checkpoint,
-)
+from sparsecomm_lab import checkpoint
 from sparsecomm_lab.data import Dataset, load_dataset
 from sparsecomm_lab.diloco import LOCAL_BASELINES, local_synchronization
 from sparsecomm_lab.models import MODEL_DEFAULTS, make_model, model_defaults
@@ -527,6 +525,16 @@ def _evaluate_on_rank0(sync: _Synchronization, dataset: Dataset) -> dict[str, fl
     return result[0]
 
 
+#: options that may differ by rank (local paths, the launcher's limits): left out of the start-up agreement
+PER_RANK_OPTIONS = ("checkpoint_dir", "timeout", "collective_timeout", "net")
+
+
+def agreed_config(config: TrainConfig) -> dict[str, Any]:
+    """What every rank must run alike (every option but :data:`PER_RANK_OPTIONS`), in the order of
+    :class:`TrainConfig`'s fields: compared across ranks before the first step."""
+    return {key: value for key, value in dataclasses.asdict(config).items() if key not in PER_RANK_OPTIONS}
+
+
 def _checkpoint_meta(config: TrainConfig, world: int) -> dict[str, Any]:
     """What a checkpoint must match to be resumed by ``config`` (checked by ``resume_checkpoint``)."""
     options = {} if config.method in BASELINES else dict(config.method_spec().options)
@@ -547,6 +555,8 @@ def train_worker(config: TrainConfig, dataset: Dataset,
     # Subnormal floats make CPU matrix products many times slower (a transformer's backward meets
     # them); flushing them to zero changes no result that matters and keeps steps at full speed.
     torch.set_flush_denormal(True)
+    check_same_config(agreed_config(config), what="training configuration")
+    manager = None if not config.checkpoint_dir else checkpoint.CheckpointManager(config.checkpoint_dir)
     torch.manual_seed(config.seed)
     model = make_model(config.model, dataset.info, **config.model_options)
     optimizer = make_optimizer(config, model)
@@ -566,20 +576,26 @@ def train_worker(config: TrainConfig, dataset: Dataset,
     start_epoch = 0
     torch.manual_seed(config.seed * 7919 + rank)
     schedule = config.method_schedule() if config.schedule else None
-    resume = bool(config.resume)
-    if config.resume == "auto":
-        assert config.checkpoint_dir is not None  # validate() requires it with resume
-        resume = checkpoints_present(config.checkpoint_dir)
-        log.info("--resume auto: %s", "resuming" if resume else "no checkpoint yet, starting afresh")
-    if resume:
-        assert config.checkpoint_dir is not None  # validate() requires it with resume
-        saved = resume_checkpoint(config.checkpoint_dir, _checkpoint_meta(config, world))
+    resumed = None
+    if config.resume:
+        assert manager is not None  # validate() requires checkpoint_dir with resume
+        resumed = checkpoint.resume(manager, _checkpoint_meta(config, world), required=config.resume is True)
+        log.info("resume %s: %s", config.resume, "no checkpoint yet, starting afresh" if resumed is None
+                 else f"from epoch {resumed.step}" + (" (another world size)" if resumed.resized else ""))
+    if resumed is not None:
+        saved = resumed.state  # this rank's own, or old rank 0's (the replicas') after a change of world size
         sync.local_model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         if schedule is not None and saved["epoch"] > 0:  # the method that wrote the checkpoint's state
             sync.switch_method(schedule.method_at(saved["epoch"] - 1))
-        sync.load_state_dict(saved["sync"])
-        torch.set_rng_state(saved["rng"])
+        if resumed.resized and config.method == "powersgd":
+            raise checkpoint.CheckpointError("a change of world size redistributes the residuals of sparsecomm "
+                                             "methods; torch's PowerSGD state cannot be redistributed")
+        sync.load_state_dict([s["sync"] for s in resumed.states] if resumed.resized else saved["sync"])
+        if not resumed.resized:
+            torch.set_rng_state(saved["rng"])
+        elif rank < len(resumed.states):  # a rank that joins keeps the seed of its rank
+            torch.set_rng_state(resumed.states[rank]["rng"])
         start_epoch, train_time = saved["epoch"], saved["train_time"]
         history, epochs, steps = saved["history"], saved["epochs"], saved["steps"]
     total_steps = config.steps if config.steps is not None else config.epochs * steps_per_epoch
@@ -643,19 +659,19 @@ def train_worker(config: TrainConfig, dataset: Dataset,
         epochs.append(summary)
         if rank == 0 and progress is not None:
             progress(summary)
-        if config.checkpoint_dir:
-            state_model = sync.local_model.state_dict()
-            save_checkpoint(checkpoint_path(config.checkpoint_dir, rank),
-                            {"model": state_model, "optimizer": optimizer.state_dict(), "sync": sync.state_dict(),
-                             "rng": torch.get_rng_state(), "epoch": epoch + 1,
+        if manager is not None:  # collective: the epoch counts once every rank has written it
+            checkpoint.save(manager, epoch + 1,
+                            {"model": sync.local_model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "sync": sync.state_dict(), "rng": torch.get_rng_state(), "epoch": epoch + 1,
                              "step": epoch * steps_per_epoch + n_steps, "train_time": train_time,
                              "history": history, "epochs": epochs, "steps": steps},
-                            {**_checkpoint_meta(config, world), "param_checksum": parameter_checksum(state_model)})
+                            _checkpoint_meta(config, world))
         if config.stop_at_target and reached:
             break
     params = [p.detach().clone() for p in model.parameters()]
+    checksums = replica_checksums(model)  # every rank's, so the record says whether the replicas are equal
     return {"rank": rank, "history": history, "epochs": epochs, "steps": steps if rank == 0 else [],
-            "params": params, "steps_per_epoch": steps_per_epoch,
+            "params": params, "steps_per_epoch": steps_per_epoch, "consistent": len(set(checksums)) == 1,
             "num_parameters": sum(p.numel() for p in params)}
 
 
@@ -736,8 +752,7 @@ def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None
         "steps": first["steps"],
         "final_accuracy": first["history"][-1]["test_accuracy"] if first["history"] else None,
         "time_to_target": time_to_target(first["history"], config.target_accuracy, config.target_perplexity),
-        "consistent": all(all(torch.equal(a, b) for a, b in zip(first["params"], r["params"], strict=True))
-                          for r in results),
+        "consistent": first["consistent"],  # from every rank's parameter checksum (train_worker)
     }
     if keep_params:
         record["params"] = [r["params"] for r in results]

@@ -10,6 +10,8 @@ the library's. Each command module defines ``HELP``,
 ``add_arguments(parser)`` and ``run(args) -> int``, and may define ``check(args)``: it validates every
 option before any worker starts, and a ``ValueError`` it raises is printed as one line
 ``sparsecomm COMMAND: error: MESSAGE`` with exit status 2 (argparse's own errors have status 2 too).
+Before that, every output option a command has (``--out``, ``--runs-dir``, ``--checkpoint-dir``, ...:
+:data:`.outputs.OUTPUT_OPTIONS`) is checked writable, the same way.
 ``--help`` shows every option's default.
 """
 
@@ -26,6 +28,7 @@ from importlib.metadata import entry_points
 from types import ModuleType
 
 from ..launch.launcher import WorkerError
+from .outputs import check_outputs
 
 #: the commands the repository's lab adds (named when it is not installed)
 LAB_COMMANDS = ("bench", "demo", "report", "train", "campaign", "imports")
@@ -115,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(see sparsecomm {command} --help)", file=sys.stderr)
         return 2
     try:
+        check_outputs(args)  # before any work: a destination that cannot be written would lose it
         if args._check is not None:
             args._check(args)
         return int(args._run(args) or 0)

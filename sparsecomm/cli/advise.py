@@ -109,8 +109,11 @@ def count_parameters(args) -> int:
     """n from --params or --model-file (ValueError when neither or unusable)."""
     from .options import parse_count
 
-    if args.params:
-        return parse_count(args.params)
+    if args.params is not None:
+        n = parse_count(args.params)
+        if n < 1:
+            raise ValueError(f"--params {args.params} must be > 0 (the model's number of parameters, e.g. 25M)")
+        return n
     if args.model_file:
         return _count_saved(args.model_file)
     raise ValueError("give the model size: --params N or --model-file PATH")
@@ -273,6 +276,10 @@ def run(args) -> int:
         if args.workers < 1:
             raise ValueError(f"-P {args.workers} must be >= 1")
         n = count_parameters(args)
+        if args.workers == 1:  # nothing is exchanged: every method costs nothing, and no ratio exists
+            print(f"model: {n:,} parameters; P=1: a single worker exchanges no gradients, so no method saves "
+                  "anything; train without DDP (or with it: at P=1 its all-reduce is a copy)")
+            return 0
         kwargs = model_kwargs(args)
         table = None if args.by_step_time else load_table(args.accuracy_table or TABLE_PATH)
         result = advise(methods, args.workers, n, densities, args.density_slack, accuracy_table=table,

@@ -12,6 +12,9 @@ with no link measured: projections take ``--alpha``/``--bandwidth`` and the form
 (``sparsecomm simulate --formula-comm``). ``--step FILE`` records a training step's figures (the
 JSON of ``benchmarks/gpu/gpt_step.py``: the step without synchronization, PowerSGD's local work and
 message sizes) in the profile, for ``simulate --step-compute``/``--powersgd``.
+``--out`` is checked writable before the
+measurements start; a profile that still cannot be written there is saved in the temporary folder,
+and the command says where.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import json
 import os
 import sys
 import time
+
+from .outputs import check_writable, save_or_fallback
 
 HELP = "measure alpha/beta, the dense all-reduce, selectors and each method's work into a JSON profile"
 
@@ -94,8 +99,8 @@ def _torchrun(args, methods, sizes) -> int:
                 block_topk_s=measure_block_topk(n, args.density, device=device),
                 meta={"P": dist.get_world_size(), "sizes": sizes, "density": args.density,
                       "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
-            profile.save(args.out)
-            _summary(profile, args.out)
+            path = save_or_fallback(profile.save, args.out, "profile")
+            _summary(profile, path)
     finally:
         dist.destroy_process_group()
     return 0
@@ -182,6 +187,7 @@ def run(args) -> int:
     from .simulate import fail
 
     try:
+        check_writable(args.out, "--out")  # before minutes of measurement (also when called without the CLI)
         with_options = method_options(args.methods)
         methods = [name for name, _ in with_options]
         if args.peers is not None and not args.gradients:
@@ -220,8 +226,8 @@ def run(args) -> int:
                             device=args.device)
     except ValueError as err:
         return fail("calibrate", str(err))
-    profile.save(args.out)
-    _summary(profile, args.out)
+    path = save_or_fallback(profile.save, args.out, "profile")
+    _summary(profile, path)
     print(f"measured on {profile.device}, {profile.cores} cores, with P={args.workers} forked workers",
           file=sys.stderr)
     return 0

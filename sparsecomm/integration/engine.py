@@ -31,7 +31,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,8 +44,19 @@ from .nonfinite import Overflow, check_policy, split_policy
 from .overlap import hidden_seconds
 from .residuals import Group, ParamPlan, goes_dense
 from .schedule import ResidualCarry
+from .world import (
+    StateLoadError,
+    World,
+    as_state_list,
+    check_keys,
+    check_own,
+    check_siblings,
+    fold,
+    saved_world,
+    tensor_problem,
+)
 
-__all__ = ["GroupingEngine", "EngineView"]
+__all__ = ["GroupingEngine", "EngineView", "LoadedState"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +106,9 @@ class GroupingEngine:
         self._comm: Communicator | None = None
         self._warmup_method: Method | None = None
         self._loaded: dict[str, Any] | None = None        # a loaded plan state, until the groups exist
+        self._loaded_fresh = False                          # ... from a job of another size
+        self._expected_world: World | None = None           # a loaded state's world, checked with the comm
+        self._owner = "hook"
         self._deferred_switch: MethodSpec | None = None     # a switch after loading it
         self._calls: list[tuple[Stats, float, float]] = []  # this step's (stats, start, end)
         self._stats: list[Stats] = []                       # finished steps' records, until taken
@@ -103,7 +118,14 @@ class GroupingEngine:
     @property
     def comm(self) -> Communicator:
         if self._comm is None:
-            self._comm = self._comm_factory()
+            comm = self._comm_factory()
+            if self._expected_world is not None:  # a state loaded before the process group existed
+                problem = check_own({"world": self._expected_world._asdict()}, World(comm.size, comm.rank),
+                                    self._owner)
+                if problem is not None:
+                    raise StateLoadError(f"cannot load the {self._owner} state: {problem}")
+                self._expected_world = None
+            self._comm = comm
         return self._comm
 
     @property
@@ -149,7 +171,7 @@ class GroupingEngine:
         self.plan = plan = ParamPlan(self.granularity, self._is_dense, self._new_method)
         plan.number(buckets)
         if self._loaded is not None:
-            plan.load_state_dict(self._loaded)
+            plan.load_state_dict(self._loaded, fresh_methods=self._loaded_fresh)
             self._loaded = None
         else:
             plan.set_groups(plan.members_of(buckets))
@@ -246,6 +268,33 @@ class GroupingEngine:
             self._stats.clear()
         return total
 
+    def detach(self, comm: Callable[[], Communicator]) -> GroupingEngine:
+        """A copy of this engine that holds no communicator and no method instance: the same method,
+        options, policy, step counter, carried residuals and stats not yet taken, and the groups as
+        a saved state (their residuals stay readable, :meth:`residuals`); this engine gives up its
+        groups, methods and communicator. The hook's ``close()`` keeps the copy, so that nothing
+        refers to the process group any more and torch frees it at once (a gloo group holds its
+        threads and sockets until its last reference goes; the groups refer back to their engine, so
+        without this they would wait for the garbage collector). ``comm`` is the copy's communicator
+        factory."""
+        engine = GroupingEngine(self.spec, comm, granularity=self.granularity,
+                                dense_warmup_steps=self.dense_warmup_steps, dense_below=self.dense_below,
+                                use_layout=self.use_layout, nonfinite_default=self.nonfinite)
+        engine.iter, engine.skipped_calls = self.iter, self.skipped_calls
+        engine.carry.load_state_dict(self.carry.state_dict())
+        engine._loaded = self.plan.state_dict() if self.plan is not None else self._loaded
+        engine._loaded_fresh = self._loaded_fresh
+        with self._lock:
+            engine._stats = list(self._stats)
+        self.drop()
+        return engine
+
+    def drop(self) -> None:
+        """Give up the groups, their methods and the communicator (when the owner closes or goes):
+        the groups refer back to the engine, so without this they, and the process group their
+        methods hold, would wait for the garbage collector."""
+        self.plan, self._comm, self._warmup_method = None, None, None
+
     # ------------------------------------------------------------------ changes between steps
     def switch_method(self, spec: MethodSpec) -> None:
         """Synchronize with ``spec`` from the next step on: each non-dense group gets a new method,
@@ -287,38 +336,182 @@ class GroupingEngine:
 
     # ------------------------------------------------------------------ residuals and checkpoints
     def residuals(self) -> dict[int, torch.Tensor]:
-        """Each parameter's residual (a view, by canonical id)."""
+        """Each parameter's residual (a view, by canonical id); before the groups form, those of a
+        loaded state."""
         if self.plan is None:
-            return {}
+            return {} if self._loaded is None else dict(self._loaded["residuals"])
         found = {pid: self.plan.residual_of(pid) for pid in range(len(self.plan.numels))}
         return {pid: r for pid, r in found.items() if r is not None}
 
-    def state_dict(self) -> dict[str, Any]:
-        """The method, the non-finite policy, the step counter, the groups (their methods' state, one
-        residual per parameter) and the carried residuals."""
+    def state_dict(self, world: World | None) -> dict[str, Any]:
+        """The method, the non-finite policy, the step counter, the world it is saved in (``world``:
+        ``{"size": P, "rank": r}``, ``None`` before any process group), the groups (the parameter
+        layout, their methods' state, one residual per parameter) and the carried residuals."""
         plan = self.plan.state_dict() if self.plan is not None else self._loaded
         state = {"method": self.spec.name, "options": dict(self.spec.options), "nonfinite": self.nonfinite,
-                 "iter": self.iter, "plan": plan, "carry": self.carry.state_dict()}
+                 "iter": self.iter, "world": None if world is None else {"size": world.size, "rank": world.rank},
+                 "plan": plan, "carry": self.carry.state_dict()}
         if self.dense_fallback is not None:
             state["dense_fallback"] = self.dense_fallback.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any], owner: str) -> None:
-        """Restore a :meth:`state_dict` (method states per group: now, or when the groups form)."""
+    def _fell_back(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` was saved after ``dense_fallback`` switched to the dense all-reduce."""
+        return self.dense_fallback is not None and (state.get("dense_fallback") or {}).get("decision") == "dense"
+
+    def prepare_load(self, states: Mapping[str, Any] | Sequence[Mapping[str, Any]], owner: str,
+                     world: World | None, *, same: Sequence[str] = (),
+                     ignore_options: Sequence[str] = ()) -> tuple[LoadedState | None, str | None]:
+        """Check saved state(s) against this engine and ``world`` without changing anything.
+
+        ``states`` is this rank's own :meth:`state_dict`, or every rank's of the job that saved them
+        (a list, in any order): then a job of the same size takes its own rank's, and a job of another
+        size this rank's share of the residuals (:func:`~.world.fold`). ``same``: the owner's keys
+        that must match among the saved states; ``ignore_options``: method options that may differ
+        from this engine's (a density under warm-up). Returns (what to load, ``None``) or
+        (``None``, the problem)."""
+        try:
+            listed = as_state_list(states)
+        except TypeError as exc:
+            return None, str(exc)
+        for state in listed:
+            problem = check_keys(state, _STATE_KEYS, owner)
+            if problem is not None:
+                return None, problem
+        first = listed[0]
+        live = _DENSE if self._fell_back(first) else self.spec  # a run that fell back saved the dense method
+        if first["method"] != live.name:
+            return None, (f"it was saved with method {first['method']!r} and this {owner} runs "
+                          f"{live.name!r} (switch_method() to it first, or build the {owner} with it)")
+        saved_options = {k: v for k, v in first["options"].items() if k not in ignore_options}
+        live_options = {k: v for k, v in live.options.items() if k not in ignore_options}
+        if saved_options != live_options:
+            keys = sorted(set(saved_options) | set(live_options), key=str)
+            key = next(k for k in keys if saved_options.get(k, _ABSENT) != live_options.get(k, _ABSENT))
+            return None, (f"method option {key!r} was {saved_options.get(key, 'unset')!r} when it was saved, "
+                          f"this {owner} has {live_options.get(key, 'unset')!r}")
+        if isinstance(states, Mapping):
+            problem = check_own(first, world, owner)
+            if problem is not None:
+                return None, problem
+            sources: list[Mapping[str, Any]] = [first]
+        else:
+            sources, problem = check_siblings(listed, owner, ("method", "options", "iter", *same))
+            if problem is None:
+                layouts = [_plan_layout(s["plan"]) for s in sources]
+                odd = next((q for q, layout in enumerate(layouts) if layout != layouts[0]), None)
+                if odd is not None:
+                    problem = f"the saved {owner} states of ranks 0 and {odd} number different parameters or groups"
+            if problem is not None:
+                return None, problem
+        for source in sources:
+            problem = _residual_problem(source, owner, multi=len(sources) > 1)
+            if problem is not None:
+                return None, problem
+        if self.plan is not None and first["plan"] is not None:
+            problem = self.plan.layout_mismatch(first["plan"])
+            if problem is not None:
+                return None, problem
+        if len(sources) == 1:
+            return LoadedState(dict(first), sources, resized=False), None
+        assert world is not None  # check_siblings needs recorded worlds; a list is loaded in a process group
+        if len(sources) == world.size:
+            return LoadedState(dict(sources[world.rank]), sources, resized=False), None
+        return LoadedState(_folded(sources, world), sources, resized=True), None
+
+    def load(self, loaded: LoadedState, owner: str, world: World | None) -> None:
+        """Apply what :meth:`prepare_load` checked: step counter, carried residuals, groups (now, or
+        when they form on the first bucket). Without a process group yet, the saved world is checked
+        when the communicator is made."""
+        state = loaded.state
         if self.dense_fallback is not None and state.get("dense_fallback"):
             self.dense_fallback.load_state_dict(state["dense_fallback"])
-            if self.dense_fallback.decision == "dense" and self.spec.name != _DENSE.name:
-                self._swap_methods(_DENSE)  # the saved run fell back: its state is the dense method's
-        if state.get("method") != self.spec.name:
-            raise ValueError(f"state_dict of method {state.get('method')!r} cannot load into a {owner} of "
-                             f"method {self.spec.name!r}")
+            if self._fell_back(state) and self.spec.name != _DENSE.name:
+                self._swap_methods(_DENSE)
         self.iter = int(state["iter"])
-        self.carry.load_state_dict(state.get("carry", {}))
+        self.carry.load_state_dict(state["carry"])
+        if loaded.resized:
+            assert world is not None
+            old = len(loaded.sources)
+            log.warning("%s state of a job of %d ranks loaded on rank %d of %d: it holds the residuals of old "
+                        "rank(s) %s (the sum over ranks is conserved); the method's adaptive state (thresholds, "
+                        "partitions) starts afresh at step %d", owner, old, world.rank, world.size,
+                        list(range(world.rank, old, world.size)), self.iter)
+        self._expected_world = saved_world(state) if world is None and not loaded.resized else None
+        self._owner = owner
         saved = state["plan"]
         if saved is not None and self.plan is not None:
-            self.plan.load_state_dict(saved)
+            self.plan.load_state_dict(saved, fresh_methods=loaded.resized)
         else:
-            self._loaded = saved
+            self._loaded, self._loaded_fresh = saved, loaded.resized
+
+
+@dataclass
+class LoadedState:
+    """A saved state checked by :meth:`GroupingEngine.prepare_load`: ``state`` is this rank's (its
+    own, or its share of every old rank's), ``sources`` the saved states it comes from (by old rank),
+    ``resized`` whether they come from a job of another size."""
+
+    state: dict[str, Any]
+    sources: list[Mapping[str, Any]]
+    resized: bool
+
+
+_ABSENT = object()
+#: the keys of every engine state
+_STATE_KEYS = ("method", "options", "nonfinite", "iter", "world", "plan", "carry")
+
+
+def _plan_layout(plan: Mapping[str, Any] | None) -> Any:
+    if plan is None:
+        return None
+    return (list(plan["numels"]), list(plan["dtypes"]), plan["granularity"],
+            [(list(g["params"]), bool(g["dense"])) for g in plan["groups"]])
+
+
+def _residual_problem(state: Mapping[str, Any], owner: str, multi: bool) -> str | None:
+    """The first residual of ``state`` (per parameter, or carried) that is not a finite 1-D tensor of
+    its parameter's size and dtype."""
+    whose = f"rank {state['world']['rank']}'s saved " if multi else "the saved "
+    plan = state["plan"]
+    if plan is not None:
+        numels, dtypes = list(plan["numels"]), list(plan["dtypes"])
+        if len(numels) != len(dtypes):
+            return f"{whose}{owner} state's layout is damaged ({len(numels)} sizes, {len(dtypes)} dtypes)"
+        for pid, residual in plan["residuals"].items():
+            if not isinstance(pid, int) or not 0 <= pid < len(numels):
+                return f"{whose}{owner} state holds a residual for parameter {pid!r}, which its layout does not have"
+            problem = tensor_problem(residual, numels[pid], dtypes[pid], f"{whose}residual of parameter {pid}")
+            if problem is not None:
+                return problem
+    for key, residual in state["carry"].items():
+        problem = tensor_problem(residual, None, None, f"{whose}carried residual of group {key!r}")
+        if problem is not None:
+            return problem
+    return None
+
+
+def _folded(sources: Sequence[Mapping[str, Any]], world: World) -> dict[str, Any]:
+    """Rank ``world.rank``'s share of every old rank's state (``sources``, by old rank): residuals and
+    carried residuals folded (:func:`~.world.fold`), the rest from old rank 0's state."""
+    first = sources[0]
+    state = dict(first)
+    state["world"] = {"size": world.size, "rank": world.rank}
+    plan = first["plan"]
+    if plan is not None:
+        residuals = {}
+        for pid in sorted({pid for s in sources for pid in s["plan"]["residuals"]}):
+            share = fold([s["plan"]["residuals"].get(pid) for s in sources], world.rank, world.size)
+            if share is not None:
+                residuals[pid] = share
+        state["plan"] = {**plan, "residuals": residuals}
+    carry = {}
+    for key in {key for s in sources for key in s["carry"]}:
+        share = fold([s["carry"].get(key) for s in sources], world.rank, world.size)
+        if share is not None:
+            carry[key] = share
+    state["carry"] = carry
+    return state
 
 
 class EngineView:

@@ -38,6 +38,12 @@ How a step runs:
   ``torch.amp.GradScaler`` skips the step and lowers its scale as under plain DDP.
 * **Sparse gradients** (``nn.Embedding(sparse=True)``): DDP hands them over in buckets of their own;
   they go through the row-sparse reducer (:mod:`.sparse_buckets`), outside the groups.
+* **Checkpoints know their world** (:mod:`.world`): a state records the world size and rank it was
+  saved in; :meth:`SparseHookState.load_state_dict` is collective, refuses another rank's state or
+  damaged residuals with the same error on every rank, and takes every old rank's states (a list) to
+  redistribute the residuals into a job of another size, conserving their sum.
+* **Resources**: the thread and the private process group are released by
+  :meth:`SparseHookState.close` and by garbage collection (a gloo group holds threads and sockets).
 
 Bad options raise at construction (``ValueError`` / ``TypeError`` naming the option), before the
 first backward and before the process group exists (the method's spec checks names and values); a
@@ -48,6 +54,8 @@ of the hook reaches ``backward()`` as the library's own exception (:meth:`Sparse
 import logging
 import threading
 import time
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,19 +68,23 @@ from ..transport.comm import Communicator
 from .auto import DenseFallback
 from .engine import EngineView, GroupingEngine
 from .nonfinite import HOOK_DEFAULT
-from .overlap import CommThread, private_group
+from .overlap import CommThread, PrivateGroup, private_group
 from .residuals import ParamPlan, Route
 from .sparse_buckets import SparseBuckets
+from .world import StateLoadError, World, agree_on_load, live_world
 
 __all__ = ["SparseHookState", "hook", "GRANULARITIES", "DENSE_BELOW"]
 
 log = logging.getLogger(__name__)
 
-_STATE_VERSION = 2
 #: The values of ``SparseHookState(granularity=...)``.
 GRANULARITIES = ("bucket", "model")
 #: Default ``dense_below``: 0, every parameter goes to the method (see docs/hook-and-synchronizer.md).
 DENSE_BELOW = 0
+
+
+#: the hook's own options, saved beside the engine's state and matched on load
+_HOOK_KEYS = ("dense_warmup_steps", "granularity", "dense_below")
 
 
 @dataclass
@@ -88,6 +100,44 @@ class _Bucket:
     future: torch.futures.Future
     route: Route | None = None
     result: torch.Tensor | None = None
+
+
+class _Resources:
+    """What a :class:`SparseHookState` holds outside Python's memory: its communication thread and
+    its private process group (a gloo group keeps threads and sockets until it is destroyed).
+
+    Kept apart from the state, and referring to nothing of it but its engine, so that
+    :meth:`release` can run from the state's finalizer when the state goes (the state itself is in
+    no reference cycle, so that is as soon as the last reference, DDP's, goes)."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+        self.process_group = process_group
+        self.thread: CommThread | None = None
+        self.group: PrivateGroup | None = None
+        #: the state's engine, whose groups and methods hold the private group
+        self.engine: GroupingEngine | None = None
+        self.closed = False
+
+    def comm(self) -> Communicator:
+        """The communicator over a new private group (made once per state, on every rank)."""
+        if self.closed:
+            raise RuntimeError("this SparseHookState was closed: make a new one to synchronize again")
+        self.group = private_group(self.process_group)
+        return Communicator(self.group.group)
+
+    def release(self) -> None:
+        """Stop the thread (after the work handed to it), destroy the private group and drop the
+        engine's groups and methods (the group's last references: torch frees it then)."""
+        self.closed = True
+        thread, self.thread = self.thread, None
+        if thread is not None:
+            thread.close()
+        group, self.group = self.group, None
+        if group is not None:
+            group.release()
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.drop()
 
 
 class SparseHookState(EngineView):
@@ -131,24 +181,39 @@ class SparseHookState(EngineView):
         check_int("dense_warmup_steps", dense_warmup_steps, minimum=0)
         check_choice("granularity", granularity, GRANULARITIES)
         check_int("dense_below", dense_below, minimum=0)
-        self.process_group = process_group
         self.overlap = bool(overlap)
-        self.engine = GroupingEngine(spec, self._private_comm, granularity=granularity,
-                                     dense_warmup_steps=dense_warmup_steps, dense_below=dense_below,
-                                     use_layout=use_layout, nonfinite_default=HOOK_DEFAULT,
-                                     dense_fallback=DenseFallback() if dense_fallback else None)
-        self._reset_runtime()
+        resources = _Resources(process_group)
+        self._start(resources, GroupingEngine(
+            spec, resources.comm, granularity=granularity, dense_warmup_steps=dense_warmup_steps,
+            dense_below=dense_below, use_layout=use_layout, nonfinite_default=HOOK_DEFAULT,
+            dense_fallback=DenseFallback() if dense_fallback else None))
         if dist.is_available() and dist.is_initialized():
             spec.build(Communicator(process_group))  # probe: checks the values of the options
             self.engine.comm  # noqa: B018 - the private group, made now on every rank
         else:
             log.info("process group not initialized yet: %r options are checked on the first bucket", spec.name)
 
-    def _private_comm(self) -> Communicator:
-        return Communicator(private_group(self.process_group))
+    def _start(self, resources: _Resources, engine: GroupingEngine) -> None:
+        """Take ``engine`` and ``resources``; these are released by :meth:`close` or by garbage
+        collection (a finalizer: the state has no reference cycle)."""
+        self._resources = resources
+        self.engine = resources.engine = engine
+        self._reset_runtime()
+        finalizer = weakref.finalize(self, resources.release)
+        finalizer.atexit = False  # at exit the process's groups go with it
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group the state synchronizes over (``None``: the default group)."""
+        return self._resources.process_group
+
+    @process_group.setter
+    def process_group(self, group: dist.ProcessGroup | None) -> None:
+        if self.engine._comm is not None:
+            raise RuntimeError("the process group of a SparseHookState is set before its first bucket")
+        self._resources.process_group = group
 
     def _reset_runtime(self) -> None:
-        self._thread: CommThread | None = None
         self._first: list[_Bucket] = []              # first-iteration buckets, until the groups exist
         self._pending: list[_Bucket] = []            # this iteration's buckets not yet answered
         self._inputs: dict[int, torch.Tensor] = {}   # group -> its gradient this iteration
@@ -157,7 +222,8 @@ class SparseHookState(EngineView):
         self._last_bucketing: list[tuple[int, ...]] | None = None
         self._bucket_params: list[list[torch.Tensor]] = []
         self._error: Exception | None = None        # the first failure; every later bucket fails with it
-        self._sparse = SparseBuckets(lambda: self.comm)  # buckets of sparse gradients, outside the groups
+        engine = self.engine  # (not ``self``: the state keeps no reference cycle, see _Resources)
+        self._sparse = SparseBuckets(lambda: engine.comm)  # buckets of sparse gradients, outside the groups
 
     # ------------------------------------------------------------------ setup
     @property
@@ -193,12 +259,15 @@ class SparseHookState(EngineView):
     # ------------------------------------------------------------------ the work of one bucket
     def submit(self, bucket: _Bucket) -> None:
         """Process ``bucket`` on the communication thread (``overlap``) or right here."""
+        resources = self._resources
+        if resources.closed:
+            raise RuntimeError("this SparseHookState was closed: make a new one to synchronize again")
         if not self.overlap:
             self._process(bucket)
             return
-        if self._thread is None:
-            self._thread = CommThread()
-        self._thread.submit(self._process, bucket)
+        if resources.thread is None:
+            resources.thread = CommThread()
+        resources.thread.submit(self._process, bucket)
 
     def _process(self, bucket: _Bucket) -> None:
         try:
@@ -309,16 +378,25 @@ class SparseHookState(EngineView):
 
     def wait_idle(self) -> None:
         """Block until the communication thread has finished everything handed to it so far."""
-        if self._thread is not None:
+        thread = self._resources.thread
+        if thread is not None:
             done = threading.Event()
-            self._thread.submit(done.set)
+            thread.submit(done.set)
             done.wait()
 
     def close(self) -> None:
-        """Stop the communication thread (a later bucket starts a new one)."""
-        if self._thread is not None:
-            self._thread.close()
-            self._thread = None
+        """Release what the state holds outside Python's memory: stop its communication thread (after
+        the work handed to it) and destroy its private process group, so that states made one after
+        another (a sweep, a notebook) leave no thread or socket behind. Garbage collection of the
+        state does the same. The state cannot synchronize afterwards; its ``state_dict``, residuals
+        and stats stay readable. Over a subgroup of the job the private group stays until the job's
+        group is destroyed (:class:`~.overlap.PrivateGroup`)."""
+        self.wait_idle()
+        # the methods and communicators refer to the group: the state keeps its state without them
+        detached = self.engine.detach(self._resources.comm)
+        self._resources.release()
+        self.engine = detached
+        self._reset_runtime()
 
     # ------------------------------------------------------------------ statistics
     def take_stats(self) -> Stats:
@@ -358,21 +436,48 @@ class SparseHookState(EngineView):
         return self.engine.residuals()
 
     # ------------------------------------------------------------------ checkpoints
+    def _world(self) -> World | None:
+        return live_world(self.process_group)
+
     def state_dict(self) -> dict[str, Any]:
-        """Iteration counter, options, and the plan: the groups' method states and one residual per
-        parameter (by canonical id)."""
+        """The state of this rank, recording its world: iteration counter, method and options, the
+        world it was saved in (world size and this rank), the plan (parameter layout, the groups'
+        method states, one residual per parameter by canonical id), carried residuals, and the hook's
+        options. Save one per rank (each rank's residuals are its own share of the gradient)."""
         self.wait_idle()
-        return {"version": _STATE_VERSION, **self.engine.state_dict(), "dense_warmup_steps": self.dense_warmup_steps,
+        return {**self.engine.state_dict(self._world()), "dense_warmup_steps": self.dense_warmup_steps,
                 "granularity": self.granularity, "dense_below": self.dense_below}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`: residuals are looked up per parameter, method states per
-        group (now, or when the groups form on the first bucket)."""
-        if state.get("method") == self.method_name and state.get("version") != _STATE_VERSION:
-            raise ValueError(f"hook state_dict version {state.get('version')!r} is not {_STATE_VERSION} "
-                             "(per-parameter residuals); it was saved by an older sparsecomm")
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Restore :meth:`state_dict`: this rank's own state, or every rank's of the job that saved them
+        (a list, in any order), which a job of another size needs.
+
+        Collective (call it on every rank): each rank checks what it loads against the live job:
+        method and options, the hook's options, the world (its own rank's state; another rank's is an
+        error naming both), the parameter layout, and every residual's shape, dtype and finiteness;
+        then every rank raises the same :class:`~sparsecomm.integration.world.StateLoadError` if any
+        rank found a problem. From a job of another size, this rank takes the residuals of the old
+        ranks ``q`` with ``q % P == rank`` (their sum over ranks is conserved) and the methods'
+        adaptive state starts afresh (a warning says so). Residuals are looked up per parameter,
+        method states per group (now, or when the groups form on the first bucket)."""
+        self._load(state, collective=True)
+
+    def _load(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]], collective: bool) -> None:
         self.wait_idle()
-        self.engine.load_state_dict(state, "hook state")
+        world = self._world()
+        loaded, problem = self.engine.prepare_load(state, "hook", world, same=_HOOK_KEYS)
+        if loaded is not None:
+            mine = {key: getattr(self, key) for key in _HOOK_KEYS}
+            saved = {key: loaded.state.get(key) for key in _HOOK_KEYS}
+            if saved != mine:
+                key = next(k for k in _HOOK_KEYS if saved[k] != mine[k])
+                problem = f"it was saved with {key}={saved[key]!r}, this SparseHookState has {mine[key]!r}"
+        if collective:
+            agree_on_load(problem, self.process_group, "hook")
+        elif problem is not None:
+            raise StateLoadError(f"cannot load the hook state: {problem}")
+        assert loaded is not None
+        self.engine.load(loaded, "hook", world)
         self._last_bucketing = None  # keep the saved groups until DDP's buckets change
 
     def __getstate__(self) -> dict[str, Any]:
@@ -380,17 +485,17 @@ class SparseHookState(EngineView):
         return {"state": self.state_dict(), "use_layout": self.use_layout, "overlap": self.overlap}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
-        """Unpickle onto the default process group; set ``process_group`` after loading for another."""
+        """Unpickle onto the default process group; set ``process_group`` after loading for another.
+        The saved world is checked (locally) against the live one when the private group is made."""
         state = pickled["state"]
-        self.process_group = None
         self.overlap = pickled["overlap"]
-        self.engine = GroupingEngine(MethodSpec(state["method"], state["options"]), self._private_comm,
-                                     granularity=state["granularity"],
-                                     dense_warmup_steps=state["dense_warmup_steps"],
-                                     dense_below=state["dense_below"], use_layout=pickled["use_layout"],
-                                     nonfinite_default=state.get("nonfinite", HOOK_DEFAULT))
-        self._reset_runtime()
-        self.load_state_dict(state)
+        resources = _Resources(None)
+        self._start(resources, GroupingEngine(MethodSpec(state["method"], state["options"]), resources.comm,
+                                              granularity=state["granularity"],
+                                              dense_warmup_steps=state["dense_warmup_steps"],
+                                              dense_below=state["dense_below"], use_layout=pickled["use_layout"],
+                                              nonfinite_default=state["nonfinite"]))
+        self._load(state, collective=False)
 
     def __repr__(self) -> str:
         groups = 0 if self.plan is None else len(self.plan.groups)

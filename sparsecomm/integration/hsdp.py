@@ -78,6 +78,7 @@ from ..transport.comm import Communicator
 from ..transport.control import max_all_reduce
 from .engine import EngineView, GroupingEngine
 from .nonfinite import HOOK_DEFAULT
+from .world import live_world
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -213,7 +214,7 @@ class SparseReplicaState(EngineView):
         """This rank's state: the world it was saved in, the method and its options, the step counter,
         each group's method state and residual. Save one per rank (``torch.save``) beside the model and
         optimizer (``torch.distributed.checkpoint``); the tensors are copies."""
-        return {"version": _STATE_VERSION, "world": self._world(), **self.engine.state_dict()}
+        return {"version": _STATE_VERSION, **self.engine.state_dict(live_world()), "replica_world": self._world()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` saved by this rank of the same layout. Collective: every rank
@@ -221,6 +222,9 @@ class SparseReplicaState(EngineView):
         in another world (world size, rank, replicas x shards, the FSDP groups' shards), by another
         method, or at another step than the other ranks'."""
         problem = self._load_problem(state)
+        loaded = None
+        if problem is None:
+            loaded, problem = self.engine.prepare_load(state, "sparse replica state", live_world())
         steps = int(state.get("iter", -1)) if problem is None else -1
         if self._world_comm is None:
             self._world_comm = Communicator(None)
@@ -233,7 +237,8 @@ class SparseReplicaState(EngineView):
         if latest != -neg_earliest:
             raise ValueError(f"sparse_replicas: the ranks' states were saved at different steps ({-neg_earliest} "
                              f"to {latest}); load states of one checkpoint")
-        self.engine.load_state_dict(state, "sparse replica state")
+        assert loaded is not None
+        self.engine.load(loaded, "sparse replica state", live_world())
 
     def _load_problem(self, state: Any) -> str | None:
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
@@ -241,7 +246,7 @@ class SparseReplicaState(EngineView):
             return f"its version is {version!r}, not {_STATE_VERSION}"
         if state.get("method") != self.spec.name:
             return f"it was saved by method {state.get('method')!r}, this state runs {self.spec.name!r}"
-        saved, mine = state.get("world", {}), self._world()
+        saved, mine = state.get("replica_world", {}), self._world()
         for key in mine:
             if saved.get(key) != mine[key]:
                 return f"it was saved with {key}={saved.get(key)!r}, this rank has {key}={mine[key]!r}"

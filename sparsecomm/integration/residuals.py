@@ -261,9 +261,13 @@ class ParamPlan:
         if sum(p.numel() for p in params) != buffer_numel:
             raise RuntimeError(f"bucket {index}: its parameters hold {sum(p.numel() for p in params)} elements "
                                f"but its buffer {buffer_numel}; cannot locate them in the buffer")
+        known = [self.ids.get(param.data_ptr()) for param in params]
+        if params and all(pid is None for pid in known):
+            raise RuntimeError(f"bucket {index}: none of its {len(params)} parameters belongs to the model whose "
+                               "gradients this SparseHookState synchronized first: one SparseHookState is "
+                               "registered on two DDP models; give each model its own SparseHookState")
         pids = []
-        for param in params:
-            pid = self.ids.get(param.data_ptr())
+        for param, pid in zip(params, known, strict=True):
             if pid is None or self.numels[pid] != param.numel():
                 raise RuntimeError(f"bucket {index}: a parameter of {param.numel()} elements was not in DDP's "
                                    "first-iteration buckets (was a parameter replaced after the first step?)")
@@ -288,9 +292,13 @@ class ParamPlan:
         residual = self.groups[gi].residual
         return None if residual is None else residual[offset:offset + self.numels[pid]]
 
+    def layout(self) -> dict[str, list[Any]]:
+        """The parameters as numbered: each one's element count and dtype (the dtype's ``str``)."""
+        return {"numels": list(self.numels), "dtypes": [str(kind[0]) for kind in self._kinds]}
+
     def state_dict(self) -> dict[str, Any]:
-        """The numbering, the groups (their methods' step and extra state) and one residual per
-        parameter id."""
+        """The numbering (:meth:`layout`), the groups (their methods' step and extra state) and one
+        residual per parameter id."""
         groups = []
         for group in self.groups:
             method_state = group.method.state_dict()
@@ -301,23 +309,41 @@ class ParamPlan:
             residual = self.residual_of(pid)
             if residual is not None:
                 residuals[pid] = residual.clone()
-        return {"numels": list(self.numels), "granularity": self.granularity, "groups": groups,
-                "residuals": residuals}
+        return {**self.layout(), "granularity": self.granularity, "groups": groups, "residuals": residuals}
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
+    def layout_mismatch(self, saved: dict[str, Any]) -> str | None:
+        """``None`` when the saved plan numbers the same parameters (count, sizes, dtypes) with the same
+        granularity as this one, else the first difference."""
+        numels, dtypes = [int(m) for m in saved["numels"]], list(saved["dtypes"])
+        mine = self.layout()
+        if numels != self.numels:
+            pairs = zip(numels, self.numels, strict=False)
+            first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(numels), len(self.numels)))
+            return (f"the saved state numbers {len(numels)} parameters ({sum(numels)} elements), this model "
+                    f"{len(self.numels)} ({sum(self.numels)}); they differ from parameter {first} on: "
+                    "not the same model")
+        if dtypes != mine["dtypes"]:
+            first = next(i for i, (a, b) in enumerate(zip(dtypes, mine["dtypes"], strict=True)) if a != b)
+            return f"parameter {first} was saved as {dtypes[first]}, this model's is {mine['dtypes'][first]}"
+        if saved["granularity"] != self.granularity:
+            return f"the state was saved with granularity={saved['granularity']!r}, this one has {self.granularity!r}"
+        return None
+
+    def load_state_dict(self, saved: dict[str, Any], fresh_methods: bool = False) -> None:
         """Use the saved groups (so a method selects over the same elements as in the run that saved
         them, whatever DDP's bucketing now), with their methods' step and extra state, and give each
-        parameter its saved residual (a lookup by id)."""
-        numels = [int(m) for m in saved["numels"]]
-        if numels != self.numels:
-            raise ValueError(f"the saved hook state numbers {len(numels)} parameters ({sum(numels)} elements), "
-                             f"this model's DDP buckets {len(self.numels)} ({sum(self.numels)}): not the same model")
-        if saved["granularity"] != self.granularity:
-            raise ValueError(f"the hook state was saved with granularity={saved['granularity']!r}, this one has "
-                             f"{self.granularity!r}")
+        parameter its saved residual (a lookup by id). ``fresh_methods``: restore only each method's
+        step, and let its adaptive state (thresholds, partitions) start afresh (a job of another size:
+        that state depends on the ranks)."""
+        problem = self.layout_mismatch(saved)
+        if problem is not None:
+            raise ValueError(problem)
         self.set_groups([(tuple(int(i) for i in g["params"]), bool(g["dense"])) for g in saved["groups"]])
         for group, group_state in zip(self.groups, saved["groups"], strict=True):
-            group.method.load_state_dict(group_state["method"])
+            if fresh_methods:
+                group.method.step = int(group_state["method"]["step"])
+            else:
+                group.method.load_state_dict(group_state["method"])
             group.method.residual = group.residual
         for pid, residual in saved["residuals"].items():
             mine = self.residual_of(int(pid))

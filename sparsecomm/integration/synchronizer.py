@@ -16,7 +16,9 @@ becomes a view of it (as with DDP's ``gradient_as_bucket_view=True``: no copy pe
 of the grouping engine the DDP hook shares (:class:`~.engine.GroupingEngine`: flat buffers, the
 small-tensor rule ``dense_below``, warm-up, switches, residual carry, stats, checkpoint); this class
 keeps ``param.grad`` and the optimizer-side techniques. Parameters are broadcast from rank 0 at
-construction, as DDP does.
+construction, as DDP does, once every rank has been found to hold the same parameters and buffers
+(count, shapes, dtypes: one small collective, :func:`~.consistency.check_same_tensors`), so that a
+model that differs across ranks is one error on every rank instead of a hang.
 
 Options that need the optimizer or the local gradient before compression (DGC, Lin et al. 2018;
 RedSync, Fang et al., section 4):
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,9 +64,11 @@ from ..transport.comm import Communicator
 from . import dgc
 from .adam import FrozenVarianceAdam
 from .auto import DenseFallback
+from .consistency import check_same_tensors
 from .engine import EngineView, GroupingEngine
 from .nonfinite import SYNCHRONIZER_DEFAULT
 from .residuals import Group
+from .world import agree_on_load, fold, live_world, tensor_problem
 
 __all__ = ["SparseSynchronizer"]
 
@@ -126,6 +131,9 @@ class SparseSynchronizer(EngineView):
         self.process_group = process_group
         self.clip_norm = clip_norm
         self.comm = Communicator(process_group)
+        # before any per-tensor collective: a model that differs across ranks is one error on every rank
+        # (the broadcast below would hang, or abort in gloo, on tensors that do not pair up)
+        check_same_tensors([*model.named_parameters(), *model.named_buffers()], process_group)
         self.params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         self.adam: FrozenVarianceAdam | None = None
         if freeze_adam_variance:
@@ -321,28 +329,78 @@ class SparseSynchronizer(EngineView):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Step counter, the buckets' method states and per-parameter residuals (the engine's), and
-        the momentum corrections; the optimizer's state is saved by the optimizer."""
-        state = self.engine.state_dict()
-        if self.corrections is not None:
-            state["momentum_correction"] = [c.state_dict() for c in self.corrections]
+        """The state of this rank, recording its world: step counter, method and options, the world it
+        was saved in (world size and this rank), the buckets (parameter layout, method states,
+        per-parameter residuals: the engine's) and the momentum corrections; the optimizer's state is
+        saved by the optimizer. Save one per rank (each rank's residuals are its own)."""
+        state = self.engine.state_dict(live_world(self.process_group))
+        state["momentum_correction"] = None if self.corrections is None else \
+            [c.state_dict() for c in self.corrections]
         if self.adam is not None:
             state["adam"] = self.adam.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "plan" not in state:
-            raise ValueError("this synchronizer state_dict has no per-parameter residuals ('plan'); it was "
-                             "saved by an older sparsecomm")
-        self.engine.load_state_dict(state, "synchronizer")
-        if self.corrections is not None:
-            if len(state["momentum_correction"]) != len(self.corrections):
-                raise ValueError(f"state_dict holds {len(state['momentum_correction'])} momentum corrections, "
-                                 f"this synchronizer {len(self.corrections)} buckets; use the same bucket_elements")
-            for correction, saved in zip(self.corrections, state["momentum_correction"], strict=True):
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Restore :meth:`state_dict`: this rank's own state, or every rank's of the job that saved them
+        (a list, in any order), which a job of another size needs.
+
+        Collective (call it on every rank): each rank checks method and options, the world (its own
+        rank's state; another rank's is an error naming both), the parameter layout and bucketing,
+        and every residual's and momentum buffer's shape, dtype and finiteness; then every rank
+        raises the same :class:`~sparsecomm.integration.world.StateLoadError` if any rank found a
+        problem. From a job of another size this rank takes the residuals and momentum buffers of the
+        old ranks ``q`` with ``q % P == rank`` (their sums over ranks are conserved); the methods'
+        adaptive state starts afresh (a warning says so)."""
+        world = live_world(self.process_group)
+        ignore = ("density",) if self.density_warmup is not None else ()  # the warm-up sets it every step
+        loaded, problem = self.engine.prepare_load(state, "synchronizer", world, ignore_options=ignore)
+        corrections: list[dict[str, Any]] | None = None
+        if loaded is not None:
+            corrections, problem = self._corrections_of(loaded.sources, world, loaded.resized)
+        agree_on_load(problem, self.process_group, "synchronizer")
+        assert loaded is not None
+        self.engine.load(loaded, "synchronizer", world)
+        if self.corrections is not None and corrections is not None:
+            for correction, saved in zip(self.corrections, corrections, strict=True):
                 correction.load_state_dict(saved)
         if self.adam is not None:  # after the optimizer's own state: the frozen moment is read from it
-            self.adam.load_state_dict(state.get("adam", {}))
+            self.adam.load_state_dict(loaded.state.get("adam") or {})
+
+    def _corrections_of(self, sources: list[Mapping[str, Any]], world: Any,
+                        resized: bool) -> tuple[list[dict[str, Any]] | None, str | None]:
+        """This rank's momentum corrections from the saved states (its own, or its share of every old
+        rank's), or the problem."""
+        if "momentum_correction" not in sources[0]:
+            return None, "not a synchronizer state_dict of this sparsecomm (missing 'momentum_correction')"
+        saved = [s["momentum_correction"] for s in sources]
+        if (saved[0] is None) != (self.corrections is None):
+            return None, (f"it was saved {'without' if saved[0] is None else 'with'} momentum_correction, this "
+                          f"synchronizer runs {'without' if self.corrections is None else 'with'} it")
+        if self.corrections is None:
+            return None, None
+        for rank, buckets in enumerate(saved):
+            if len(buckets) != len(self.corrections):
+                return None, (f"the state holds {len(buckets)} momentum corrections, this synchronizer "
+                              f"{len(self.corrections)} buckets; use the same bucket_elements")
+            for bucket, correction in enumerate(buckets):
+                for key in ("velocity", "accumulation"):
+                    if correction[key] is not None:
+                        whose = f"rank {rank}'s saved " if len(saved) > 1 else "the saved "
+                        problem = tensor_problem(correction[key], None, None,
+                                                 f"{whose}momentum {key} of bucket {bucket}")
+                        if problem is not None:
+                            return None, problem
+        if len(saved) == 1:
+            return saved[0], None
+        if not resized:
+            return saved[world.rank], None
+        folded = []
+        for bucket in range(len(self.corrections)):
+            mine = dict(saved[0][bucket])
+            for key in ("velocity", "accumulation"):
+                mine[key] = fold([s[bucket][key] for s in saved], world.rank, world.size)
+            folded.append(mine)
+        return folded, None
 
     def __repr__(self) -> str:
         return (f"SparseSynchronizer(method={self.method_name!r}, options={self.method_options}, "

@@ -1,6 +1,6 @@
 """Every wait has a deadline, and the ranks that outlive it are named on every other rank.
 
-Three rules (docs/reliability.md, "Hang detection"):
+The rules (docs/reliability.md, "Hang detection"):
 
 * **One timeout.** Every process group the library makes (the DDP hook's private group,
   :func:`sparsecomm.integration.overlap.private_group`) takes the timeout of the group it copies,
@@ -13,7 +13,11 @@ Three rules (docs/reliability.md, "Hang detection"):
   not be the culprit. When a collective times out, :func:`explain_timeout` has the rank post
   ``timedout/<rank>`` in the process group's store, waits a few seconds for the others to do the
   same, and names the ranks that did not: every rank that timed out names the same ranks, under
-  the local launcher and under torchrun alike (the store is the rendezvous store).
+  the local launcher and under torchrun alike (the store is the rendezvous store). When the store
+  itself is gone (its host died: rank 0 under env://), nothing can be learnt from it, and every
+  survivor raises the same error saying so instead of blaming the ranks it could not hear from.
+  Steps that wait in the store itself (creating a process group) :func:`meet` first, so the rank
+  that never came is named there too.
 * **No desynchronization.** A rank whose method call fails *after* the agreement (the other ranks
   are already exchanging payload with it) posts ``failed/<rank>`` with its message
   (:func:`report_failure`); the others, left waiting, time out and name it with that message.
@@ -25,13 +29,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_timeout", "is_peer_failure", "explain_timeout", "report_failure",
+__all__ = ["group_timeout", "is_peer_failure", "explain_timeout", "report_failure", "meet",
            "RankStalledError", "ProtocolBroken", "NAMING_GRACE"]
 
 log = logging.getLogger(__name__)
@@ -93,6 +98,41 @@ def _store() -> dist.Store | None:
         return None
 
 
+def _seconds(timeout: datetime.timedelta | None) -> str:
+    return f"{timeout.total_seconds():g} s" if timeout is not None else "the process group's timeout"
+
+
+def meet(point: str, members: Sequence[int], timeout: datetime.timedelta | None, what: str) -> None:
+    """Wait until every rank of ``members`` (global ranks) has reached ``point`` (a name that is the
+    same on every member and new for each meeting), at most ``timeout``; else raise
+    :class:`RankStalledError` naming the members that did not arrive, which were to ``what``.
+
+    For the steps that wait in the store, where the backend's own error names no rank: creating a
+    process group waits there for every member's address, and says only "Wait timeout"."""
+    store = _store()
+    if store is None or len(members) <= 1:
+        return
+    keys = {rank: f"{_PREFIX}/meet/{point}/{rank}" for rank in members}
+    store.set(keys[dist.get_rank()], "1")
+    try:
+        store.wait(list(keys.values()), timeout if timeout is not None else datetime.timedelta(minutes=30))
+    except Exception as exc:  # noqa: BLE001 - the store's timeout, or a store that is gone
+        try:
+            missing = [rank for rank, key in keys.items() if not store.check([key])]
+        except Exception:  # noqa: BLE001 - a dead store: the original error says what happened
+            raise exc from None
+        if not missing:
+            raise
+        raise RankStalledError(f"rank(s) {missing} did not {what} within {_seconds(timeout)}; rank(s) "
+                               f"{sorted(set(members) - set(missing))} waited for them", missing) from exc
+
+
+def _store_address() -> str:
+    """Where the store of this job is said to live (``MASTER_ADDR:MASTER_PORT``), for messages."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{address}:{port}" if address and port else "its address is not in the environment"
+
+
 def report_failure(message: str) -> None:
     """Tell the other ranks (through the store) that this rank's call failed mid-protocol."""
     store = _store()
@@ -112,8 +152,7 @@ def explain_timeout(exc: BaseException, members: Sequence[int], grace: float = N
     me, incident = dist.get_rank(), _incident
     _incident += 1
     prefix = f"{_PREFIX}/{incident}"
-    timeout = group_timeout()
-    seconds = f"{timeout.total_seconds():g} s" if timeout is not None else "the process group's timeout"
+    seconds = _seconds(group_timeout())
     store = _store()
     if store is None:
         return RankStalledError(f"a collective timed out after {seconds} (no store to learn which rank "
@@ -132,8 +171,17 @@ def explain_timeout(exc: BaseException, members: Sequence[int], grace: float = N
             key = f"{prefix}/failed/{rank}"
             if store.check([key]):
                 failures[rank] = store.get(key).decode(errors="replace")
-    except Exception as store_error:  # noqa: BLE001 - a dead store: say what we know
+    except Exception as store_error:  # noqa: BLE001 - the store is gone: nothing can be learnt from it
+        # Every survivor lands here alike (the store's host, rank 0 under env://, died, or its server
+        # stopped), so every survivor raises the same words; what each one's backend said differs
+        # (the peer addresses) and goes to the cause.
         log.debug("store unavailable while naming the stuck rank: %s", store_error)
+        error = RankStalledError(
+            f"a collective failed and the process group's store is unreachable ({_store_address()}): the rank "
+            f"hosting the store (under env:// and torchrun's static rendezvous, rank 0) or the store's server "
+            f"has died, so the ranks that stopped cannot be named; restart the job from its last checkpoint", [])
+        error.__cause__ = exc
+        return error
     missing = sorted(set(members) - arrived - {me})
     culprits = sorted(set(missing) | set(failures))
     waited = sorted(arrived)

@@ -1,6 +1,7 @@
-"""The fault table of docs/reliability.md (issue 23): real runs, printed as markdown.
+"""The fault table of docs/reliability.md: real runs, printed as markdown.
 
-    python tests/faultsuite/fault_table.py [amp] [detect] [checkpoint] [restart]
+    python tests/faultsuite/fault_table.py [amp] [detect] [checkpoint] [restart] [world] [torn] [agreement]
+                                           [resources] [outputs]
 
 * ``amp``: GradScaler's scale under the sparse hook vs plain DDP on the same overflow pattern (an Inf
   in rank P-1's loss at steps 1, 3, 4 of 6), for topk, spardl, exdyna and P = 2, 4: the scale after
@@ -13,6 +14,16 @@
   error on resume, P = 2, 4.
 * ``restart``: tests/faultsuite/torchrun_restart.sh killed and uninterrupted; equal final models and
   residuals on every rank.
+* ``world``: hook state saved at P = 4 loaded into 2 and 3 ranks (every old rank's state): the residuals'
+  sum over ranks conserved, a step after it; the rank-0-saves habit, a single state into another size,
+  residuals of the wrong shape, type or value.
+* ``torn``: ``sparsecomm train`` killed (SIGKILL, rank 1) at three moments of an epoch's checkpoint,
+  then ``--resume auto`` (tests/faultsuite/torn_checkpoint.py).
+* ``agreement``: the synchronizer on models that differ across ranks; ``sparsecomm train`` under env://
+  with ``--lr``, ``--epochs`` or ``--batch-size`` differing on one rank.
+* ``resources``: threads and descriptors around 30 hook states; a rank with no hook, one state on two
+  DDP models, the death of the rank hosting the store (tests/faultsuite/store_death.py).
+* ``outputs``: commands whose output cannot be written; advise's inputs.
 """
 
 from __future__ import annotations
@@ -187,12 +198,14 @@ def detect() -> None:
 
 # ---------------------------------------------------------------------------------------- checkpoint
 def _resume_messages(directory: str):
-    from sparsecomm_lab.checkpoint import CheckpointError, resume_checkpoint
+    from sparsecomm_lab import checkpoint as lab
+
+    from sparsecomm import CheckpointManager
 
     try:
-        resume_checkpoint(directory, {})
+        lab.resume(CheckpointManager(directory), {}, required=True)
         return "resumed"
-    except CheckpointError as exc:
+    except lab.CheckpointError as exc:
         return f"CheckpointError: {exc}"
 
 
@@ -213,7 +226,8 @@ def checkpoint() -> None:
                 train(TrainConfig(model="mlp", data="digits", method="topk", density=0.1, workers=P, epochs=1,
                                   batch_size=32, seed=seed, model_options={"hidden": [16]},
                                   checkpoint_dir=runs[seed], timeout=300))
-            shutil.copy(os.path.join(runs[1], f"rank{P - 1}.pt"), os.path.join(runs[0], f"rank{P - 1}.pt"))
+            name = os.path.join("step-000000000001", f"rank-{P - 1:05d}-of-{P:05d}.pt")
+            shutil.copy(os.path.join(runs[1], name), os.path.join(runs[0], name))
             messages = run_workers(P, _resume_messages, runs[0], timeout=120)
             raised = all(m.startswith("CheckpointError") for m in messages)
             message = messages[0].replace(tmp, "...")
@@ -238,8 +252,9 @@ def restart() -> None:
             log = handle.read()
         equal = []
         for rank in (0, 1):
-            a = torch.load(os.path.join(tmp, "killed", "ck", f"rank{rank}.pt"), weights_only=False)
-            b = torch.load(os.path.join(tmp, "straight", "ck", f"rank{rank}.pt"), weights_only=False)
+            final = os.path.join("ck", "step-000000000004", f"rank-{rank:05d}-of-00002.pt")
+            a = torch.load(os.path.join(tmp, "killed", final), weights_only=False)["state"]
+            b = torch.load(os.path.join(tmp, "straight", final), weights_only=False)["state"]
             same_model = all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
             ra, rb = a["sync"]["plan"]["residuals"], b["sync"]["plan"]["residuals"]
             same_res = ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in rb)
@@ -252,11 +267,246 @@ def restart() -> None:
         print(f"| uninterrupted | {outputs['straight'][0]} | {outputs['straight'][1]:.0f} | 0 | reference |")
 
 
+# ------------------------------------------------------------------------------------------ world size
+def _hooked(method: str, steps: int, states=None):
+    """``steps`` DDP steps with the hook after loading ``states``: (this rank's state, its residuals right
+    after the load, the error of the load or of a step)."""
+    import sparsecomm
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(20, 30), nn.ReLU(), nn.Linear(30, 4)))
+    state = sparsecomm.SparseHookState(None, method, density=0.1)
+    model.register_comm_hook(state, sparsecomm.hook)
+    loaded = None
+    try:
+        if states is not None:
+            state.load_state_dict(states)
+            loaded = {pid: r.clone() for pid, r in state.residuals().items()}
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(steps):
+            model.zero_grad()
+            model(torch.randn(8, 20, generator=gen)).pow(2).mean().backward()
+    except Exception as exc:  # noqa: BLE001 - what this rank saw
+        state.close()
+        return None, None, f"{type(exc).__name__}: {exc}"
+    saved = state.state_dict()
+    state.close()
+    from sparsecomm.integration.consistency import parameter_checksum
+
+    saved["checksum"] = parameter_checksum(model.module)  # (the replicas' parameters, compared by the caller)
+    return saved, loaded, None
+
+
+def _total(residuals) -> torch.Tensor:
+    return sum(torch.cat([r[pid] for pid in sorted(r)]).double() for r in residuals)
+
+
+def world() -> None:
+    """Hook state saved at P = 4 loaded into P' = 2 and 3 (every old rank's state, as a list); the
+    residuals' sum over ranks before and after; one more step; then the rank-0-saves habit and a
+    single state into another size."""
+    from sparsecomm import run_workers
+
+    print("| method | P -> P' | sum over ranks of the residuals (max abs. difference, element-wise) | "
+          "next step | replicas |")
+    print("| --- | --- | --- | --- | --- |")
+    for method in ("topka", "spardl", "exdyna"):
+        saved = [s for s, _, _ in run_workers(4, _hooked, method, 3, timeout=300)]
+        before = _total([s["plan"]["residuals"] for s in saved])
+        for new in (2, 3):
+            resumed = run_workers(new, _hooked, method, 1, saved, timeout=300)
+            errors = [e for _, _, e in resumed if e]
+            if errors:
+                print(f"| {method} | 4 -> {new} | - | {errors[0][:160]} | - |", flush=True)
+                continue
+            after = _total([loaded for _, loaded, _ in resumed])
+            finals = [s for s, _, _ in resumed]
+            error, scale = float((after - before).abs().max()), float(before.abs().sum())
+            equal = len({s["checksum"] for s in finals}) == 1
+            print(f"| {method} | 4 -> {new} | {error:.1e} (of {scale:.3g} in all) | ran (step {finals[0]['iter']}) | "
+                  f"{'equal' if equal else 'DIFFER'} |", flush=True)
+    saved = [s for s, _, _ in run_workers(3, _hooked, "topka", 2, timeout=300)]
+    print("\n| mistake | every rank raised | the same message | message |")
+    print("| --- | --- | --- | --- |")
+    for label, P, given in (("rank 0's state loaded on every rank (P = 3)", 3, saved[0]),
+                            ("one state of a 3-rank job loaded into 2 ranks", 2, saved[1])):
+        messages = [e for _, _, e in run_workers(P, _hooked, "topka", 1, given, timeout=300)]
+        print(f"| {label} | {'yes' if all(messages) else 'NO'} | {'yes' if len(set(messages)) == 1 else 'NO'} | "
+              f"{messages[0]} |", flush=True)
+    print("\n| rank 1's saved residual of parameter 0 | every rank raised | message |")
+    print("| --- | --- | --- |")
+    for label, value in (("tensor([123.])", torch.tensor([123.0])), ("the float 0.5", 0.5),
+                         ("all NaN", torch.full((600,), float("nan")))):
+        messages = run_workers(3, _load_corrupted, saved, value, timeout=300)
+        print(f"| {label} | {'yes' if all(m != 'loaded' for m in messages) and len(set(messages)) == 1 else 'NO'} "
+              f"| {messages[0]} |", flush=True)
+
+
+def _load_corrupted(saved, value):
+    import sparsecomm
+
+    state = sparsecomm.SparseHookState(None, "topka", density=0.1)
+    mine = saved[dist.get_rank()]
+    if dist.get_rank() == 1:
+        mine = {**mine, "plan": {**mine["plan"], "residuals": {**mine["plan"]["residuals"], 0: value}}}
+    try:
+        state.load_state_dict(mine)
+        return "loaded"
+    except Exception as exc:  # noqa: BLE001 - what this rank saw
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        state.close()
+
+
+# ------------------------------------------------------------------------------------------ torn
+def torn() -> None:
+    """sparsecomm train (mlp on digits, topk, P = 3, 3 epochs) with rank 1 killed (SIGKILL) at three
+    moments of the epoch-2 checkpoint, then started again with --resume auto."""
+    sys.path.insert(0, HERE)
+    import torn_checkpoint
+
+    print("| kill of rank 1, epoch 2's checkpoint | the launcher said | epochs held after the kill | "
+          "--resume auto resumed from (per rank) | resumed run: epochs, replicas | final model vs uninterrupted |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for point in torn_checkpoint.POINTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            r = torn_checkpoint.run_case(tmp, point)
+        held = ", ".join(h[-2:].lstrip("0") for h in r["held"])
+        final = "bit-identical" if r["equal_to_uninterrupted"] else "DIFFERS"
+        print(f"| {point.replace('_', ' ')} | {r['died'][:90]} | {held} | "
+              f"epoch {', '.join(map(str, r['resumed_from']))} | {r['resumed_epochs']}, "
+              f"{'equal' if r['consistent'] else 'DIFFER'} | {final} |", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ agreement
+def _synchronizer_models(kind: str):
+    import sparsecomm
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(20, 30), nn.ReLU(), nn.Linear(30, 4)]
+    if dist.get_rank() == 1 and kind == "extra layer":
+        layers += [nn.ReLU(), nn.Linear(4, 4)]
+    if dist.get_rank() == 1 and kind == "same elements, other shapes":
+        layers = [nn.Linear(30, 20), nn.ReLU(), nn.Linear(20, 6)]
+    start = time.monotonic()
+    try:
+        sparsecomm.SparseSynchronizer(nn.Sequential(*layers), None, "topk", density=0.1)
+        return "built", time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - what this rank saw
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+
+
+def _train_cli(P: int, odd: list[str], tmp: str) -> list[tuple[int, float, str]]:
+    """``sparsecomm train`` as P env:// processes, rank 1 with the extra options ``odd``."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs, start = [], time.time()
+    for rank in range(P):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(P)}
+        argv = [sys.executable, "-m", "sparsecomm", "train", "--model", "mlp", "--data", "digits", "--method", "topk",
+                "--density", "0.1", "--epochs", "2", "--batch-size", "32", "--lr", "0.1", "--collective-timeout",
+                str(TIMEOUT), "--runs-dir", os.path.join(tmp, f"runs{rank}"), *(odd if rank == 1 else [])]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        line = next((x for x in err.splitlines() if "error:" in x), err.strip().splitlines()[-1] if err.strip() else "")
+        results.append((proc.returncode, time.time() - start, line))
+    return results
+
+
+def agreement() -> None:
+    """The synchronizer on models that differ across ranks (P = 3, rank 1 differs), and sparsecomm train
+    under env:// (3 ranks) with one option differing on rank 1."""
+    from sparsecomm import run_workers
+
+    print("| model on rank 1 | every rank raised | the same message | slowest rank, s | message |")
+    print("| --- | --- | --- | --- | --- |")
+    for kind in ("extra layer", "same elements, other shapes"):
+        results = run_workers(3, _synchronizer_models, kind, timeout=120, stall_timeout=TIMEOUT)
+        messages = [m for m, _ in results]
+        print(f"| {kind} | {'yes' if all(m != 'built' for m in messages) else 'NO'} | "
+              f"{'yes' if len(set(messages)) == 1 else 'NO'} | {max(t for _, t in results):.2f} | {messages[0]} |",
+              flush=True)
+    print("\n| option on rank 1 | exit status per rank | seconds to the last exit | rank 0's error |")
+    print("| --- | --- | --- | --- |")
+    for odd in (["--lr", "0.2"], ["--epochs", "3"], ["--batch-size", "64"]):
+        with tempfile.TemporaryDirectory() as tmp:
+            results = _train_cli(3, odd, tmp)
+        print(f"| {' '.join(odd)} | {', '.join(str(code) for code, _, _ in results)} | "
+              f"{max(t for _, t, _ in results):.1f} | {results[0][2]} |", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ resources
+def resources() -> None:
+    """Threads and file descriptors of one process around 30 hook states (P = 2, each on a DDP model
+    with one backward), closed or dropped; then the usage mistakes' messages."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE)))
+    import test_hook_resources as hr
+
+    from sparsecomm import run_workers
+
+    print("| rank | threads, fds at the start | after 30 states closed | after 30 states dropped (gc) | "
+          "a state after destroying another's group by hand |")
+    print("| --- | --- | --- | --- | --- |")
+    for rank, r in enumerate(run_workers(2, hr._thirty_states, timeout=600)):
+        after = "trained a step" if r["after_destroy"] == 1 else "FAILED"
+        print(f"| {rank} | {r['start'][0]}, {r['start'][1]} | {r['closed'][0]}, {r['closed'][1]} | "
+              f"{r['collected'][0]}, {r['collected'][1]} | {after} |")
+    print("\n| mistake | what the ranks said |")
+    print("| --- | --- |")
+    message, _ = run_workers(2, hr._missing_hook, timeout=120, stall_timeout=TIMEOUT)[0]
+    print(f"| rank 1 registers no hook (timeout {TIMEOUT:g} s), rank 0 | RankStalledError: {message} |")
+    messages = run_workers(2, hr._shared_state, timeout=120)
+    same = "(the same on every rank) " if len(set(messages)) == 1 else ""
+    print(f"| one SparseHookState on two DDP models, every rank | {same}{messages[0]} |")
+    sys.path.insert(0, HERE)
+    import store_death
+
+    results = store_death.run(3)
+    survivors = {text for rank, _, text in results if rank > 0}
+    print(f"| rank 0 (hosting the env:// store) dies; ranks 1, 2 after {max(s for _, s, _ in results):.1f} s | "
+          f"{'(the same on both) ' if len(survivors) == 1 else ''}{sorted(survivors)[0]} |", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ outputs
+def outputs() -> None:
+    """Commands whose output cannot be written (a path under a regular file), and advise's inputs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        blocker = os.path.join(tmp, "a-file")
+        with open(blocker, "w") as handle:
+            handle.write("x")
+        bad = os.path.join(blocker, "out")
+        cases = [
+            ["calibrate", "--workers", "2", "--size", "1M", "--out", bad],
+            ["train", "--model", "mlp", "--data", "digits", "--workers", "2", "--runs-dir", bad],
+            ["train", "--model", "mlp", "--data", "digits", "--workers", "2", "--checkpoint-dir", bad],
+            ["demo", "--out", bad],
+            ["advise", "--params", "25M", "--workers", "1"],
+            ["advise", "--params", "0"],
+        ]
+        print("| command | exit status | workers started | what it said |")
+        print("| --- | --- | --- | --- |")
+        for argv in cases:
+            out = subprocess.run([sys.executable, "-m", "sparsecomm", "-v", *argv], capture_output=True, text=True,
+                                 timeout=600)
+            said = [line for line in (out.stderr + out.stdout).splitlines() if line.strip()]
+            started = "yes" if any("calibrating" in line or "training" in line for line in said) else "no"
+            shown = " ".join(argv).replace(tmp, "...")
+            print(f"| sparsecomm {shown} | {out.returncode} | {started} | {said[-1].replace(tmp, '...')} |", flush=True)
+
+
+
+PARTS = {"amp": amp, "detect": detect, "checkpoint": checkpoint, "restart": restart, "world": world, "torn": torn,
+         "agreement": agreement, "resources": resources, "outputs": outputs}
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_torchrun"]:
         _torchrun_main()
     else:
         torch.set_num_threads(1)
-        for part in sys.argv[1:] or ["amp", "detect", "checkpoint", "restart"]:
+        for part in sys.argv[1:] or list(PARTS):
             print(f"\n### {part}\n", flush=True)
-            {"amp": amp, "detect": detect, "checkpoint": checkpoint, "restart": restart}[part]()
+            PARTS[part]()

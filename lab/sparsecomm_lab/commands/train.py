@@ -3,7 +3,11 @@ run record (JSON) under runs/. Local workers by default; under torchrun, the rea
 ``WORLD_SIZE`` is P, and only rank 0 prints).
 
 Every option is checked by :func:`check` before any worker starts (the CLI turns its ``ValueError``
-into a one-line ``error:`` and exit status 2).
+into a one-line ``error:`` and exit status 2), the output folders included (``--runs-dir``,
+``--checkpoint-dir``: writable); a record that still cannot be written after the training is saved
+in the temporary folder, and the command says where. Every rank checks at start-up that all ranks
+run the same configuration (:func:`sparsecomm_lab.training.agreed_config`), and checkpoints are
+committed only once every rank has written them (:class:`sparsecomm.CheckpointManager`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import sys
 from typing import Any
 
+from sparsecomm.cli.outputs import check_writable, save_or_fallback
 from sparsecomm.launch.launcher import STALL_TIMEOUT
 from sparsecomm.launch.netemu import emulated_net
 from sparsecomm_lab.data import DatasetUnavailable, available_datasets
@@ -62,10 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-size", type=int, default=None, help="subset of the training set (fashion-mnist, zipf)")
     parser.add_argument("--evals-per-epoch", type=int, default=1)
     parser.add_argument("--target-accuracy", type=float, default=None, help="record the time to reach it")
-    parser.add_argument("--checkpoint-dir", default=None, help="save per-rank checkpoints here each epoch")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save per-rank checkpoints here at each epoch's end (an epoch counts once every rank "
+                             "has written it)")
     parser.add_argument("--resume", nargs="?", const=True, default=False, choices=[True, "auto"], metavar="auto",
-                        help="continue from --checkpoint-dir; '--resume auto': continue when every rank has a "
-                             "checkpoint there, else start afresh (for torchrun --max-restarts)")
+                        help="continue from the newest epoch every rank holds in --checkpoint-dir (also from a job "
+                             "of another size: the residuals are redistributed); '--resume auto': start afresh "
+                             "when there is none (for torchrun --max-restarts)")
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--collective-timeout", type=float, default=STALL_TIMEOUT,
                         help="seconds after which a rank that stopped taking part in collectives is reported "
@@ -134,6 +142,9 @@ def check(args: argparse.Namespace) -> None:
     fits = MODEL_DATA.get(args.model, [])
     if args.data is not None and args.data not in fits:
         raise ValueError(f"--model {args.model} does not fit --data {args.data}; it trains on: {', '.join(fits)}")
+    check_writable(args.runs_dir, "--runs-dir")  # before the training: a record that cannot be written is lost
+    if args.checkpoint_dir:
+        check_writable(args.checkpoint_dir, "--checkpoint-dir")
     config = config_from_args(args)
     config.validate()
     if config.net is not None:
@@ -185,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"sparsecomm train: error: {exc}", file=sys.stderr)
         return 2
     if loud:
-        path = save_record(record, args.runs_dir)
+        written: list[str] = []
+        save_or_fallback(lambda directory: written.append(save_record(record, directory)), args.runs_dir,
+                         "run record")
+        path = written[-1]
         print(f"network: {record['network']}; final accuracy {record['final_accuracy']:.2f}%; record: {path}")
     return 0
