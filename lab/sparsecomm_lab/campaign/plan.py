@@ -161,6 +161,8 @@ ARMS: dict[str, list[Arm]] = {
         _fva("topka", 0.01, "topka-fva@0.01", "dense-fva"),
         _fva("topka", 0.001, "topka-fva@0.001", "dense-fva"),
         _fva("topka", 1.0, "topka-fvamc@1", None, corrected=True),
+        _fva("topka", 0.1, "topka-fvamc@0.1", "topka-fvamc@1", corrected=True),
+        _fva("topka", 0.03, "topka-fvamc@0.03", "topka-fvamc@1", corrected=True),
         _fva("topka", 0.01, "topka-fvamc@0.01", "topka-fvamc@1", corrected=True),
         _fva("topka", 0.001, "topka-fvamc@0.001", "topka-fvamc@1", corrected=True),
     ],
