@@ -37,10 +37,12 @@ def test_every_arm_shares_the_grid_and_the_recommended_arm_exists():
         arms = campaign.arms_of(name)
         assert wl.recommended in {a.name for a in arms}
         for grid in wl.lr_grids.values():
+            if wl.note:  # a comparison at one tuned lr, said in its report
+                continue
             assert len(grid) >= 4 and sorted(grid) == list(grid)
             ratios = [b / a for a, b in zip(grid, grid[1:], strict=False)]
             assert max(ratios) / min(ratios) < 1.5  # log-spaced
-        assert {"floor", "ddp", "powersgd-r2", "powersgd-r4"} <= {a.name for a in arms}
+        assert {"floor", "ddp"} | ({"powersgd-r2", "powersgd-r4"} if not wl.note else set()) <= {a.name for a in arms}
         for arm in arms:  # a recipe that changes the optimizer names its dense twin, which exists
             if arm.options.get("freeze_adam_variance") and arm.kind == "sparse":
                 assert arm.dense_twin in {a.name for a in arms}

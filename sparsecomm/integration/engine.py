@@ -279,7 +279,8 @@ class GroupingEngine:
         factory."""
         engine = GroupingEngine(self.spec, comm, granularity=self.granularity,
                                 dense_warmup_steps=self.dense_warmup_steps, dense_below=self.dense_below,
-                                use_layout=self.use_layout, nonfinite_default=self.nonfinite)
+                                use_layout=self.use_layout, nonfinite_default=self.nonfinite,
+                                dense_fallback=self.dense_fallback)
         engine.iter, engine.skipped_calls = self.iter, self.skipped_calls
         engine.carry.load_state_dict(self.carry.state_dict())
         engine._loaded = self.plan.state_dict() if self.plan is not None else self._loaded

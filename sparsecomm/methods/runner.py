@@ -25,6 +25,7 @@ Per call, :class:`CallRunner`:
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -82,7 +83,11 @@ class CallRunner:
     the last call wrote its output, and whether an earlier call broke the ranks' step."""
 
     def __init__(self, method: Runnable, method_names: Callable[[], list[str]]) -> None:
-        self.method, self.method_names = method, method_names
+        # a weak reference: the method owns its runner, and a cycle between them would keep the
+        # method's communicator (and its process group's threads and sockets) alive until the garbage
+        # collector runs, after its owner closed it
+        self.method: Runnable = weakref.proxy(method)
+        self.method_names = method_names
         self.residuals = ResidualStore()
         self.regions = OutputRegions()
         self.times: dict[str, float] = {}
