@@ -49,11 +49,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the recipe's, training.MOMENTUM_CORRECTION_RECIPES)")
     parser.add_argument("--lr-schedule", choices=["constant", "cosine"], default="cosine",
                         help="cosine decays the learning rate to 0 over the run")
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
+                        help="default: the model's (adamw for gpt, else sgd)")
+    parser.add_argument("--momentum", type=float, default=None, help="SGD's momentum (default: 0.9)")
+    parser.add_argument("--nesterov", action="store_true", help="SGD with Nesterov momentum")
+    parser.add_argument("--betas", default=None, help="AdamW's betas, e.g. 0.9,0.95 (default: the model's)")
+    parser.add_argument("--weight-decay", type=float, default=None, help="default: the model's (AdamW: decoupled)")
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="linear learning-rate warm-up steps before the schedule (default: the model's)")
+    parser.add_argument("--max-grad-norm", type=float, default=None,
+                        help="clip the synchronized gradient's global norm before the optimizer's step")
+    parser.add_argument("--steps", type=int, default=None, help="a budget in optimizer steps instead of --epochs")
+    parser.add_argument("--eval-every", type=int, default=None, help="evaluate every this many steps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sync", choices=["ddp", "synchronizer"], default=None,
-                        help="DDP with the comm hook, or SparseSynchronizer (needed for the DGC options); "
+    parser.add_argument("--sync", choices=["ddp", "synchronizer", "local"], default=None,
+                        help="DDP with the comm hook, SparseSynchronizer (needed for the DGC and Adam options), or "
+                        "local steps (sparsecomm.LocalSteps; --method may then be diloco or postlocalsgd); "
                         "default: the recommended recipe (training.sparse_recipe, docs/training.md)")
+    parser.add_argument("--local-steps", type=int, default=None, help="with --sync local: inner steps per sync")
+    parser.add_argument("--outer", choices=["nesterov", "sparseloco", "sgd"], default="nesterov",
+                        help="with --sync local: the outer optimizer")
+    parser.add_argument("--freeze-adam-variance", action="store_true",
+                        help="AdamW under the synchronizer: freeze the second moment after the dense warm-up")
+    parser.add_argument("--dense-fallback", action="store_true",
+                        help="keep the method only where its steps are faster than dense ones")
     parser.add_argument("--dense-warmup-steps", type=int, default=None, help="default: the recipe's (0)")
     parser.add_argument("--clip-norm", type=float, default=None, help="local gradient clipping (synchronizer)")
     parser.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
@@ -113,6 +132,17 @@ def parse_method_options(text: str, method: str) -> dict[str, Any]:
     return options
 
 
+def parse_betas(text: str | None) -> Any:
+    """``--betas 0.9,0.95`` -> (0.9, 0.95); None stays None (the model's)."""
+    if text is None:
+        return None
+    try:
+        first, second = (float(b) for b in text.split(","))
+    except ValueError:
+        raise ValueError(f"--betas {text!r} must be two numbers separated by a comma, e.g. 0.9,0.95") from None
+    return first, second
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The run's configuration; under torchrun, P is its ``WORLD_SIZE`` (``--workers`` is ignored).
     Options left at None take TrainConfig's (the model's) defaults."""
@@ -122,6 +152,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=args.model, data=args.data or MODEL_DATA[args.model][0], method=args.method,
         density=args.density, workers=workers, lr_schedule=args.lr_schedule, momentum=args.momentum,
+        optimizer=args.optimizer, nesterov=args.nesterov, weight_decay=args.weight_decay,
+        betas=parse_betas(args.betas),
+        warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm, steps=args.steps,
+        eval_every=args.eval_every, local_steps=args.local_steps, outer=args.outer,
+        freeze_adam_variance=args.freeze_adam_variance, dense_fallback=args.dense_fallback,
         seed=args.seed, net=emulated_net(args.net), sync=args.sync,
         dense_warmup_steps=args.dense_warmup_steps, clip_norm=args.clip_norm,
         momentum_correction=args.momentum_correction, density_warmup=args.density_warmup,
@@ -135,8 +170,10 @@ def check(args: argparse.Namespace) -> None:
     """Every option, before any worker starts (ValueError naming the option and the valid values)."""
     from sparsecomm.launch.netemu import parse_net
     from sparsecomm.methods import available_methods
+    from sparsecomm_lab.diloco import LOCAL_BASELINES
 
-    if args.method not in BASELINES and args.method not in available_methods():
+    local = LOCAL_BASELINES if args.sync == "local" else ()
+    if args.method not in BASELINES and args.method not in local and args.method not in available_methods():
         raise ValueError(f"unknown method {args.method!r}; valid names: "
                          f"{', '.join(list(BASELINES) + available_methods())}")
     fits = MODEL_DATA.get(args.model, [])
