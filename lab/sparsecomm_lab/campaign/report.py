@@ -64,7 +64,7 @@ def result_rows(camp: Campaign, net: str) -> list[dict[str, Any]]:
         gap = camp.final_vs_ddp(name)
         reached = f"{len(steps)}/{len(result.steps)}" if result.steps else "-"
         rows.append({
-            "arm": name,
+            "arm": name + (" (exploration)" if result.arm.explore_lrs is not None else ""),
             "optimizer": _optimizer(camp, name),
             "best lr": "-" if result.best_lr is None else f"{result.best_lr:g}",
             "steps to target": "floor: trains apart" if result.arm.timed_only else

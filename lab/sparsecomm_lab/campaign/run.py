@@ -111,7 +111,7 @@ def run_convergence(out: str, wl: Workload, arms: Sequence[Arm] | None = None, s
                 lr = best_lr(out, wl, arm)
                 if lr is None:
                     raise RuntimeError(f"arm {arm.name}: the grid is incomplete")
-                todo += [(arm, lr, seed) for seed in (wl.seeds if seeds is None else seeds) if seed != 0]
+                todo += [(arm, lr, seed) for seed in (wl.seeds_of(arm) if seeds is None else seeds) if seed != 0]
         for i, (arm, lr, seed) in enumerate(todo, start=1):
             if not os.path.exists(convergence_path(out, wl, arm, lr, seed)):
                 echo(f"[{stage} {i}/{len(todo)}] {wl.name} {arm.name} lr {lr:g} seed {seed} ...")
@@ -137,7 +137,7 @@ def run_timing(out: str, wl: Workload, nets: Sequence[str], arms: Sequence[Arm] 
     learning rate (the grid's first for the floor), a warm-up cut to :data:`TIMING_WARMUP` steps; each
     run waits for a quiet machine (``quiet``) and records the load it started at."""
     for net in nets:
-        for arm in arms or arms_of(wl.name):
+        for arm in arms or [a for a in arms_of(wl.name) if a.explore_lrs is None]:
             path = timing_path(out, wl, arm, net)
             if os.path.exists(path):
                 continue
