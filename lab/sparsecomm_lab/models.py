@@ -9,7 +9,7 @@
 | ``vgg-fc`` | VGG-style: two thin conv blocks, then wide fully connected layers (~14M parameters) | ``fashion-mnist`` |
 | ``word-lstm`` | wide word embedding, 1-layer LSTM, linear decoder (~13M parameters) | ``fortunes-words`` |
 | ``gpt`` | decoder-only transformer, pre-LayerNorm, tied embeddings (~3.7M parameters) | ``python-source`` |
-| ``resnet`` | a wide ResNet with BatchNorm (basic blocks) for 28x28 images (~11M parameters) | ``fashion-mnist`` |
+| ``resnet`` | a ResNet with BatchNorm, narrow early and wide late stages (~4.3M parameters) | ``fashion-mnist`` |
 
 ``vgg-fc``, ``word-lstm``, ``gpt`` and ``resnet`` are the communication-heavy workloads of the
 campaign: at 1 Gbit/s a DDP step of theirs spends most of its time moving the gradient, as VGG-16,
@@ -266,17 +266,18 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """A ResNet (He et al. 2016) with BatchNorm for small images: a 3x3 stem, one stage of
-    ``blocks`` basic blocks per entry of ``widths`` (stride 2 from the second stage on), global
-    average pooling and a linear classifier. Wide stages on small maps make the gradient large
-    against the compute (a communication-heavy CNN)."""
+    """A ResNet (He et al. 2016) with BatchNorm for small images: a 3x3 stem (stride ``stem_stride``),
+    one stage of ``blocks`` basic blocks per entry of ``widths`` (stride 2 from the second stage on),
+    global average pooling and a linear classifier. Narrow early stages on large maps and wide late
+    stages on small ones make the gradient large against the compute (a communication-heavy CNN:
+    on 28x28 images the 512-wide stage runs on 2x2 maps)."""
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, widths: Sequence[int] = (64, 128, 256, 512),
-                 blocks: int = 1) -> None:
+    def __init__(self, input_shape: Sequence[int], num_classes: int, widths: Sequence[int] = (16, 32, 128, 512),
+                 blocks: int = 1, stem_stride: int = 2) -> None:
         super().__init__()
         in_ch = input_shape[0]
-        self.stem = nn.Sequential(nn.Conv2d(in_ch, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]),
-                                  nn.ReLU())
+        self.stem = nn.Sequential(nn.Conv2d(in_ch, widths[0], 3, stride=stem_stride, padding=1, bias=False),
+                                  nn.BatchNorm2d(widths[0]), nn.ReLU())
         stages: list[nn.Module] = []
         width = widths[0]
         for i, out in enumerate(widths):
