@@ -57,11 +57,12 @@ def median_spread(values: Sequence[float], digits: int = 3) -> str:
     return f"{med:.{digits}g} ({min(values):.{digits}g}-{max(values):.{digits}g})"
 
 
-def _phase_times(record: dict[str, Any], warmup: int) -> tuple[float | None, float]:
+def _phase_times(record: dict[str, Any], warmup: int, decided_after: int = 0) -> tuple[float | None, float]:
     """(median warm-up step s or None, median main step s) of a timing record; the first 2 steps of
-    each phase are left out (first-touch allocations, the switch of method)."""
+    each phase are left out (first-touch allocations, the switch of method). With ``dense_fallback``
+    the main steps are those after its decision (``decided_after``)."""
     times = [s["time"] for s in record["steps"]]
-    main = times[warmup + 2:] if warmup else times[3:]
+    main = times[decided_after + 2:] if decided_after else times[warmup + 2:] if warmup else times[3:]
     warm = statistics.median(times[2:warmup]) if warmup > 2 else None
     return warm, statistics.median(main)
 
@@ -181,7 +182,7 @@ def analyse(records: Sequence[dict[str, Any]], wl: Workload, nets: Sequence[str]
         if camp["arm"] not in arms:
             continue
         warm = camp.get("warmup_steps", TIMING_WARMUP if arms[camp["arm"]].warmup else 0)
-        arms[camp["arm"]].step_s[camp["net"]] = _phase_times(record, warm)
+        arms[camp["arm"]].step_s[camp["net"]] = _phase_times(record, warm, camp.get("decided_after", 0))
         arms[camp["arm"]].load[camp["net"]] = record.get("load", {}).get("before")
         if camp["net"] not in seen_nets:
             seen_nets.append(camp["net"])

@@ -26,6 +26,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sparsecomm.integration.auto import DenseFallback
 from sparsecomm_lab.training import save_record, train
 
 from .plan import Arm, Workload, arms_of
@@ -147,10 +148,16 @@ def run_timing(out: str, wl: Workload, nets: Sequence[str], arms: Sequence[Arm] 
             timed = {"steps": TIMING_STEPS, "eval_every": TIMING_STEPS, "net": None if net == "loopback" else net}
             if arm.options.get("dense_warmup_steps"):
                 timed["dense_warmup_steps"] = TIMING_WARMUP
+            decided = 0
+            if arm.options.get("dense_fallback"):  # time the steps after its decision, whichever it made
+                probe = DenseFallback()
+                decided = probe.dense_steps(0) + probe.skip + probe.probe
+                timed["steps"] = TIMING_STEPS + decided
             echo(f"[timing] {wl.name} {arm.name} on {net} ...")
             record = train_quietly(wl.config(arm, lr, 0, **{**timed, **overrides}), trainer, quiet, echo)
             _save(record, path, {"workload": wl.name, "arm": arm.name, "lr": lr, "seed": 0, "phase": "timing",
-                                 "net": net, "warmup_steps": timed.get("dense_warmup_steps", 0)})
+                                 "net": net, "warmup_steps": timed.get("dense_warmup_steps", 0),
+                                 "decided_after": decided})
 
 
 def run_confirmation(out: str, wl: Workload, nets: Sequence[str], arm: Arm, quiet: QuietPolicy | None = None,
