@@ -30,14 +30,9 @@
  * the scan wrote it into x, else x + add recomputed) and packed, found by counting the trailing zero
  * bits of that word. A branch per block on "any candidate here" mispredicts about as often as a block
  * holds one (a fifth of the blocks at 1.5% candidates), and those mispredictions, not the memory
- * traffic, were most of the scan's time above its floor; the loop over the noted blocks mispredicts
+ * traffic, are most of the scan's time above its floor; the loop over the noted blocks mispredicts
  * about once per chunk. Once candidates are dense, every block is packed as it comes (two 64-byte
- * stores a block, no branch). Measured on the 2-core AMD EPYC of docs/selectors.md (2026-11-27, 25M
- * elements, medians of 6, the chunked kernel against the per-block branch of the previous build in one
- * process, calls alternating): with the sum written to a third vector (error feedback's scan),
- * AVX-512 7.8 against 8.4 ms at 0.6% candidates, 8.3 against 10.2 at 1.5%, 8.9 against 10.7 at 4.5%
- * and 11.2 against 11.0 at 7.8% (dense); AVX2 7.7/8.2, 8.4/10.6, 9.6/10.6, 10.6/11.3. Reading x alone:
- * AVX-512 3.7/4.3, 4.0/6.9, 5.4/5.0, 5.0/5.0.
+ * stores a block, no branch).
  * The output therefore needs a block's worth of room beyond the last candidate; near the end of the
  * buffer (and beyond it, where candidates are only counted) the lanes are taken one by one. Three
  * variants with identical candidates and max (the sum differs only by rounding):

@@ -400,12 +400,9 @@ def kth_largest(a: Tensor, rank: int) -> float:
     Where the compiled kernel takes ``a`` it is a radix select on the values' bit patterns (``_scan.kth_largest``:
     for non-negative floats, +Inf included, the bits order as the values do); from 65536 elements on, of
     the candidates above a sampled floor only (:func:`sample_floor`, one scan of ``a``): the rank-th
-    largest is at or above the floor whenever at least ``rank`` elements are, so the value is the same.
-    At 1M elements and rank 1024 (the estimate of
-    :func:`~sparsecomm.selection.threshold.estimate_kth_magnitude` at 0.1%) 0.4 ms against 2.3 for
-    ``torch.topk`` of all; at 25,600 elements and rank 322 (:func:`sample_floor`'s sample for one of
-    SparDL's blocks at n = 1M, P = 4, 1%) about 0.05 ms against 0.25 (2026-11-27, the 2-core test
-    machine). NaN in ``a``, a sample that misjudged, or other tensors: ``torch.topk``'s answer.
+    largest is at or above the floor whenever at least ``rank`` elements are, so the value is the same,
+    and the select reads a small fraction of ``a`` where ``torch.topk`` sorts all of it. NaN in ``a``, a
+    sample that misjudged, or other tensors: ``torch.topk``'s answer.
     """
     if a.dim() == 1 and _compiled_applies(a, torch.float32):
         if a.numel() >= _KTH_SCAN_MIN:
