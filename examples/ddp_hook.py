@@ -21,9 +21,9 @@ import sparsecomm
 
 def train(method: str | None = "topka", density: float = 0.05, steps: int = 20, hook=sparsecomm.hook) -> list[float]:
     """Train a small MLP on synthetic data under DDP; ``method=None`` is plain DDP. Returns the losses."""
-    cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    cuda = dist.get_backend() == "nccl"  # a gloo group (e.g. sparsecomm.run_workers) trains on the CPU
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     torch.manual_seed(0)  # the same initial weights on every rank
     model = DDP(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).to(device),

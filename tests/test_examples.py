@@ -166,3 +166,16 @@ def test_accelerate_example_runs_the_hook_every_step():
         assert losses[1:] != plain_losses[1:]
         assert losses[-1] < losses[0]
 
+
+
+def _adamw(options):
+    return _load("adamw_transformer").train(**options)
+
+
+def test_adamw_transformer_example_learns_with_the_recipe_and_its_dense_twin():
+    sparse = run_workers(2, _adamw, dict(density=0.05, steps=40, warmup=10), timeout=120)
+    dense = run_workers(2, _adamw, dict(steps=40, warmup=10, sparse=False), timeout=120)
+    for losses in (sparse[0], dense[0]):
+        assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5  # it learns
+    assert sparse[0][:10] == dense[0][:10]  # the same dense warm-up
+    assert sparse[0][10:] != dense[0][10:]  # then the method differs
