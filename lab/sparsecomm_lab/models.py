@@ -347,8 +347,8 @@ MODEL_DATA: dict[str, list[str]] = {
 }
 
 #: tuned training hyperparameters per (model, data set), keyed by model (its default data) or
-#: ``"model/data"``; SGD with momentum 0.9 and the cosine schedule (see benchmarks/lr-sweep for the
-#: runs that chose them). Per-worker batch size.
+#: ``"model/data"``; SGD with momentum 0.9 and the cosine schedule (the campaigns tune the learning rate
+#: on their own grid, docs/training.md). Per-worker batch size.
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "mlp": {"lr": 0.05, "batch_size": 16, "epochs": 5},
     "cnn": {"lr": 0.05, "batch_size": 16, "epochs": 5},

@@ -94,7 +94,7 @@ OPTIMIZER_DEFAULTS: dict[str, Any] = {"optimizer": "sgd", "momentum": 0.9, "beta
 DENSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0,
                                 "density": DEFAULT_DENSITY}
 #: DGC momentum correction (Lin et al. 2018, section 3.2) per model, where measured at the
-#: campaign's budget (docs/training.md, benchmarks/recipe): its peak learning rate and density. Momentum factor masking
+#: campaign's budget (docs/training.md): its peak learning rate and density. Momentum factor masking
 #: leaves an entry sent every step no momentum, hence the larger lr than momentum SGD's (3.0 =
 #: 0.3 / (1 - 0.9) on the word LSTM, 0.02 against vgg-fc's 0.005); a lower density keeps more
 #: entries' momentum: at 0.5% both models ended 3 epochs above their 1% runs and above DDP, and on
