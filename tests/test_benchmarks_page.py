@@ -27,3 +27,12 @@ def test_every_benchmark_folder_has_a_command_and_a_report_and_is_on_the_page():
         readme = (ROOT / "benchmarks" / name / "README.md").read_text()
         assert "## Command" in readme and "## Current result" in readme, name
         assert (ROOT / "benchmarks" / name / "report.md").is_file(), name
+
+
+def test_the_campaign_page_and_the_readme_headline_are_generated_from_the_reports():
+    module = _make_page()
+    assert (ROOT / "docs" / "campaign.md").read_text() == module.campaign_page(), "regenerate it: make benchmarks-page"
+    readme = (ROOT / "README.md").read_text()
+    assert readme == module.readme(readme), "regenerate the README's headline: make benchmarks-page"
+    for name in module.CAMPAIGNS:
+        assert name in {n for _, _, entries in module.SECTIONS for n, _ in entries}

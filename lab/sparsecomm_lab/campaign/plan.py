@@ -201,15 +201,14 @@ ARMS: dict[str, list[Arm]] = {
         _adamw("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, AdamW", method="topka", density=0.01,
                **_HOOK),
     ],
-    # a BatchNorm CNN trained with SGD and momentum: DDP broadcasts BatchNorm's buffers every step
+    # a BatchNorm CNN trained with SGD and momentum: DDP broadcasts BatchNorm's buffers every step; its
+    # step is compute-bound on loopback, where the dense fallback must not be slower than DDP
     "resnet": [
-        _FLOOR, _DDP, *_POWERSGD,
+        _FLOOR, _DDP, _POWERSGD[1],
         Arm("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, SGD with momentum (error feedback)",
             {"method": "topka", "density": 0.01, **_HOOK}),
         Arm("topka-hook-auto@0.01", "sparse", "the same with dense_fallback: dense all-reduce where topka's steps "
             "are not faster", {"method": "topka", "density": 0.01, **_HOOK, "dense_fallback": True}),
-        _mc(1.0, "topka-mc@1", None),
-        _mc(0.01, "topka-mc@0.01", "topka-mc@1"),
     ],
 }
 
@@ -227,11 +226,13 @@ WORKLOADS: dict[str, Workload] = {
                           lr_grids={"sgd": (0.3, 1.0, 3.0, 10.0), "adamw": (3e-4, 1e-3, 3e-3, 1e-2)},
                           recommended="topka-hook@0.01", data_options={"test_size": 200},
                           train_options={"optimizer": "adamw", "weight_decay": 0.0, "warmup_steps": 0}),
-    # one epoch of the 60,000 images at 4 x 32 per step; momentum correction's lr is about 1/(1 - m) times
-    # momentum SGD's, so the shared grid reaches 1.0
+    # one epoch of the 60,000 images at 4 x 32 per step, every arm at momentum SGD's usual lr, one seed
     "resnet": Workload("resnet", "resnet", "fashion-mnist", "accuracy", steps=469, eval_every=47,
-                       lr_grids={"sgd": (0.01, 0.03, 0.1, 0.3, 1.0)}, recommended="topka-mc@0.01",
-                       data_options={"test_size": 2000}, train_options={"optimizer": "sgd"}),
+                       lr_grids={"sgd": (0.1,)}, recommended="topka-hook-auto@0.01",
+                       data_options={"test_size": 2000}, train_options={"optimizer": "sgd"}, seeds=(0,),
+                       note="every arm at one lr (0.1) and one seed, not the shared grid: a shortfall of the "
+                       "protocol, said in the report; its question is whether the dense fallback keeps the "
+                       "compute-bound step as fast as DDP's"),
 }
 
 
