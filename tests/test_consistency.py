@@ -109,3 +109,12 @@ def test_the_record_says_inconsistent_when_the_replicas_drift():
     record = train(TrainConfig(model="mlp", data="digits", method="nosync", workers=2, epochs=1, batch_size=64,
                                model_options={"hidden": [16]}))
     assert record["consistent"] is False  # the floor exchanges nothing: the replicas drift apart
+
+
+def test_the_checksum_covers_zero_dimensional_buffers():
+    from sparsecomm.integration.consistency import parameter_checksum
+
+    model = torch.nn.BatchNorm1d(3)  # its num_batches_tracked is a 0-dim integer buffer
+    before = parameter_checksum(model)
+    model.num_batches_tracked += 1
+    assert parameter_checksum(model) != before

@@ -669,7 +669,9 @@ def train_worker(config: TrainConfig, dataset: Dataset,
         if config.stop_at_target and reached:
             break
     params = [p.detach().clone() for p in model.parameters()]
-    checksums = replica_checksums(model)  # every rank's, so the record says whether the replicas are equal
+    # every rank's, so the record says whether the replicas are equal: the parameters alone, as DDP
+    # leaves BatchNorm's running statistics per rank until its next forward broadcasts rank 0's
+    checksums = replica_checksums(dict(model.named_parameters()))
     return {"rank": rank, "history": history, "epochs": epochs, "steps": steps if rank == 0 else [],
             "params": params, "steps_per_epoch": steps_per_epoch, "consistent": len(set(checksums)) == 1,
             "num_parameters": sum(p.numel() for p in params)}

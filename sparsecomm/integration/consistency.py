@@ -178,7 +178,9 @@ def parameter_checksum(tensors: Mapping[str, torch.Tensor] | nn.Module) -> int:
         value = state[key]
         if isinstance(value, torch.Tensor):
             crc = zlib.crc32(key.encode(), crc)
-            crc = zlib.crc32(value.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes(), crc)
+            # reshape: a 0-dim tensor (BatchNorm's num_batches_tracked) has no byte view of its own
+            raw = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            crc = zlib.crc32(raw.numpy().tobytes(), crc)
     return crc
 
 
