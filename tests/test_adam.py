@@ -110,9 +110,14 @@ def test_with_momentum_correction_at_density_one_the_masking_leaves_no_momentum(
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), step
 
 
+#: the synchronizer's AdamW recipes: frozen variance alone, and with momentum correction (the recommended)
+RECIPES = {"frozen": {}, "frozen+corrected": {"momentum_correction": BETAS[0]}}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
 @pytest.mark.parametrize("P", range(1, 9))
-def test_replicas_stay_identical_and_the_sparse_run_moves_every_parameter(P):
-    results = run_workers(P, _train, "topka", {"density": 0.1})
+def test_replicas_stay_identical_and_the_sparse_run_moves_every_parameter(P, recipe):
+    results = run_workers(P, _train, "topka", {"density": 0.1}, STEPS, None, 0, RECIPES[recipe])
     for step in range(STEPS):
         for rank in range(1, P):
             assert all(torch.equal(a, b) for a, b in zip(results[rank][0][step], results[0][0][step], strict=True))
@@ -120,15 +125,17 @@ def test_replicas_stay_identical_and_the_sparse_run_moves_every_parameter(P):
     assert any(not torch.equal(a, b) for a, b in zip(first, last, strict=True))
 
 
-def _resume_check(method, options):
-    full, _ = _train(method, options)
-    _, saved = _train(method, options, steps=WARMUP + 2)
-    resumed, _ = _train(method, options, state=saved, start=WARMUP + 2)
+def _resume_check(method, options, sync_options):
+    full, _ = _train(method, options, sync_options=sync_options)
+    _, saved = _train(method, options, steps=WARMUP + 2, sync_options=sync_options)
+    resumed, _ = _train(method, options, state=saved, start=WARMUP + 2, sync_options=sync_options)
     return full[WARMUP + 2:], resumed
 
 
-def test_resume_after_the_freeze_is_exact():
-    for full, resumed in run_workers(3, _resume_check, "topka", {"density": 0.2}):
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("P", [1, 3, 5])
+def test_resume_after_the_freeze_is_exact(P, recipe):
+    for full, resumed in run_workers(P, _resume_check, "topka", {"density": 0.2}, RECIPES[recipe]):
         for a, b in zip(full, resumed, strict=True):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 

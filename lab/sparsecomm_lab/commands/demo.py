@@ -4,7 +4,7 @@ P = 4 local workers on an emulated 1 Gbit/s switch (loopback when the machine ca
 said in the output) train the campaign's transformer (``gpt`` on ``python-source``, AdamW) with the
 campaign's comparison, each arm at the learning rate the campaign found best for it on the shared
 grid (``benchmarks/campaign-gpt/summary.json``): the no-synchronization floor, torch's DDP, the best
-PowerSGD rank, and the recommended sparse recipe. The budget is cut from the campaign's 1000 steps to
+PowerSGD rank, and the recommended sparse recipe. The budget is cut from the campaign's 600 steps to
 ``--steps`` (default 300, its cosine schedule over them), so the demo's target is its own DDP run's
 validation loss at 75% of its budget; every arm's time to it is measured here, on the emulated link,
 not composed. The report gives each arm's step as a multiple of the floor's and the load average
