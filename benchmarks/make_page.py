@@ -136,8 +136,6 @@ def campaign_page() -> str:
         folder = ROOT / "benchmarks" / name
         body = _relink(_report(name), folder)
         body = re.sub(r"^(#+) ", lambda m: "#" + m.group(1) + " ", body, flags=re.M)
-        body = re.sub(r"!\[([^\]]*)\]\(([^)/]+\.png)\)", lambda m: f"![{m.group(1)}](../benchmarks/{name}/{m.group(2)})",
-                      body)
         out += [f'<a id="{name}"></a>', "", body.strip(), ""]
     return "\n".join(out).rstrip() + "\n"
 

@@ -1,12 +1,12 @@
 """Each campaign workload's recommended configuration learns: a short run of it, at small sizes and on
 2 workers, gains at least half of what DDP gains in the same run over a uniform guess (ln V over a
-vocabulary of V, or chance accuracy), and keeps the replicas identical. A recipe that stopped training (a sign error, a lost residual, a frozen optimizer) fails here
-before a campaign spends hours on it."""
+vocabulary of V, or chance accuracy), and keeps the replicas identical. A recipe that stopped
+training (a sign error, a lost residual, a frozen optimizer) fails here before a campaign spends
+hours on it."""
 
 import math
 
 import pytest
-
 from sparsecomm_lab import campaign
 from sparsecomm_lab.training import train
 

@@ -10,9 +10,10 @@
 Every implementation gets the same gradients (rank r, call t: ``randn(n)`` from a generator seeded by
 (seed, r, t)), drawn before the clock. Each call is timed between a barrier and its return on every
 rank; a call's time is its slowest rank's, and the table gives the median of the timed calls (after
-the warm-up calls). A second barrier follows each call (``--no-settle`` leaves it out): without it the ranks that returned first hash their output and draw the next
-gradient on the cores the others' calls still need, which lengthens the slowest rank's time of any
-implementation whose ranks finish apart. Every output of every call is hashed (SHA-256 of its bytes) on every rank:
+the warm-up calls). A second barrier follows each call (``--no-settle`` leaves it out): without it
+the ranks that returned first hash their output and draw the next gradient on the cores the others'
+calls still need, which lengthens the slowest rank's time of any implementation whose ranks finish
+apart. Every output of every call is hashed (SHA-256 of its bytes) on every rank:
 ``topka`` must equal GRACE's and ``spardl`` the official SparDL's, bit for bit, at every call on every
 rank (the error feedback makes later calls depend on earlier ones). "up to the sign of zero" is
 reported instead where only the hashes of ``out + 0.0`` agree.

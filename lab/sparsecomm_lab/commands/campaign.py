@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 
 from sparsecomm_lab import campaign
 
@@ -50,13 +49,17 @@ def run(args: argparse.Namespace) -> int:
     if "convergence" in args.phases:
         campaign.run_convergence(args.out, wl, args.arm_list, echo=echo)
     if "timing" in args.phases:
-        campaign.run_timing(args.out, wl, args.net_list, args.arm_list, quiet=quiet, echo=echo)
+        # without --arms, the timing phase picks its arms itself (exploration arms are not timed)
+        campaign.run_timing(args.out, wl, args.net_list, args.arm_list if args.arms else None, quiet=quiet, echo=echo)
     if "confirm" in args.phases:
         arm = next(a for a in campaign.arms_of(wl.name) if a.name == wl.recommended)
         campaign.run_confirmation(args.out, wl, args.net_list, arm, quiet=quiet, echo=echo)
     if "report" in args.phases:
         records = campaign.load_records(args.out, wl)
         analysed = campaign.analyse(records, wl, args.net_list)
-        command = "sparsecomm campaign " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-        print(f"report: {campaign.write_report(analysed, records, args.report, command.strip())}")
+        # the command that makes the whole campaign (every phase; each resumes), whichever phase ran here
+        command = f"sparsecomm campaign --workload {wl.name} --nets {','.join(args.net_list)}"
+        if args.arms:
+            command += f" --arms {shlex.quote(args.arms)}"
+        print(f"report: {campaign.write_report(analysed, records, args.report, command)}")
     return 0
