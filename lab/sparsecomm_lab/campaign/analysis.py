@@ -22,7 +22,7 @@ from typing import Any
 from .plan import Arm, Workload, arms_of
 from .run import TIMING_WARMUP, final_metric
 
-__all__ = ["ArmResult", "Campaign", "analyse", "median_spread"]
+__all__ = ["ArmResult", "Campaign", "analyse", "median_spread", "median_with_misses"]
 
 
 def _metric(point: dict[str, Any], metric: str) -> float:
@@ -55,6 +55,22 @@ def median_spread(values: Sequence[float], digits: int = 3) -> str:
     if len(values) == 1:
         return f"{med:.{digits}g}"
     return f"{med:.{digits}g} ({min(values):.{digits}g}-{max(values):.{digits}g})"
+
+
+def median_with_misses(values: Sequence[float | None], digits: int = 3) -> str:
+    """The median over seeds where a seed that never reached the target (None) counts as infinitely
+    late, then the range: ``median (least-most)``; ``not reached`` where the median or the most is."""
+    if not values:
+        return "-"
+    late = [math.inf if v is None else float(v) for v in values]
+
+    def fmt(v: float) -> str:
+        return "not reached" if math.isinf(v) else f"{v:.{digits}g}"
+
+    med = statistics.median(late)
+    if len(late) == 1:
+        return fmt(med)
+    return f"{fmt(med)} ({fmt(min(late))}-{fmt(max(late))})"
 
 
 def _phase_times(record: dict[str, Any], warmup: int, decided_after: int = 0) -> tuple[float | None, float]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from sparsecomm.cli.table import markdown_table
 
-from .analysis import Campaign, median_spread
+from .analysis import Campaign, median_spread, median_with_misses
 
 __all__ = ["write_report", "summary", "result_rows", "grid_rows"]
 
@@ -68,10 +68,12 @@ def result_rows(camp: Campaign, net: str) -> list[dict[str, Any]]:
             "optimizer": _optimizer(camp, name),
             "best lr": "-" if result.best_lr is None else f"{result.best_lr:g}",
             "steps to target": "floor: trains apart" if result.arm.timed_only else
-            f"{median_spread(steps)} [{reached}]" if steps else f"not reached [{reached}]",
+            f"{median_with_misses(list(result.steps.values()))} [{reached}]" if steps else f"not reached [{reached}]",
             "ms/step": "-" if main is None else f"{1e3 * main:.0f}",
             "x floor": "-" if main is None or not floor_s else f"{main / floor_s:.2f}",
-            "time to target s": "-" if result.arm.timed_only else median_spread(times) if times else "not reached",
+            "time to target s": "-" if result.arm.timed_only else
+            median_with_misses([result.time_to_target(net, seed) for seed in sorted(result.steps)]) if times
+            else "not reached",
             "x limit": "-" if not times or limit is None else f"{result.median_time(net) / limit:.2f}",
             f"final {camp.workload.metric}": median_spread(list(result.final.values()), 4) if result.final else "-",
             "vs DDP": "-" if gap is None or name == "ddp" else f"{100 * gap:+.1f}%",
@@ -139,7 +141,8 @@ def _plot(camp: Campaign, records: list[dict[str, Any]], path: str) -> str | Non
     for record in records:
         c = record["campaign"]
         result = camp.arms.get(c["arm"])
-        if c["phase"] != "convergence" or c["seed"] != 0 or result is None or c["lr"] != result.best_lr:
+        if (c["phase"] != "convergence" or c["seed"] != 0 or result is None or c["lr"] != result.best_lr
+                or result.arm.explore_lrs is not None):  # the exploration arms are in the tables only
             continue
         values = [p["test_loss"] if wl.metric == "loss" else p["test_accuracy"] for p in record["history"]]
         ax.plot([p["step"] for p in record["history"]], values, label=f"{c['arm']} (lr {c['lr']:g})",
@@ -152,7 +155,8 @@ def _plot(camp: Campaign, records: list[dict[str, Any]], path: str) -> str | Non
         ax.set_ylim(camp.target * 0.9, camp.target * 1.6)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title(f"{wl.model} on {wl.data}, P = 4, seed 0, each arm at its best lr; target dashed")
+    ax.set_title(f"{wl.model} on {wl.data}, P = 4, seed 0, each arm at its best lr (explorations left out); "
+                 "target dashed", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
