@@ -145,7 +145,7 @@ def headline() -> str:
     name = CAMPAIGNS[0]
     report = _report(name)
     section = _section(report, HEADLINE_NET)
-    tables = _tables(section)
+    tables = _tables(section + "\n")
     first = _first_paragraph(report).replace("\n", " ")
     rows = "\n".join(line for line in tables[0].splitlines() if "(exploration)" not in line)
     return "\n".join([

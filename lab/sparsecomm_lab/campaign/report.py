@@ -195,8 +195,8 @@ def write_report(camp: Campaign, records: list[dict[str, Any]], outdir: str, com
     for net in camp.nets:
         lines += [f"## {net}", "", markdown_table(result_rows(camp, net)), ""]
         g = goals(camp, net)
-        lines += ["Goals of the recommended arm, measured:", "", markdown_table([{k: _fmt(v) for k, v in g.items()}]),
-                  ""]
+        shown = {k: f"{100 * v:+.2f}%" if k == "final vs DDP" else _fmt(v) for k, v in g.items()}
+        lines += ["Goals of the recommended arm, measured:", "", markdown_table([shown]), ""]
     if camp.confirmations:
         rows = [{"network": net, **{k: _fmt(v) for k, v in c.items()}} for net, c in camp.confirmations.items()]
         lines += ["## The composition, checked by full runs", "",
