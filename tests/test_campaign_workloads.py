@@ -1,8 +1,8 @@
 """Each campaign workload's recommended configuration learns: a short run of it, at small sizes and on
-2 workers, gains at least half of what DDP gains in the same run over a uniform guess (ln V over a
-vocabulary of V, or chance accuracy), and keeps the replicas identical. A recipe that stopped
-training (a sign error, a lost residual, a frozen optimizer) fails here before a campaign spends
-hours on it."""
+2 workers, gains at least half of what DDP gains in the same run (local steps: a quarter) over a
+uniform guess (ln V over a vocabulary of V, or chance accuracy), and keeps the replicas identical. A
+recipe that stopped training (a sign error, a lost residual, a frozen optimizer) fails here before a
+campaign spends hours on it."""
 
 import math
 
@@ -46,4 +46,6 @@ def test_the_recommended_configuration_learns(name):
     lr = wl.grid(recommended)[len(wl.grid(recommended)) // 2]
     dense = _gain(wl, name, "ddp", lr, data_options, model_options, budget)
     mine = _gain(wl, name, wl.recommended, lr, data_options, model_options, budget)
-    assert dense > 0 and mine >= 0.5 * dense, (mine, dense)
+    # local steps learn more slowly per step than per-step synchronization: a quarter of DDP's gain
+    share = 0.25 if wl.recommended.startswith("topka-local") else 0.5
+    assert dense > 0 and mine >= share * dense, (mine, dense)

@@ -205,7 +205,7 @@ WORKLOADS: dict[str, Workload] = {
                     lr_grids={"adamw": (3e-4, 1e-3, 3e-3, 1e-2)}, recommended="topka-fvamc@0.01",
                     train_options={"optimizer": "adamw", "max_grad_norm": 1.0}),
     "gpt-local": Workload("gpt-local", "gpt", "python-source", "loss", steps=600, eval_every=30,
-                          lr_grids={"adamw": (1e-3,)}, recommended="topka-local-H16@0.01",
+                          lr_grids={"adamw": (1e-3,)}, recommended="topka-local-H4@0.01-sgd",
                           train_options={"optimizer": "adamw", "max_grad_norm": 1.0}, seeds=(0,),
                           note="every arm at the inner lr that DDP's grid found best on the GPT, one seed: the "
                           "local-step arms are compared with each other and with DDP at equal tuning"),

@@ -175,7 +175,7 @@ def write_report(camp: Campaign, records: list[dict[str, Any]], outdir: str, com
     plot = _plot(camp, records, os.path.join(outdir, f"{wl.name}.png"))
     loads = [r.get("load", {}).get("before") for r in records if r["campaign"]["phase"] != "convergence"]
     loads = [x for x in loads if x is not None]
-    lines = [f"# Campaign: {wl.model} on {wl.data}", "",
+    lines = [f"# Campaign {wl.name}: {wl.model} on {wl.data}", "",
              f"Written {data['written']} by `{command}`. P = 4 workers; {wl.steps} optimizer steps per run "
              f"(cosine schedule), validation every {wl.eval_every} steps.", ""]
     if camp.target is not None:
