@@ -210,7 +210,7 @@ WORKLOADS: dict[str, Workload] = {
                           note="every arm at the inner lr that DDP's grid found best on the GPT, one seed: the "
                           "local-step arms are compared with each other and with DDP at equal tuning"),
     "word-lstm": Workload("word-lstm", "word-lstm", "fortunes-words", "loss", steps=300, eval_every=20,
-                          lr_grids={"adamw": (3e-4, 1e-3, 3e-3, 1e-2)},
+                          lr_grids={"adamw": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)},
                           recommended="topka-hook@0.01", data_options={"test_size": 200},
                           train_options={"optimizer": "adamw", "weight_decay": 0.0, "warmup_steps": 0},
                           seeds=(0,), note="the AdamW grid with seed 0 alone (no seeds 1 and 2 at each arm's "
