@@ -37,7 +37,7 @@ def _summary():
 
 def test_the_table_is_built_from_campaign_summaries():
     table = accuracy.build_table([_summary()], sources=["synthetic"])
-    runs = table["workloads"]["gpt / python-source"]["runs"]
+    runs = table["workloads"]["gpt"]["runs"]
     assert "floor" not in runs and runs["topka-fvamc@0.01"]["recipe"] == "freeze_adam_variance+momentum_correction"
     assert runs["topka-fvamc@0.01"]["loss"] == pytest.approx(100 * (2.01333 / 2 - 1), abs=1e-3)
     assert runs["topka-fvamc@0.01"]["steps_factor"] == pytest.approx(1.1)
@@ -75,3 +75,46 @@ def test_advise_ranks_measured_quality_first_and_passes_over_what_lost_it():
     assert result.best.method in ("topka", "dense")
     strict = advise(["topka", "dense"], 16, 3_000_000, [0.01], accuracy_table=table, tolerance=0.5, **kwargs)
     assert [p.method for p in strict.passed_over] == ["topka"] or strict.best.method == "dense"
+
+
+def _lstm_summary():
+    """A second workload on which topka at 1% lost more than the tolerance with every recipe."""
+    summary = _summary()
+    summary["workload"] = {"name": "word-lstm", "model": "word-lstm", "data": "fortunes-words", "metric": "loss"}
+    summary["arms"]["topka-fvamc@0.01"]["final_vs_ddp"] = 0.05
+    summary["arms"]["topka-fvamc@0.01"]["steps_to_target"] = {"0": None, "1": None, "2": None}
+    return summary
+
+
+def test_a_candidate_is_judged_by_its_worst_workload_or_by_the_one_like_the_users_model():
+    table = accuracy.build_table([_summary(), _lstm_summary()], sources=["synthetic"])
+    worst = accuracy.assess(table, "topka", 0.01, optimizer="adamw")
+    assert worst.ok is False and "word-lstm: topka-fvamc@0.01" in worst.note
+    like_gpt = accuracy.assess(table, "topka", 0.01, optimizer="adamw", workload="gpt")
+    assert like_gpt.ok is True and "word-lstm" not in like_gpt.note
+    assert accuracy.assess(table, "topka", 0.01, workload="word-lstm").ok is False
+    with pytest.raises(ValueError, match="workload 'gtp' is not in the accuracy table; measured: gpt, word-lstm"):
+        accuracy.assess(table, "topka", 0.01, workload="gtp")
+    with pytest.raises(ValueError, match="two campaign summaries of workload 'gpt'"):
+        accuracy.build_table([_summary(), _summary()])
+    kwargs = {"alpha": 50e-6, "beta": 8e-9}
+    assert advise(["topka", "dense"], 4, 3_700_000, [0.01], accuracy_table=table, optimizer="adamw",
+                  workload="gpt", **kwargs).best.method == "topka"
+    assert advise(["topka", "dense"], 4, 3_700_000, [0.01], accuracy_table=table, optimizer="adamw",
+                  **kwargs).best.method == "dense"
+
+
+def test_advise_recommends_what_the_readme_recommends_for_the_campaigns_transformer(capsys):
+    """The README's advise command, run on the shipped table, names the README's AdamW recipe."""
+    import re
+    import shlex
+
+    from sparsecomm.cli import main
+
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"`sparsecomm (advise [^`]*--like gpt[^`]*)`", readme)
+    assert command, "the README names no advise command for the campaign's transformer"
+    assert "`topka` at 1% through `SparseSynchronizer` with the frozen-variance" in readme
+    assert main(shlex.split(command.group(1))) == 0
+    out = capsys.readouterr().out
+    assert "recommended: topka (density 0.01" in out and "recipe: topka-fvamc@0.01" in out

@@ -177,3 +177,18 @@ def test_the_demo_takes_the_campaigns_tuned_lrs_and_reports_measured_times(tmp_p
     assert rows["ddp"]["steps to target"] == 18 and rows["topka-fva@0.01"]["steps to target"] == 10
     assert rows["ddp"]["x floor"] == "4.00" and "reached the target 1.80x sooner" in report["table"]
     assert os.path.exists(report["path"])
+
+
+def test_the_demo_replaces_an_earlier_result_and_keeps_the_folders_readme(tmp_path):
+    out, folder = tmp_path / "run", tmp_path / "benchmarks-demo"
+    out.mkdir()
+    (out / "report.md").write_text("new report")
+    (out / "ddp.json").write_text("{}")
+    folder.mkdir()
+    (folder / "README.md").write_text("what the folder holds")
+    (folder / "report.md").write_text("old report")
+    (folder / "topka-old.json").write_text("{}")
+    demo.copy_result(str(out), str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "ddp.json", "report.md"]
+    assert (folder / "README.md").read_text() == "what the folder holds"
+    assert (folder / "report.md").read_text() == "new report"

@@ -9,7 +9,9 @@ for is not ranked (the output names it): its prediction would leave out its work
 The recommendation is by time to quality, not by step time alone: each (method, density) is
 checked against the time-to-quality campaigns (:mod:`sparsecomm.simulator.accuracy`, a table built from
 the campaigns' records, benchmarks/campaign-*/summary.json), with the runs of ``--optimizer`` alone
-when it is given (``adamw`` for transformers, ``sgd`` for CNNs). A candidate whose every recipe there
+when it is given (``adamw`` for transformers, ``sgd`` for CNNs), and of the workload ``--like`` names
+when it is given (the campaign's model most like the user's; otherwise a candidate is judged by its worst
+workload). A candidate whose every recipe there
 lost more than ``--accuracy-tolerance`` (percent of DDP's loss, or accuracy points; beyond DDP's, or the
 best PowerSGD rank's with ``--accuracy-reference powersgd``), or did not reach the target, is not
 recommended, and the output names the faster candidates it passed over and why. The others are
@@ -64,6 +66,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--top", type=int, default=5, help="alternatives listed (default: %(default)s)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
                         help="judge candidates by the campaign runs made with this optimizer (default: any)")
+    parser.add_argument("--like", default=None, metavar="WORKLOAD",
+                        help="judge candidates by this campaign workload alone, the one like your model (gpt: a "
+                        "transformer, word-lstm: an embedding-heavy model, resnet: a CNN; default: every workload "
+                        "that measured a candidate, the worst)")
     parser.add_argument("--accuracy-tolerance", type=float, default=1.0,
                         help="the quality a candidate may have lost in the campaign beyond the reference's: "
                         "percent of the loss, or accuracy points (default: %(default)s)")
@@ -146,7 +152,7 @@ def _count_saved(path: str) -> int:
 
 def advise(methods: list[str], P: int, n: int, densities: list[float], slack: float = 0.10,
            accuracy_table: dict[str, Any] | None = None, tolerance: float = 1.0, reference: str = "ddp",
-           optimizer: str | None = None, **kwargs: Any) -> Advice:
+           optimizer: str | None = None, workload: str | None = None, **kwargs: Any) -> Advice:
     """Rank methods by predicted time to accuracy at their chosen density (the module docstring);
     without ``accuracy_table``, by predicted step time alone.
 
@@ -165,7 +171,7 @@ def advise(methods: list[str], P: int, n: int, densities: list[float], slack: fl
         if accuracy_table is not None:
             sparse = is_sparse(p.method)
             accuracy[(p.method, p.density)] = assess(accuracy_table, p.method, p.density if sparse else None,
-                                                     tolerance, reference, optimizer) if sparse else EXACT
+                                                     tolerance, reference, optimizer, workload) if sparse else EXACT
         return p
 
     def score(p: Prediction) -> float:
@@ -284,7 +290,7 @@ def run(args) -> int:
         table = None if args.by_step_time else load_table(args.accuracy_table or TABLE_PATH)
         result = advise(methods, args.workers, n, densities, args.density_slack, accuracy_table=table,
                         tolerance=args.accuracy_tolerance, reference=args.accuracy_reference,
-                        optimizer=args.optimizer, **kwargs)
+                        optimizer=args.optimizer, workload=args.like, **kwargs)
     except (UnknownMethodError, ValueError) as err:
         return fail("advise", str(err))
     best, dense = result.best, result.dense
@@ -306,7 +312,8 @@ def run(args) -> int:
         verdict = result.accuracy[(best.method, best.density)]
         print(f"quality in the campaigns ({', '.join(table['sources'])}; tolerance {args.accuracy_tolerance:g} "
               f"beyond {'the best PowerSGD rank' if args.accuracy_reference == 'powersgd' else 'DDP'}"
-              + (f"; {args.optimizer} runs" if args.optimizer else "") + "): "
+              + (f"; {args.optimizer} runs" if args.optimizer else "")
+              + (f"; workload {args.like}" if args.like else "; every workload, the worst") + "): "
               + ("ACCURACY UNKNOWN: " if verdict.ok is None else "") + verdict.note)
         if verdict.recipe:
             print(f"recipe: {verdict.recipe} (docs/choosing-a-method.md)")

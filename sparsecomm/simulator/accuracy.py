@@ -15,9 +15,10 @@ reached the target, and its median steps to it over DDP's (``steps_factor``).
 
 A (method, density) is **within tolerance** on a workload when one of its recipes there lost at most
 ``tolerance`` beyond the reference (DDP, or the best PowerSGD rank) and reached the target;
-:func:`assess` gives the verdict over the workloads that measured it (the worst), with its best
-recipe's steps to the target over DDP's. Where no campaign measured it, the verdict is ``None``:
-accuracy unknown, which ``advise`` says plainly and ranks after the measured candidates.
+:func:`assess` gives the verdict over the workloads that measured it (the worst), or over the one
+workload named (a model like the user's), with its best recipe's steps to the target over DDP's.
+Where no campaign measured it, the verdict is ``None``: accuracy unknown, which ``advise`` says
+plainly and ranks after the measured candidates.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ def build_table(summaries: Sequence[dict[str, Any]], sources: Sequence[str] = ()
         wl = summary["workload"]
         runs = {name: _entry(arm, summary.get("ddp_steps_to_target"), wl["metric"])
                 for name, arm in summary["arms"].items() if arm.get("kind") != "floor" and arm.get("final")}
-        table["workloads"][f"{wl['model']} / {wl['data']}"] = {"metric": wl["metric"], "runs": runs}
+        if wl["name"] in table["workloads"]:
+            raise ValueError(f"two campaign summaries of workload {wl['name']!r}")
+        table["workloads"][wl["name"]] = {"model": wl["model"], "data": wl["data"], "metric": wl["metric"],
+                                          "runs": runs}
     if not table["workloads"]:
         raise ValueError("no campaign summaries to build the accuracy table from")
     return table
@@ -94,15 +98,21 @@ def _unit(metric: str) -> str:
 
 
 def assess(table: dict[str, Any], method: str, density: float | None, tolerance: float = 1.0,
-           reference: str = "ddp", optimizer: str | None = None) -> Assessment:
+           reference: str = "ddp", optimizer: str | None = None, workload: str | None = None) -> Assessment:
     """How ``method`` at ``density`` (None or 1: dense) did in the campaigns, with its best recipe there;
-    ``optimizer`` (``"adamw"``, ``"sgd"``) keeps only the runs made with it."""
+    ``optimizer`` (``"adamw"``, ``"sgd"``) keeps only the runs made with it, ``workload`` (a campaign
+    workload's name) only that workload's."""
     if reference not in ("powersgd", "ddp"):
         raise ValueError(f"reference={reference!r} must be 'powersgd' or 'ddp'")
+    if workload is not None and workload not in table["workloads"]:
+        raise ValueError(f"workload {workload!r} is not in the accuracy table; measured: "
+                         f"{', '.join(sorted(table['workloads']))}")
     if not tolerance >= 0:
         raise ValueError(f"tolerance={tolerance} must be >= 0")
     verdicts, factors, notes, recipes = [], [], [], []
-    for workload, entry in table["workloads"].items():
+    for name_of_workload, entry in table["workloads"].items():
+        if workload is not None and name_of_workload != workload:
+            continue
         runs = entry["runs"]
         candidates = [(name, r) for name, r in runs.items() if r["method"] == method
                       and (r["density"] == density or (density is None or density >= 1) and r["density"] in (None, 1))
@@ -120,9 +130,9 @@ def assess(table: dict[str, Any], method: str, density: float | None, tolerance:
         recipes.append(f"{name} ({best['optimizer']})")
         what = "" if best["reached"] else "did not reach the target, "
         if best["loss"] is None:
-            notes.append(f"{workload}: {name}: no figure")
+            notes.append(f"{name_of_workload}: {name}: no figure")
         else:
-            notes.append(f"{workload}: {name}, {best['optimizer']}: {what}{best['loss']:+.1f}"
+            notes.append(f"{name_of_workload}: {name}, {best['optimizer']}: {what}{best['loss']:+.1f}"
                          f"{_unit(entry['metric'])} vs DDP (allowed {allowed:.1f})")
     if not verdicts:
         label = method if density is None or density >= 1 else f"{method}@{density:g}"

@@ -113,10 +113,13 @@ def _explore(arm: Arm, lr: float = 1e-3) -> Arm:
                                "one seed)")
 
 
-def _fva(method: str, density: float | None, name: str, twin: str | None, corrected: bool = False) -> Arm:
+def _fva(method: str, density: float | None, name: str, twin: str | None, corrected: bool = False,
+         clip_norm: float | None = 1.0) -> Arm:
+    """The frozen-variance AdamW recipe through the synchronizer (``clip_norm``: the workload's clipping,
+    applied by the synchronizer after the exchange in place of the harness's)."""
     options: dict[str, Any] = {"method": method, "sync": "synchronizer", "freeze_adam_variance": True,
                                "momentum_correction": corrected,
-                               "dense_warmup_steps": FVA_WARMUP, "clip_norm": 1.0, "max_grad_norm": None}
+                               "dense_warmup_steps": FVA_WARMUP, "clip_norm": clip_norm, "max_grad_norm": None}
     if density is not None:
         options["density"] = density
     what = "dense all-reduce" if density is None else f"{method} at {density:g}"
@@ -187,6 +190,9 @@ ARMS: dict[str, list[Arm]] = {
                method="ddp", model_options={"sparse_embedding": True}),
         _adamw("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, AdamW", method="topka", density=0.01,
                **_HOOK),
+        # the AdamW recipe the library recommends, and its dense twin (the workload does not clip)
+        _fva("dense", None, "dense-fva", None, clip_norm=None),
+        _fva("topka", 0.01, "topka-fvamc@0.01", "dense-fva", corrected=True, clip_norm=None),
     ],
     # a BatchNorm CNN trained with SGD and momentum: DDP broadcasts BatchNorm's buffers every step; its
     # step is compute-bound on loopback, where the dense fallback must not be slower than DDP
@@ -215,7 +221,8 @@ WORKLOADS: dict[str, Workload] = {
                           train_options={"optimizer": "adamw", "weight_decay": 0.0, "warmup_steps": 0},
                           seeds=(0,), note="the AdamW grid with seed 0 alone (no seeds 1 and 2 at each arm's "
                           "best lr), and no PowerSGD or SGD rows: the two baselines a user of this model tries "
-                          "first (DDP with AdamW, and with sparse embeddings) against the sparse hook"),
+                          "first (DDP with AdamW, and with sparse embeddings) against the sparse hook and the "
+                          "library's AdamW recipe (without clipping, as the workload's other arms)"),
     # one epoch of the 60,000 images at 4 x 32 per step, every arm at momentum SGD's usual lr, one seed
     "resnet": Workload("resnet", "resnet", "fashion-mnist", "accuracy", steps=469, eval_every=47,
                        lr_grids={"sgd": (0.1,)}, recommended="topka-hook-auto@0.01",

@@ -1,14 +1,14 @@
-"""``sparsecomm demo``: the campaign's comparison, live, in at most 10 minutes.
+"""``sparsecomm demo``: the campaign's comparison, live.
 
 P = 4 local workers on an emulated 1 Gbit/s switch (loopback when the machine cannot emulate it,
 said in the output) train the campaign's transformer (``gpt`` on ``python-source``, AdamW) with the
 campaign's comparison, each arm at the learning rate the campaign found best for it on the shared
 grid (``benchmarks/campaign-gpt/summary.json``): the no-synchronization floor, torch's DDP, the best
-PowerSGD rank, and the recommended sparse recipe. The budget is cut from the campaign's 600 steps to
-``--steps`` (default 300, its cosine schedule over them), so the demo's target is its own DDP run's
-validation loss at 75% of its budget; every arm's time to it is measured here, on the emulated link,
-not composed. The report gives each arm's step as a multiple of the floor's and the load average
-before its run.
+PowerSGD rank, and the recommended sparse recipe, over the campaign's budget, for which the learning
+rates were tuned (``--steps`` cuts it, scaling the cosine schedule and the recipe's dense warm-up with
+it). The target is the demo's own DDP run's validation loss at 75% of the budget; every arm's time to
+it is measured here, on the emulated link, not composed. The report gives each arm's step as a
+multiple of the floor's and the load average before its run.
 """
 
 from __future__ import annotations
@@ -37,17 +37,19 @@ SUMMARY = os.path.join("benchmarks", "campaign-gpt", "summary.json")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", "-P", type=int, default=4, help="worker count (default 4)")
     parser.add_argument("--net", default="1gbit", help="emulated rate, or 'loopback' (default 1gbit)")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per run (default: the campaign's budget, 600)")
     parser.add_argument("--arms", default=None, help="comma-separated arms (default: floor, ddp, the campaign's best "
                         "PowerSGD rank, its recommended sparse arm)")
     parser.add_argument("--summary", default=SUMMARY, help="the campaign summary with the tuned lrs")
     parser.add_argument("--out", default=None, help="output folder (default runs/demo-<time>)")
-    parser.add_argument("--copy-to", default=None, help="also copy the report folder here (e.g. benchmarks/demo)")
+    parser.add_argument("--copy-to", default=None, help="also copy the report and records here (e.g. "
+                        "benchmarks/demo), replacing the files of an earlier demo there and keeping its README.md")
     campaign.add_quiet_arguments(parser, max_wait=0.0, redo=0)
 
 
 def check(args: argparse.Namespace) -> None:
-    if args.steps < 20:
+    if args.steps is not None and args.steps < 20:
         raise ValueError(f"--steps {args.steps} must be >= 20 (an evaluation every steps/12)")
     if args.workers < 1:
         raise ValueError(f"--workers {args.workers} must be >= 1")
@@ -75,6 +77,8 @@ def tuned(summary_path: str) -> tuple[dict[str, float], str, str]:
 
 def run(args: argparse.Namespace) -> int:
     wl = campaign.workload("gpt")
+    if args.steps is None:
+        args.steps = wl.steps
     lrs, best_power, recommended = tuned(args.summary)
     names = args.arms.split(",") if args.arms else ["floor", "ddp", best_power, recommended]
     arms = campaign.arms_of("gpt", names)
@@ -105,11 +109,24 @@ def run(args: argparse.Namespace) -> int:
     print(report["table"])
     print(f"\nreport: {report['path']} (total {time.perf_counter() - start:.0f} s)")
     if args.copy_to:
-        if os.path.exists(args.copy_to):
-            shutil.rmtree(args.copy_to)
-        shutil.copytree(out, args.copy_to)
+        copy_result(out, args.copy_to)
         print(f"copied to {args.copy_to}")
     return 0
+
+
+def copy_result(out: str, folder: str) -> None:
+    """Make ``out``'s report and records ``folder``'s result: the files of an earlier demo there go, the
+    folder's own README.md (its description and command) stays."""
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name == "README.md":
+            continue
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    shutil.copytree(out, folder, dirs_exist_ok=True)
 
 
 def write_demo_report(records: dict[str, dict[str, Any]], wl: campaign.Workload, out: str,
