@@ -219,8 +219,7 @@ WORKLOADS: dict[str, Workload] = {
                           lr_grids={"adamw": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)},
                           recommended="topka-hook@0.01", data_options={"test_size": 200},
                           train_options={"optimizer": "adamw", "weight_decay": 0.0, "warmup_steps": 0},
-                          seeds=(0,), note="the AdamW grid with seed 0 alone (no seeds 1 and 2 at each arm's "
-                          "best lr), and no PowerSGD or SGD rows: the two baselines a user of this model tries "
+                          note="no PowerSGD or SGD rows: the two baselines a user of this model tries "
                           "first (DDP with AdamW, and with sparse embeddings) against the sparse hook and the "
                           "library's AdamW recipe (without clipping, as the workload's other arms)"),
     # one epoch of the 60,000 images at 4 x 32 per step, every arm at momentum SGD's usual lr, one seed

@@ -198,10 +198,12 @@ def write_report(camp: Campaign, records: list[dict[str, Any]], outdir: str, com
         shown = {k: f"{100 * v:+.2f}%" if k == "final vs DDP" else _fmt(v) for k, v in g.items()}
         lines += ["Goals of the recommended arm, measured:", "", markdown_table([shown]), ""]
     if camp.confirmations:
-        rows = [{"network": net, **{k: _fmt(v) for k, v in c.items()}} for net, c in camp.confirmations.items()]
+        rows = [{"network": net, **{k: _fmt(v) if v is not None else "not reached" if k in ("measured", "composed")
+                                    else "-" for k, v in c.items()}} for net, c in camp.confirmations.items()]
         lines += ["## The composition, checked by full runs", "",
                   "`measured`: the full run's training time to the target on the emulated network; `composed`: "
-                  "steps to target x step times from the timing runs (seed 0).", "", markdown_table(rows), ""]
+                  "steps to target x step times from the timing runs (seed 0; where seed 0 does not reach the "
+                  "target, the check has nothing to compare).", "", markdown_table(rows), ""]
     lines += ["## The learning-rate grid (final metric, seed 0; best in bold)", "", markdown_table(grid_rows(camp)), ""]
     if loads:
         lines += [f"Load average before the timed runs: {min(loads):.2f}-{max(loads):.2f} "
