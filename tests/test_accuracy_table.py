@@ -118,3 +118,12 @@ def test_advise_recommends_what_the_readme_recommends_for_the_campaigns_transfor
     assert main(shlex.split(command.group(1))) == 0
     out = capsys.readouterr().out
     assert "recommended: topka (density 0.01" in out and "recipe: topka-fvamc@0.01" in out
+
+
+def test_advise_picks_a_density_of_known_quality_over_a_faster_one_of_unknown_quality():
+    table = accuracy.build_table([_summary()], sources=["synthetic"])  # topka measured at 1% alone
+    result = advise(["topka", "dense"], 4, 3_700_000, [0.1, 0.01, 0.001], accuracy_table=table,
+                    optimizer="adamw", alpha=50e-6, beta=8e-9)
+    assert (result.best.method, result.best.density) == ("topka", 0.01)
+    by_step = advise(["topka", "dense"], 4, 3_700_000, [0.1, 0.01, 0.001], alpha=50e-6, beta=8e-9)
+    assert (by_step.best.method, by_step.best.density) == ("topka", 0.001)  # without the table: the fastest

@@ -199,6 +199,9 @@ def advise(methods: list[str], P: int, n: int, densities: list[float], slack: fl
             continue
         options = [judged(predict(name, P, n, d, **kwargs)) for d in sorted(densities, reverse=True)]
         good = [p for p in options if acceptable(p)]
+        # a density of known quality before one of unknown quality, as between methods
+        measured = [p for p in good if (a := accuracy.get((p.method, p.density))) is not None and a.ok]
+        good = measured or good
         fastest = min(score(p) for p in good) if good else math.inf
         passed_over += [p for p in options if not acceptable(p) and p.total_s < fastest]
         if good:
