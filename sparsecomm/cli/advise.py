@@ -279,6 +279,8 @@ def run(args) -> int:
             parse_net(args.net, args.workers)
         if args.latency and args.alpha:
             raise ValueError("give --latency or --alpha, not both")
+        if args.like and args.by_step_time:
+            raise ValueError(f"--like {args.like} judges quality, which --by-step-time does not use: give one")
         args.alpha = args.alpha or args.latency
         methods = method_names(args.methods)
         densities = [float(d) for d in args.densities.split(",")]
