@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..methods import dense_warmup
-from ..simulator.accuracy import TABLE_PATH, Assessment, assess, load_table
+from ..simulator.accuracy import TABLE_PATH, Assessment, assess, check_workload, load_table
 from ..simulator.model import Prediction, UnknownMethodError, predict
 from .table import markdown_table
 
@@ -286,13 +286,15 @@ def run(args) -> int:
         densities = [float(d) for d in args.densities.split(",")]
         if args.workers < 1:
             raise ValueError(f"-P {args.workers} must be >= 1")
+        table = None if args.by_step_time else load_table(args.accuracy_table or TABLE_PATH)
+        if table is not None:
+            check_workload(table, args.like)  # before a model file is read
         n = count_parameters(args)
         if args.workers == 1:  # nothing is exchanged: every method costs nothing, and no ratio exists
             print(f"model: {n:,} parameters; P=1: a single worker exchanges no gradients, so no method saves "
                   "anything; train without DDP (or with it: at P=1 its all-reduce is a copy)")
             return 0
         kwargs = model_kwargs(args)
-        table = None if args.by_step_time else load_table(args.accuracy_table or TABLE_PATH)
         result = advise(methods, args.workers, n, densities, args.density_slack, accuracy_table=table,
                         tolerance=args.accuracy_tolerance, reference=args.accuracy_reference,
                         optimizer=args.optimizer, workload=args.like, **kwargs)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TABLE_PATH", "build_table", "load_table", "assess", "Assessment", "main"]
+__all__ = ["TABLE_PATH", "build_table", "load_table", "check_workload", "assess", "Assessment", "main"]
 
 #: the generated table shipped with the package
 TABLE_PATH = Path(__file__).with_name("accuracy_table.json")
@@ -97,6 +97,13 @@ def _unit(metric: str) -> str:
     return " points" if metric == "accuracy" else "% loss"
 
 
+def check_workload(table: dict[str, Any], workload: str | None) -> None:
+    """Refuse a ``workload`` name that the table does not hold (None: every workload)."""
+    if workload is not None and workload not in table["workloads"]:
+        raise ValueError(f"workload {workload!r} is not in the accuracy table; measured: "
+                         f"{', '.join(sorted(table['workloads']))}")
+
+
 def assess(table: dict[str, Any], method: str, density: float | None, tolerance: float = 1.0,
            reference: str = "ddp", optimizer: str | None = None, workload: str | None = None) -> Assessment:
     """How ``method`` at ``density`` (None or 1: dense) did in the campaigns, with its best recipe there;
@@ -104,9 +111,7 @@ def assess(table: dict[str, Any], method: str, density: float | None, tolerance:
     workload's name) only that workload's."""
     if reference not in ("powersgd", "ddp"):
         raise ValueError(f"reference={reference!r} must be 'powersgd' or 'ddp'")
-    if workload is not None and workload not in table["workloads"]:
-        raise ValueError(f"workload {workload!r} is not in the accuracy table; measured: "
-                         f"{', '.join(sorted(table['workloads']))}")
+    check_workload(table, workload)
     if not tolerance >= 0:
         raise ValueError(f"tolerance={tolerance} must be >= 0")
     verdicts, factors, notes, recipes = [], [], [], []
