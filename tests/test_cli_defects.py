@@ -73,7 +73,8 @@ def test_train_help_shows_defaults(capsys):
                             ("--lr-schedule", "cosine"), ("--runs-dir", "runs")):
         assert re.search(re.escape(option) + r" .*?\(default: " + re.escape(default) + r"\)", out), option
     assert re.search(r"--density .*?default: the recipe's \(training.sparse_recipe: for TopkA-like methods under "
-                     r"momentum correction 0.001 on word-lstm, 0.005 on vgg-fc; else 0.01\)", out)
+                     r"momentum correction 0.001 on word-lstm, 0.005 on vgg-fc; under AdamW's recipe "
+                     r"0.01 on gpt; else 0.01\)", out)
 
 
 def test_every_command_help_shows_defaults():

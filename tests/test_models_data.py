@@ -56,3 +56,13 @@ def test_each_model_fits_its_data(model):
     if model == "embedding":  # only the rows of the batch's tokens get a gradient
         rows = (net.embed.weight.grad.abs().sum(dim=1) > 0).sum().item()
         assert 0 < rows <= ds.x_train[:4].numel()
+
+
+def test_an_option_the_loader_does_not_take_is_refused_before_training():
+    from sparsecomm_lab.training import TrainConfig
+    with pytest.raises(ValueError, match=r"data set 'digits' takes no option 'tset_size'; its options: test_fraction"):
+        load_dataset("digits", tset_size=3)
+    config = TrainConfig(model="resnet", data="fashion-mnist", data_options={"test_sise": 200})
+    with pytest.raises(ValueError, match=r"data set 'fashion-mnist' takes no option 'test_sise'; its options: "
+                                         r"train_size, test_size"):
+        config.validate()

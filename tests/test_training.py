@@ -91,3 +91,35 @@ def test_nosync_floor_exchanges_nothing_and_ddp_keeps_the_ranks_equal():
     ddp = train(dataclasses.replace(SMALL, method="ddp", epochs=1))
     assert not floor["consistent"] and ddp["consistent"]
     assert floor["epochs"][0]["bytes_per_step"] == 0 and floor["epochs"][0]["time_per_step"] > 0
+
+
+def test_the_recipe_follows_the_optimizer():
+    """A sparse run that names no recipe gets the one its campaign recommends for its optimizer: on the
+    GPT with AdamW the frozen-variance recipe through the synchronizer, the plain hook with SGD or
+    where the caller chose the hook; the SGD momentum-correction recipe only under SGD."""
+    gpt = TrainConfig(model="gpt", data="python-source", method="topka")
+    gpt.validate()
+    assert (gpt.optimizer, gpt.sync, gpt.freeze_adam_variance, gpt.momentum_correction) == \
+        ("adamw", "synchronizer", True, True)
+    assert (gpt.dense_warmup_steps, gpt.density, gpt.lr) == (50, 0.01, 1e-3)
+    for hook in (dict(sync="ddp"), dict(freeze_adam_variance=False), dict(momentum_correction=False),
+                 dict(optimizer="sgd", lr=0.1)):
+        config = TrainConfig(model="gpt", data="python-source", method="topka", **hook)
+        config.validate()
+        assert (config.sync, config.freeze_adam_variance, config.momentum_correction) == ("ddp", False, False), hook
+    lstm = TrainConfig(model="word-lstm", data="fortunes-words", method="topka")
+    assert (lstm.sync, lstm.momentum_correction, lstm.freeze_adam_variance, lstm.lr) == \
+        ("synchronizer", True, False, 3.0)
+    lstm_adamw = TrainConfig(model="word-lstm", data="fortunes-words", method="topka", optimizer="adamw", lr=1e-2)
+    assert (lstm_adamw.sync, lstm_adamw.momentum_correction) == ("ddp", False)
+    dense = TrainConfig(model="gpt", data="python-source", method="ddp")
+    assert (dense.sync, dense.freeze_adam_variance) == ("ddp", False)
+
+
+def test_a_learning_rate_tuned_for_another_optimizer_is_refused():
+    """The model's tuned lr belongs to its own optimizer: with the other one the run names its lr."""
+    with pytest.raises(ValueError, match=r"lr: word-lstm's tuned learning rate \(1\) is sgd's; "
+                                         r"with optimizer='adamw' give lr"):
+        TrainConfig(model="word-lstm", data="fortunes-words", method="topka", optimizer="adamw")
+    with pytest.raises(ValueError, match=r"lr: gpt's tuned learning rate \(0.001\) is adamw's; with optimizer='sgd'"):
+        TrainConfig(model="gpt", data="python-source", method="ddp", optimizer="sgd")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import inspect
 import logging
 import os
 import re
@@ -28,13 +29,14 @@ import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from sparsecomm.core.optional import MissingExtraError, require
 
-__all__ = ["Dataset", "load_dataset", "available_datasets", "DatasetUnavailable", "tokenize_words",
-           "FASHION_MNIST_DIR", "FORTUNES_DIR", "python_source_files"]
+__all__ = ["Dataset", "load_dataset", "check_data_options", "available_datasets", "DatasetUnavailable",
+           "tokenize_words", "FASHION_MNIST_DIR", "FORTUNES_DIR", "python_source_files"]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ def _subset(x: torch.Tensor, y: torch.Tensor, limit: int | None, seed: int):
     return x[keep], y[keep]
 
 
-def load_digits(seed: int = 0, test_fraction: float = 0.2, **_) -> Dataset:
+def load_digits(seed: int = 0, test_fraction: float = 0.2) -> Dataset:
     """scikit-learn's 8x8 handwritten digits, scaled to [0, 1], shape (N, 1, 8, 8)."""
     try:
         sk_datasets = require("sklearn.datasets", "data set 'digits'")
@@ -117,8 +119,7 @@ def _read_idx(path: str) -> torch.Tensor:
     return data.reshape(dims)
 
 
-def load_fashion_mnist(seed: int = 0, train_size: int | None = None, test_size: int | None = None,
-                       **_) -> Dataset:
+def load_fashion_mnist(seed: int = 0, train_size: int | None = None, test_size: int | None = None) -> Dataset:
     """Fashion-MNIST (28x28 grey images, 10 classes) from Debian's ``dataset-fashion-mnist``.
 
     ``train_size`` / ``test_size`` keep a seeded random subset (for quick runs).
@@ -160,7 +161,7 @@ def _fortune_text() -> str:
     return "\n".join(t.replace("\n%\n", "\n\n") for t in texts)
 
 
-def load_fortunes(seed: int = 0, seq_len: int = 64, test_fraction: float = 0.1, **_) -> Dataset:
+def load_fortunes(seed: int = 0, seq_len: int = 64, test_fraction: float = 0.1) -> Dataset:
     """Character-level language modelling on the fortune cookie files (``x``: seq_len characters,
     ``y``: the next character at each position). Sequences are non-overlapping windows."""
     text = _fortune_text()
@@ -191,7 +192,7 @@ def tokenize_words(text: str) -> list[str]:
 
 
 def load_fortunes_words(seed: int = 0, seq_len: int = 35, max_vocab: int = 10000, test_fraction: float = 0.1,
-                        test_size: int | None = 300, train_size: int | None = None, **_) -> Dataset:
+                        test_size: int | None = 300, train_size: int | None = None) -> Dataset:
     """Word-level language modelling on the fortune files (Zaremba et al.'s PTB setting, scaled down).
 
     The ``max_vocab - 1`` most frequent tokens keep their id (ties broken alphabetically), the rest
@@ -223,7 +224,7 @@ def load_fortunes_words(seed: int = 0, seq_len: int = 35, max_vocab: int = 10000
 
 
 def load_zipf(seed: int = 0, vocab_size: int = 20000, bag_size: int = 20, train_size: int = 8000,
-              test_size: int = 2000, num_classes: int = 4, exponent: float = 1.1, **_) -> Dataset:
+              test_size: int = 2000, num_classes: int = 4, exponent: float = 1.1) -> Dataset:
     """Bags of ``bag_size`` tokens drawn from a Zipf law over ``vocab_size`` tokens.
 
     Each token carries a hidden class (seeded); a bag's label is the most frequent class among its
@@ -312,7 +313,7 @@ def _python_source_tokens(train_chars: int, test_chars: int, vocab_size: int) ->
 
 
 def load_python_source(seed: int = 0, seq_len: int = 64, vocab_size: int = 8192, train_chars: int = 4_000_000,
-                       test_chars: int = 200_000, test_size: int | None = 128, **_) -> Dataset:
+                       test_chars: int = 200_000, test_size: int | None = 128) -> Dataset:
     """Language modelling on Python source code: the standard library of the running Python, which
     every machine has (:func:`python_source_files`), tokenized by a byte-level BPE of ``vocab_size``
     tokens (:func:`_python_source_tokens`, held-out files apart).
@@ -352,15 +353,25 @@ def available_datasets() -> list[str]:
     return sorted(_LOADERS)
 
 
-def load_dataset(name: str, seed: int = 0, **options) -> Dataset:
+def check_data_options(name: str, options: dict[str, Any]) -> None:
+    """Refuse an unknown data set, or an option its loader does not take, naming the ones it takes."""
+    if name not in _LOADERS:
+        raise ValueError(f"unknown data set {name!r}; available: {', '.join(available_datasets())}")
+    known = [p for p in inspect.signature(_LOADERS[name]).parameters if p != "seed"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"data set {name!r} takes no option {', '.join(map(repr, unknown))}; "
+                         f"its options: {', '.join(known)}")
+
+
+def load_dataset(name: str, seed: int = 0, **options: Any) -> Dataset:
     """Load data set ``name`` (see the module table); options go to its loader.
 
     Raises:
-        ValueError: unknown name.
+        ValueError: unknown name, or an option the loader does not take.
         DatasetUnavailable: the files are not installed (the message says how to install them).
     """
-    if name not in _LOADERS:
-        raise ValueError(f"unknown data set {name!r}; available: {', '.join(available_datasets())}")
+    check_data_options(name, options)
     dataset = _LOADERS[name](seed=seed, **options)
     log.info("loaded %r", dataset)
     return dataset

@@ -57,13 +57,13 @@ from sparsecomm.integration.synchronizer import SparseSynchronizer
 from sparsecomm.launch.launcher import STALL_TIMEOUT, run_workers
 from sparsecomm.methods import MethodSpec, Stats, is_sparse, tracks_sent
 from sparsecomm_lab import checkpoint
-from sparsecomm_lab.data import Dataset, load_dataset
+from sparsecomm_lab.data import Dataset, check_data_options, load_dataset
 from sparsecomm_lab.diloco import LOCAL_BASELINES, local_synchronization
 from sparsecomm_lab.models import MODEL_DEFAULTS, make_model, model_defaults
 
 __all__ = ["TrainConfig", "train", "train_worker", "save_record", "shell_safe", "BASELINES", "FLOOR",
            "describe_method", "sparse_recipe", "recipe_density", "MOMENTUM_CORRECTION_RECIPES",
-           "DEFAULT_DENSITY"]
+           "ADAMW_RECIPES", "DEFAULT_DENSITY", "model_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +86,13 @@ DEFAULT_DENSITY = 0.01
 #: schedule (``lr_schedule="cosine"``, the default of ``sparsecomm train``; ``TrainConfig`` keeps
 #: "constant" so that a run cut into epochs-limited pieces keeps its schedule), 1% density.
 SPARSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0,
-                                 "density": DEFAULT_DENSITY}
+                                 "freeze_adam_variance": False, "density": DEFAULT_DENSITY}
 #: what a run whose model names no optimizer trains with: SGD with momentum 0.9, no weight decay
 OPTIMIZER_DEFAULTS: dict[str, Any] = {"optimizer": "sgd", "momentum": 0.9, "betas": (0.9, 0.999),
                                       "weight_decay": 0.0, "warmup_steps": 0}
 #: dense methods and the torch baselines: DDP, the optimizer's own momentum
 DENSE_RECIPE: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_warmup_steps": 0,
-                                "density": DEFAULT_DENSITY}
+                                "freeze_adam_variance": False, "density": DEFAULT_DENSITY}
 #: DGC momentum correction (Lin et al. 2018, section 3.2) per model, where measured at the
 #: campaign's budget (docs/training.md): its peak learning rate and density. Momentum factor masking
 #: leaves an entry sent every step no momentum, hence the larger lr than momentum SGD's (3.0 =
@@ -105,29 +105,55 @@ MOMENTUM_CORRECTION_RECIPES: dict[str, dict[str, float]] = {
 }
 
 
+#: AdamW's recipe per model, where its campaign measured one (benchmarks/campaign-gpt): the
+#: synchronizer with Adam's second moment frozen after a dense warm-up and DGC momentum correction in
+#: the preconditioned space (sparsecomm.integration.adam), at the model's own learning rate. The DDP
+#: hook under live AdamW falls far behind there: Adam's normalization undoes error feedback.
+ADAMW_RECIPES: dict[str, dict[str, Any]] = {
+    "gpt": {"density": 0.01, "dense_warmup_steps": 50},
+}
+
+
 def recipe_densities_text() -> str:
-    """The recipe densities in words, for the CLI's help: per model under momentum correction, and
-    :data:`DEFAULT_DENSITY` for every other case."""
+    """The recipe densities in words, for the CLI's help: per model under momentum correction (SGD)
+    and under AdamW's recipe, and :data:`DEFAULT_DENSITY` for every other case."""
     per_model = ", ".join(f"{recipe['density']:g} on {model}" for model, recipe in MOMENTUM_CORRECTION_RECIPES.items())
+    adamw = ", ".join(f"{recipe['density']:g} on {model}" for model, recipe in ADAMW_RECIPES.items())
     return (f"training.sparse_recipe: for TopkA-like methods under momentum correction {per_model}; "
-            f"else {DEFAULT_DENSITY:g}")
+            f"under AdamW's recipe {adamw}; else {DEFAULT_DENSITY:g}")
 
 
-def sparse_recipe(model: str, method: str) -> dict[str, Any]:
-    """The recommended recipe of the sparse ``method`` on ``model`` (docs/training.md): DGC momentum
-    correction through the :class:`SparseSynchronizer` (momentum-free optimizer) at the model's
-    :data:`MOMENTUM_CORRECTION_RECIPES` lr and density, where the model has one and the method
-    reports the indices it sent (``tracks_sent``, needed by momentum factor masking); otherwise
-    :data:`SPARSE_RECIPE`."""
-    if model in MOMENTUM_CORRECTION_RECIPES and tracks_sent(method):
-        return {"sync": "synchronizer", "momentum_correction": True, "dense_warmup_steps": 0,
-                **MOMENTUM_CORRECTION_RECIPES[model]}
+def model_optimizer(model: str, data: str | None = None) -> str:
+    """The optimizer ``model`` trains with where the run names none (``"sgd"`` or ``"adamw"``)."""
+    defaults = model_defaults(model, data) if model in MODEL_DEFAULTS else {}
+    return str(defaults.get("optimizer", OPTIMIZER_DEFAULTS["optimizer"]))
+
+
+def sparse_recipe(model: str, method: str, optimizer: str | None = None) -> dict[str, Any]:
+    """The recommended recipe of the sparse ``method`` on ``model`` trained with ``optimizer`` (None:
+    the model's, :func:`model_optimizer`; docs/training.md). Both recipes below need a method that
+    reports the indices it sent (``tracks_sent``, for momentum factor masking); otherwise, and on
+    models without one, :data:`SPARSE_RECIPE`.
+
+    * AdamW, on a model of :data:`ADAMW_RECIPES`: the synchronizer with ``freeze_adam_variance`` and
+      momentum correction, at the model's density and dense warm-up;
+    * SGD, on a model of :data:`MOMENTUM_CORRECTION_RECIPES`: DGC momentum correction through the
+      :class:`SparseSynchronizer` (momentum-free optimizer) at the model's lr and density.
+    """
+    optimizer = optimizer or model_optimizer(model)
+    if tracks_sent(method):
+        if optimizer == "adamw" and model in ADAMW_RECIPES:
+            return {"sync": "synchronizer", "momentum_correction": True, "freeze_adam_variance": True,
+                    **ADAMW_RECIPES[model]}
+        if optimizer == "sgd" and model in MOMENTUM_CORRECTION_RECIPES:
+            return {"sync": "synchronizer", "momentum_correction": True, "dense_warmup_steps": 0,
+                    "freeze_adam_variance": False, **MOMENTUM_CORRECTION_RECIPES[model]}
     return dict(SPARSE_RECIPE)
 
 
-def recipe_density(model: str, method: str) -> float:
+def recipe_density(model: str, method: str, optimizer: str | None = None) -> float:
     """The density of ``method``'s recommended recipe on ``model`` (:func:`sparse_recipe`)."""
-    return float(sparse_recipe(model, method)["density"])
+    return float(sparse_recipe(model, method, optimizer)["density"])
 
 
 def scheduled_lr(config: TrainConfig, step: int, total_steps: int) -> float:
@@ -192,7 +218,7 @@ class TrainConfig:
     error_decay: float | None = None
     #: Adam/AdamW under the synchronizer: freeze the second moment after the dense warm-up and
     #: synchronize the preconditioned gradient (sparsecomm.integration.adam)
-    freeze_adam_variance: bool = False
+    freeze_adam_variance: bool = None  # type: ignore[assignment]  # None: the recipe's
     #: time dense and sparse steps first and keep the method only where its steps are faster
     #: (the hook's and the synchronizer's dense_fallback: never slower than a dense all-reduce)
     dense_fallback: bool = False
@@ -227,9 +253,15 @@ class TrainConfig:
             sparse = self.is_sparse
         except ValueError:  # an unknown model or method is reported by validate()
             sparse = False
-        recipe = sparse_recipe(self.model, self.method) if sparse else DENSE_RECIPE
-        if recipe["momentum_correction"] and (self.sync == "ddp" or self.momentum_correction is False):
-            recipe = SPARSE_RECIPE  # the caller chose the hook or plain momentum: the model's own lr
+        own_optimizer = str(defaults.get("optimizer", OPTIMIZER_DEFAULTS["optimizer"]))
+        optimizer = self.optimizer or own_optimizer
+        if self.lr is None and optimizer != own_optimizer and "lr" in defaults:
+            raise ValueError(f"lr: {self.model}'s tuned learning rate ({defaults['lr']:g}) is {own_optimizer}'s; "
+                             f"with optimizer={optimizer!r} give lr (the campaigns' grids: docs/training.md)")
+        recipe = sparse_recipe(self.model, self.method, optimizer) if sparse else DENSE_RECIPE
+        if recipe["momentum_correction"] and (self.sync in ("ddp", "local") or self.momentum_correction is False
+                                              or self.freeze_adam_variance is False):
+            recipe = SPARSE_RECIPE  # the caller chose the hook or the optimizer as it is: the model's own lr
         defaults = {**OPTIMIZER_DEFAULTS, **defaults, **recipe}
         for key, value in defaults.items():
             if getattr(self, key) is None:
@@ -241,6 +273,7 @@ class TrainConfig:
         """Reject bad options before any worker starts, naming the option and the rule."""
         if self.model not in MODEL_DEFAULTS:
             raise ValueError(f"model={self.model!r} is unknown; available: {', '.join(sorted(MODEL_DEFAULTS))}")
+        check_data_options(self.data, self.data_options)
         if self.sync == "local":
             if not isinstance(self.local_steps, int) or self.local_steps < 1:
                 raise ValueError(f"sync='local' needs local_steps >= 1 (got {self.local_steps!r})")

@@ -69,15 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-steps", type=int, default=None, help="with --sync local: inner steps per sync")
     parser.add_argument("--outer", choices=["nesterov", "sparseloco", "sgd"], default="nesterov",
                         help="with --sync local: the outer optimizer")
-    parser.add_argument("--freeze-adam-variance", action="store_true",
-                        help="AdamW under the synchronizer: freeze the second moment after the dense warm-up")
+    parser.add_argument("--freeze-adam-variance", action=argparse.BooleanOptionalAction, default=None,
+                        help="AdamW under the synchronizer: freeze the second moment after the dense warm-up; "
+                        "default: the recipe's (on for topka-like methods on gpt with AdamW, else off)")
     parser.add_argument("--dense-fallback", action="store_true",
                         help="keep the method only where its steps are faster than dense ones")
-    parser.add_argument("--dense-warmup-steps", type=int, default=None, help="default: the recipe's (0)")
+    parser.add_argument("--dense-warmup-steps", type=int, default=None,
+                        help="default: the recipe's (50 under AdamW's recipe on gpt, else 0)")
     parser.add_argument("--clip-norm", type=float, default=None, help="local gradient clipping (synchronizer)")
     parser.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
                         help="DGC momentum correction (synchronizer); default: the recipe's (on for topka-like "
-                        "methods on word-lstm, else off)")
+                        "methods on word-lstm and vgg-fc with SGD and on gpt with AdamW, else off)")
     parser.add_argument("--density-warmup", type=int, default=None, help="DGC density warm-up epochs (synchronizer)")
     parser.add_argument("--schedule", default=None,
                         help="method switches EPOCH:METHOD[,EPOCH:METHOD...], e.g. 13:torus2d: --method runs "
