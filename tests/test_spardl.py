@@ -347,3 +347,35 @@ def test_receives_posted_after_the_agreement_change_no_bit(P, teams):
         expected = set() if rides else {s.src for s in srs_schedule(m, position)}
         expected |= {(position + d) % m for d in (1, 2, 4) if d < m}
         assert posted == [len(expected - {position})] * 3 and left == [0] * 3
+
+
+def _resume_with_selector(selector: str) -> bool:
+    options = {"density": 0.05, "selector": selector}
+    first, second = make_method("spardl", **options), make_method("spardl", **options)
+    grads = [torch.randn(50_000, generator=torch.Generator().manual_seed(step)) for step in range(5)]
+    for g in grads[:2]:
+        first(g.clone())
+    second.load_state_dict(first.state_dict())
+    return all(torch.equal(first(g.clone()), second(g.clone())) for g in grads[2:])
+
+
+@pytest.mark.parametrize("selector", ["dgc_sampled", "exact_topk"])
+def test_state_dict_resumes_the_selectors_state(selector):
+    """A selector that keeps state between calls (DGC's sampling generator) is part of SparDL's
+    checkpoint: the resumed method selects what the uninterrupted one does."""
+    assert run_workers(1, _resume_with_selector, selector, timeout=60) == [True]
+
+
+def _load_into_a_stateless_selector() -> str:
+    saved = make_method("spardl", density=0.05, selector="dgc_sampled")
+    saved(torch.randn(50_000))
+    try:
+        make_method("spardl", density=0.05).load_state_dict(saved.state_dict())
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_a_selectors_state_into_spardl_without_that_selector_is_refused():
+    assert "build it with the selector it was saved with" in run_workers(1, _load_into_a_stateless_selector,
+                                                                          timeout=60)[0]

@@ -94,6 +94,12 @@ def _selector_from(option: None | str | Callable) -> Callable | None:
     raise ValueError(f"selector={option!r} must be None, a selector name or a callable (x, k) -> indices")
 
 
+def _keeps_state(selector: Callable | None) -> bool:
+    """Whether ``selector`` carries state from one call to the next (a ``sparsecomm.selection``
+    selector that is not stateless): its state is then part of the method's checkpoint."""
+    return selector is not None and hasattr(selector, "state_dict") and not getattr(selector, "stateless", True)
+
+
 class _Plan(NamedTuple):
     """One call's plan, made before it communicates (:meth:`SparDL.accumulate`)."""
 
@@ -346,13 +352,23 @@ class SparDL(Method):
 
     # ------------------------------------------------------------------ checkpoints
     def extra_state(self) -> dict[str, Any]:
-        return {"teams": self.teams, "trial_seconds": dict(self.trial_seconds),
-                "adjusters": {key: a.state_dict() for key, a in self._adjusters.items()}}
+        state: dict[str, Any] = {"teams": self.teams, "trial_seconds": dict(self.trial_seconds),
+                                 "adjusters": {key: a.state_dict() for key, a in self._adjusters.items()}}
+        selector = self._blocks.selector
+        if _keeps_state(selector):
+            state["selector"] = selector.state_dict()  # type: ignore[union-attr]
+        return state
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         teams = state.get("teams")
         if teams is not None and teams not in self.candidates:
             raise ValueError(f"saved teams={teams} is not among this method's candidates {self.candidates}")
+        if "selector" in state:
+            selector = self._blocks.selector
+            if not _keeps_state(selector):
+                raise ValueError(f"the saved state has a selector's state, but this SparDL's selector {selector!r} "
+                                 "keeps none: build it with the selector it was saved with")
+            selector.load_state_dict(state["selector"])  # type: ignore[union-attr]
         self.teams = teams if teams is not None else self.teams
         self.trial_seconds = dict(state.get("trial_seconds", {}))
         self._adjusters = {}
