@@ -36,3 +36,23 @@ def test_the_campaign_page_and_the_readme_headline_are_generated_from_the_report
     assert readme == module.readme(readme), "regenerate the README's headline: make benchmarks-page"
     for name in module.CAMPAIGNS:
         assert name in {n for _, _, entries in module.SECTIONS for n, _ in entries}
+
+
+def test_the_time_breakdown_multiplies_to_the_campaigns_x_limit():
+    """The generated 'where the time goes' factors of each campaign multiply to the x limit its
+    report computed (the same composition, from summary.json)."""
+    import json
+
+    module = _make_page()
+    checked = 0
+    for name in module.CAMPAIGNS:
+        summary = json.loads((ROOT / "benchmarks" / name / "summary.json").read_text())
+        for goal in summary["goals"]:
+            row = module.time_breakdown(summary, goal["network"])
+            if row is None or "x limit" not in goal:
+                continue
+            product = float(row["x steps"]) * float(row["x step"]) * float(row["x warm-up"])
+            assert abs(float(row["x limit"]) - goal["x limit"]) < 0.006, (name, goal["network"])
+            assert abs(product - goal["x limit"]) < 0.02 * goal["x limit"], (name, goal["network"])
+            checked += 1
+    assert checked >= 3
