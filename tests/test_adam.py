@@ -159,3 +159,22 @@ def _construct(optimizer, options):
 def test_bad_combinations_are_refused_at_construction(optimizer, options, needle):
     (message,) = run_workers(1, _construct, optimizer, {"freeze_adam_variance": True, **options})
     assert message is not None and needle in message
+
+
+def test_an_element_without_a_gradient_in_the_warmup_takes_its_parameters_median_moment():
+    """An embedding row no warm-up batch touched has v = 0: its frozen scale is the median element's
+    of its parameter, not 1 / eps (whose first step would throw the row far away)."""
+    from sparsecomm.integration.adam import FrozenVarianceAdam
+
+    param = nn.Parameter(torch.zeros(5))
+    opt = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS)
+    param.grad = torch.tensor([1.0, 0.0, 3.0, 0.0, 2.0])
+    opt.step()
+    frozen = FrozenVarianceAdam(opt, [param])
+    frozen.freeze()
+    scale = frozen._scales[0]
+    assert torch.allclose(scale[[0, 2, 4]], 1 / (torch.tensor([1.0, 3.0, 2.0]) + EPS))
+    assert torch.allclose(scale[[1, 3]], torch.full((2,), 1 / (2.0 + EPS)))  # the median of 1, 2, 3
+    resumed = FrozenVarianceAdam(opt, [param])
+    resumed.load_state_dict(frozen.state_dict())
+    assert torch.equal(resumed._scales[0], scale)

@@ -8,8 +8,9 @@ normalization undoes what error feedback conserved, and a transformer trained wi
 under AdamW falls far behind the dense run at the same learning rate.
 
 Freezing the second moment once a dense warm-up has estimated it makes Adam's step linear in the
-gradient. 1-bit Adam (Tang et al., ICML 2021, Algorithm 1) and 0/1 Adam (Lu et al., ICLR 2023) freeze
-it to compress Adam's momentum with one bit per element; here the compressor is any sparse method of
+gradient (an element the warm-up never saw a gradient for takes its parameter's median moment).
+1-bit Adam (Tang et al., ICML 2021, Algorithm 1) and 0/1 Adam (Lu et al., ICLR 2023) freeze it to
+compress Adam's momentum with one bit per element; here the compressor is any sparse method of
 the library. After the warm-up (``s = 1 / (sqrt(v / (1 - beta2^T)) + eps)``, fixed per element):
 
 1. each rank preconditions its gradient, ``u = s * g``, so that a top-k selects the elements whose
@@ -112,11 +113,20 @@ class FrozenVarianceAdam:
         return int(step.item() if isinstance(step, Tensor) else step)
 
     def _scale(self, param: nn.Parameter, group: dict[str, Any]) -> Tensor:
-        """``1 / (sqrt(v / (1 - beta2^T)) + eps)`` at the frozen step T."""
+        """``1 / (sqrt(v / (1 - beta2^T)) + eps)`` at the frozen step T.
+
+        An element whose gradient was zero at every warm-up step (an embedding row no batch touched)
+        has ``v = 0``: no estimate of its scale, and ``1 / eps`` would make its first step enormous.
+        It takes its parameter's median ``v`` over the elements that have one (a function of the
+        optimizer's state alone, so every rank and every resume computes the same scale)."""
         assert self.frozen_at is not None
         v = self.optimizer.state[param]["exp_avg_sq"]
         correction = 1.0 - group["betas"][1] ** self.frozen_at
-        return (v / correction).sqrt_().add_(group["eps"]).reciprocal_()
+        v = v / correction
+        untouched = v == 0
+        if untouched.any() and not untouched.all():
+            v = torch.where(untouched, v[~untouched].median(), v)
+        return v.sqrt_().add_(group["eps"]).reciprocal_()
 
     def precondition_(self, pieces: Iterable[tuple[int, Tensor]]) -> None:
         """Multiply, in place, each (parameter index, gradient piece) by that parameter's ``s`` (and, with
