@@ -253,7 +253,7 @@ class TrainConfig:
             sparse = self.is_sparse
         except ValueError:  # an unknown model or method is reported by validate()
             sparse = False
-        own_optimizer = str(defaults.get("optimizer", OPTIMIZER_DEFAULTS["optimizer"]))
+        own_optimizer = model_optimizer(self.model, self.data)
         optimizer = self.optimizer or own_optimizer
         if self.lr is None and optimizer != own_optimizer and "lr" in defaults:
             raise ValueError(f"lr: {self.model}'s tuned learning rate ({defaults['lr']:g}) is {own_optimizer}'s; "
