@@ -135,7 +135,8 @@ def time_breakdown(summary: dict, net: str) -> dict[str, str] | None:
     ddp_steps = summary.get("ddp_steps_to_target")
     if floor is None or not ddp_steps or net not in mine["step_s"] or net not in floor["step_s"]:
         return None
-    steps = statistics.median([math.inf if v is None else v for v in mine["steps_to_target"].values()])
+    taken = mine.get("by_network", {}).get(net, mine)  # a dense_fallback policy: the branch taken on net
+    steps = statistics.median([math.inf if v is None else v for v in taken["steps_to_target"].values()] or [math.inf])
     if steps == math.inf:
         return None
     warm_s, main_s = mine["step_s"][net]["warmup"], mine["step_s"][net]["main"]
@@ -174,7 +175,7 @@ def campaign_page() -> str:
            "[training.md](training.md#the-time-to-quality-campaign)). Below, each campaign's current report, as",
            "`sparsecomm campaign --workload W` wrote it into `benchmarks/campaign-W/` (with its command, date and",
            "load), and after it, from its `summary.json`, where the recommended arm's time goes. The command",
-           "writes each run's record into the folder's `runs/`, which git does not keep. This page is generated",
+           "writes each run's record into the folder's `runs/`, which git keeps. This page is generated",
            "by `benchmarks/make_page.py` (`make benchmarks-page`).", ""]
     out += [f"- [{name}](#{name})" for name in CAMPAIGNS] + [""]
     for name in CAMPAIGNS:

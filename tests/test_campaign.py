@@ -130,6 +130,62 @@ def test_the_campaign_runs_end_to_end_on_a_tiny_transformer_and_writes_its_repor
     assert data["arms"]["ddp"]["best_lr"] in (1e-3, 3e-3) and data["goals"][0]["network"] == "loopback"
 
 
+def test_a_dense_fallback_policy_trains_both_branches_and_takes_on_each_network_the_branch_it_decided(tmp_path):
+    """The policy's decision depends on the link, so its convergence runs are its two branches with the
+    decision pinned; on each network its row is the branch its timing run took, at that branch's best lr,
+    and the confirmation run trains at that lr."""
+    wl = dataclasses.replace(campaign.WORKLOADS["resnet"], steps=40, eval_every=10, lr_grids={"sgd": (0.03, 0.1)})
+    arms = campaign.arms_of("resnet", ["floor", "ddp", "topka-hook-auto@0.01"])
+    policy = arms[2]
+    kept, fell = plan.branches(policy)["method"], plan.branches(policy)["dense"]
+    assert policy.is_policy and not kept.is_policy and fell.kind == "dense"
+    assert [a.name for a in plan.trained_arms(arms)] == ["ddp", kept.name, fell.name]
+    made = []
+
+    def trainer(config):
+        decision = config.dense_fallback_decision
+        timing = config.steps != wl.steps
+        made.append((config.method, decision, config.lr, config.seed, config.net, timing))
+        best = {"method": 0.03, "dense": 0.1, None: 0.1}[decision if config.method != "ddp" else None]
+        late = abs(math.log(config.lr / best))  # each branch does best at its own lr
+        accuracy = [50.0, 80.0 - late, 85.0 - late, 86.0 - late] if decision != "method" else \
+            [50.0, 70.0 - late, 84.0 - late, 86.5 - late]
+        measured = decision or ("dense" if config.net is None else "method")  # loopback falls back
+        times = [0.1] * (config.steps or 0)
+        return {"history": [{"step": 10 * (i + 1), "train_time": float(i + 1), "test_loss": 1.0,
+                             "test_accuracy": a} for i, a in enumerate(accuracy)],
+                "epochs": [], "steps": [{"time": t} for t in times], "config": {},
+                "dense_fallback": None if config.method == "ddp" else {"decision": measured}}
+
+    out = str(tmp_path)
+    quiet = {"echo": lambda _: None, "trainer": trainer}
+    run.run_convergence(out, wl, arms, **quiet)
+    trained = {(m, d) for m, d, _, _, _, timing in made}
+    assert trained == {("ddp", None), ("topka", "method"), ("topka", "dense")}  # never the measured policy
+    assert run.best_lr(out, wl, kept) == 0.03 and run.best_lr(out, wl, fell) == 0.1
+    made.clear()
+    run.run_timing(out, wl, ["loopback", "1gbit"], arms, **quiet)
+    assert {(d, lr) for m, d, lr, _, _, _ in made if m == "topka"} == {(None, 0.03)}  # measured, at kept's lr
+    assert run.timed_decision(out, wl, policy, "loopback") == "dense"
+    assert run.timed_decision(out, wl, policy, "1gbit") == "method"
+    made.clear()
+    run.run_confirmation(out, wl, ["loopback", "1gbit"], policy, **quiet)
+    assert sorted((net or "loopback", lr) for _, _, lr, _, net, _ in made) == [("1gbit", 0.03), ("loopback", 0.1)]
+    records = campaign.load_records(out, wl)
+    camp = campaign.analyse(records, wl, ["loopback", "1gbit"])
+    assert camp.result(policy.name, "loopback").best_lr == 0.1 and camp.result(policy.name, "1gbit").best_lr == 0.03
+    assert camp.result(policy.name, "loopback").steps[0] == 30 and camp.result(policy.name, "1gbit").steps[0] == 40
+    assert camp.confirmations["loopback"]["decision"] == "dense"
+    rows = {net: {r["arm"]: r for r in campaign.report.result_rows(camp, net)} for net in ("loopback", "1gbit")}
+    assert f"{policy.name} (fell back to dense)" in rows["loopback"]
+    assert f"{policy.name} (kept the method)" in rows["1gbit"] and kept.name not in rows["1gbit"]
+    assert {kept.name, fell.name} <= {r["arm"] for r in campaign.report.grid_rows(camp)} and policy.name not in {
+        r["arm"] for r in campaign.report.grid_rows(camp)}
+    summary = campaign.report.summary(camp)
+    assert summary["arms"][policy.name]["by_network"]["loopback"]["best_lr"] == 0.1
+    assert summary["arms"][policy.name]["final"] == {}  # no figures of its own: the accuracy table skips it
+
+
 def test_quiet_policy_waits_for_the_load_and_redoes_a_run_started_on_a_busy_machine():
     loads = iter([3.0, 2.5, 2.0, 1.0])
     slept: list[float] = []

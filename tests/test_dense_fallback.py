@@ -13,10 +13,10 @@ from sparsecomm.integration.auto import DenseFallback
 from sparsecomm.transport.comm import Communicator
 
 
-def _decide(dense_s, method_s, margin):
+def _decide(dense_s, method_s, margin, pinned=None):
     """Feed scripted step times (this rank's) to a DenseFallback; return its decision and whether it
     asked for the switch."""
-    fallback = DenseFallback(probe=3, skip=1, margin=margin)
+    fallback = DenseFallback(probe=3, skip=1, margin=margin, pinned=pinned)
     until = fallback.dense_steps(0)
     rank = dist.get_rank()
     times = [0.0]
@@ -42,11 +42,37 @@ def test_the_decision_is_the_slowest_ranks_and_the_same_on_every_rank(dense_s, m
     assert results[0][2] == results[1][2] and results[0][2]["method_s"] == pytest.approx(max(method_s))
 
 
+@pytest.mark.parametrize("method_s, pinned", [((0.5, 0.5), "dense"), ((1.5, 1.5), "method")])
+def test_a_pinned_decision_is_taken_whatever_the_probe_measured_and_the_times_still_recorded(method_s, pinned):
+    results = run_workers(2, _decide, (1.0, 1.0), method_s, 0.05, pinned)
+    assert [r[0] for r in results] == [pinned, pinned]
+    assert [r[1] for r in results] == [pinned == "dense"] * 2
+    assert results[0][2]["method_s"] == pytest.approx(method_s[0]) and results[0][2]["dense_s"] == pytest.approx(1.0)
+
+
+def test_the_default_margin_asks_for_a_step_a_fifth_shorter():
+    results = run_workers(2, _decide, (1.0, 1.0), (0.85, 0.85), DenseFallback().margin)
+    assert [r[0] for r in results] == ["dense", "dense"]  # 15% shorter: lost to a sparse method's extra steps
+    results = run_workers(2, _decide, (1.0, 1.0), (0.75, 0.75), DenseFallback().margin)
+    assert [r[0] for r in results] == ["method", "method"]
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="probe"):
         DenseFallback(probe=0)
     with pytest.raises(ValueError, match="margin"):
         DenseFallback(margin=1.0)
+    with pytest.raises(ValueError, match="pinned='sparse'"):
+        DenseFallback(pinned="sparse")
+    with pytest.raises(TypeError, match="dense_fallback='yes'"):
+        SparseHookState(None, "topka", density=0.1, dense_fallback="yes")
+
+
+def test_the_hook_takes_a_configured_fallback():
+    fallback = DenseFallback(probe=2, skip=1, margin=0.5, pinned="dense")
+    state = SparseHookState(None, "topka", density=0.1, dense_fallback=fallback)
+    assert state.engine.dense_fallback is fallback
+    assert SparseHookState(None, "topka", density=0.1, dense_fallback=False).engine.dense_fallback is None
 
 
 def _train_hook(steps, margin, state_bytes=None, start=0):
@@ -110,3 +136,91 @@ def test_the_synchronizer_falls_back_alike():
     results = run_workers(2, _synchronize, fallback.dense_steps(0) + fallback.skip + fallback.probe + 2, 0.99)
     assert [r[1] for r in results] == ["dense", "dense"]
     assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0], strict=True))
+
+
+def _train_dense_hook(steps, native, method="topka", nonfinite="propagate"):
+    """Train with a hook that falls back (margin 0.99) or synchronizes densely; ``native=False`` keeps
+    every iteration on the engine's path. Returns the parameters and which iterations went native."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    options = {"density": 0.1} if method == "topka" else {}
+    state = SparseHookState(None, method, dense_fallback=method == "topka", nonfinite=nonfinite, **options)
+    if method == "topka":
+        state.engine.dense_fallback.margin = 0.99
+    if not native:
+        state.goes_native = lambda bucket: False
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    went = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(torch.randn(8, 32, generator=gen)), torch.randint(4, (8,), generator=gen)
+                                    ).backward()
+        went.append(state._native)
+        stats = state.take_stats()
+        assert stats.density == 1.0 or not state._native
+        opt.step()
+    if method == "topka":
+        assert state.engine.dense_fallback.decision == "dense" and state.engine.dense_fallback.dense_s > 0
+    state.close()
+    return [p.detach().clone() for p in model.parameters()], went
+
+
+def test_after_falling_back_the_hook_hands_buckets_to_the_backend_as_ddp_does_with_the_same_bits():
+    """In the dense warm-up (the probe's dense phase), and once the fallback's residuals are flushed (the
+    iteration after the switch), the hook all-reduces each bucket itself (no thread, no copy, no
+    agreement round), with the engine's dense bits; the probe still times the dense steps."""
+    fallback = DenseFallback()
+    decided = fallback.dense_steps(0) + fallback.skip + fallback.probe - 1
+    steps = decided + 5
+    native = run_workers(3, _train_dense_hook, steps, True)
+    engine = run_workers(3, _train_dense_hook, steps, False)
+    warmup = fallback.dense_steps(0)  # DDP's first iteration forms the groups; the flush step is the engine's
+    assert native[0][1] == [False] + [True] * (warmup - 1) + [False] * (decided - warmup + 2) + [True] * 3
+    assert all(torch.equal(a, b) for r in native[1:] for a, b in zip(r[0], native[0][0], strict=True))  # replicas
+    assert all(torch.equal(a, b) for a, b in zip(native[0][0], engine[0][0], strict=True))
+    # a state made dense goes native from its second iteration (DDP's first builds the groups); a policy
+    # other than "propagate" needs the engine's agreement round, so it never does
+    assert run_workers(2, _train_dense_hook, 4, True, "dense")[0][1] == [False, True, True, True]
+    assert not any(run_workers(2, _train_dense_hook, 4, True, "dense", "skip")[0][1])
+
+
+class _Reordered(nn.Module):
+    """Layers used in another order than registered: DDP's rebuilt buckets (gradient-ready order) differ
+    from its first iteration's (reverse registration order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 48), nn.Linear(16, 32), nn.Linear(48, 4)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.a(torch.relu(self.b(x)))))
+
+
+def _warmup_then_method(steps, native):
+    torch.manual_seed(0)
+    model = _Reordered()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)  # a few buckets, rebuilt
+    state = SparseHookState(None, "topka", density=0.1, dense_warmup_steps=3)
+    if not native:
+        state.goes_native = lambda bucket: False
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    went = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+        opt.zero_grad()
+        ddp(torch.randn(8, 16, generator=gen)).square().mean().backward()
+        went.append(state._native)
+        opt.step()
+    state.close()
+    return [p.detach().clone() for p in model.parameters()], went
+
+
+def test_a_native_warm_up_leaves_the_method_the_same_groups_and_bits_across_ddps_bucket_rebuild():
+    native = run_workers(2, _warmup_then_method, 7, True)
+    engine = run_workers(2, _warmup_then_method, 7, False)
+    assert native[0][1] == [False, True, True, False, False, False, False]
+    assert all(torch.equal(a, b) for a, b in zip(native[0][0], engine[0][0], strict=True))

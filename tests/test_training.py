@@ -93,6 +93,26 @@ def test_nosync_floor_exchanges_nothing_and_ddp_keeps_the_ranks_equal():
     assert floor["epochs"][0]["bytes_per_step"] == 0 and floor["epochs"][0]["time_per_step"] > 0
 
 
+@pytest.mark.parametrize("sync", ["ddp", "synchronizer"])
+def test_a_pinned_dense_fallback_decision_is_taken_and_recorded(sync):
+    """``dense_fallback_decision`` pins the decision after the probe (a trajectory that does not depend on
+    the machine's load): the run falls back to dense where pinned so, and the record says what it decided."""
+    base = dataclasses.replace(SMALL, method="topka", dense_fallback=True, sync=sync,
+                               momentum_correction=False, dense_warmup_steps=0)
+    dense = train(dataclasses.replace(base, dense_fallback_decision="dense"))
+    kept = train(dataclasses.replace(base, dense_fallback_decision="method"))
+    assert dense["dense_fallback"]["decision"] == "dense" and kept["dense_fallback"]["decision"] == "method"
+    assert dense["dense_fallback"]["method_s"] > 0 and dense["steps"][-1]["density"] == 1.0
+    assert kept["steps"][-1]["density"] < 1.0
+    assert train(dataclasses.replace(SMALL, method="ddp", epochs=1))["dense_fallback"] is None
+    with pytest.raises(ValueError, match="dense_fallback needs a sparsecomm method"):
+        dataclasses.replace(SMALL, method="ddp", dense_fallback=True).validate()
+    with pytest.raises(ValueError, match="dense_fallback_decision='sparse' must be None or one of"):
+        dataclasses.replace(base, dense_fallback_decision="sparse").validate()
+    with pytest.raises(ValueError, match="with dense_fallback=True"):
+        dataclasses.replace(base, dense_fallback=False, dense_fallback_decision="dense").validate()
+
+
 def test_the_recipe_follows_the_optimizer():
     """A sparse run that names no recipe gets the one its campaign recommends for its optimizer: on the
     GPT with AdamW the frozen-variance recipe through the synchronizer, the plain hook with SGD or

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparsecomm.integration.auto import DECISIONS, DenseFallback
 from sparsecomm.integration.consistency import check_same_config, replica_checksums
 from sparsecomm.integration.hook import SparseHookState, hook
 from sparsecomm.integration.schedule import MethodSchedule
@@ -222,6 +223,9 @@ class TrainConfig:
     #: time dense and sparse steps first and keep the method only where its steps are faster
     #: (the hook's and the synchronizer's dense_fallback: never slower than a dense all-reduce)
     dense_fallback: bool = False
+    #: with dense_fallback: the decision to take after its probe whatever it measures ("method" or
+    #: "dense"), so that the run's trajectory does not depend on the machine's load; None: measured
+    dense_fallback_decision: str | None = None
     powersgd_rank: int = 2
     method_options: dict[str, Any] = field(default_factory=dict)
     schedule: str | None = None     # method switches "EPOCH:METHOD,...", e.g. "3:torus2d" (Shi et al. 5.6)
@@ -315,6 +319,13 @@ class TrainConfig:
                              "sync='synchronizer'")
         if self.freeze_adam_variance and (self.optimizer != "adamw" or self.dense_warmup_steps < 1):
             raise ValueError("freeze_adam_variance needs optimizer='adamw' and dense_warmup_steps >= 1")
+        if self.dense_fallback and (self.method in BASELINES or self.sync == "local"):
+            raise ValueError(f"dense_fallback needs a sparsecomm method through the hook or the synchronizer "
+                             f"(method={self.method!r}, sync={self.sync!r})")
+        if self.dense_fallback_decision is not None and (self.dense_fallback_decision not in DECISIONS
+                                                         or not self.dense_fallback):
+            raise ValueError(f"dense_fallback_decision={self.dense_fallback_decision!r} must be None or one of "
+                             f"{', '.join(map(repr, DECISIONS))}, with dense_fallback=True")
         if self.resume not in (True, False, "auto"):
             raise ValueError(f"resume={self.resume!r} must be True, False or 'auto'")
         if self.resume and not self.checkpoint_dir:
@@ -339,6 +350,11 @@ class TrainConfig:
     @property
     def is_sparse(self) -> bool:
         return self.method not in BASELINES and self.method not in LOCAL_BASELINES and is_sparse(self.method)
+
+    def fallback(self) -> DenseFallback | None:
+        """The ``dense_fallback=`` argument of the hook or the synchronizer (its decision pinned where
+        ``dense_fallback_decision`` says)."""
+        return DenseFallback(pinned=self.dense_fallback_decision) if self.dense_fallback else None
 
     def method_spec(self, method: str | None = None) -> MethodSpec:
         """The spec of ``method`` (default: the initial one; not a torch DDP baseline):
@@ -384,7 +400,7 @@ class _Synchronization:
                 momentum_correction=(config.betas[0] if config.optimizer == "adamw" else config.momentum)
                 if config.momentum_correction else None,
                 density_warmup=config.density_warmup, freeze_adam_variance=config.freeze_adam_variance,
-                dense_fallback=config.dense_fallback)
+                dense_fallback=config.fallback())
             return
         if config.method == "powersgd":
             # One bucket: torch 2.13's powerSGD_hook aborts on gloo once a model spans >= 2 buckets.
@@ -405,7 +421,7 @@ class _Synchronization:
             self.module.register_comm_hook(None, noop_hook)
         elif config.method != "ddp":
             self.state = SparseHookState(None, config.method_spec(), dense_warmup_steps=config.dense_warmup_steps,
-                                         dense_fallback=config.dense_fallback)
+                                         dense_fallback=config.fallback())
             self.module.register_comm_hook(self.state, hook)
 
     def evaluation_model(self) -> Any:
@@ -446,6 +462,14 @@ class _Synchronization:
     def _clip(self) -> None:
         if self.config.max_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.local_model.parameters(), self.config.max_grad_norm)
+
+    def fallback_state(self) -> dict[str, Any] | None:
+        """``dense_fallback``'s decision and the step times it was taken on, or None without it."""
+        engine = self.synchronizer.engine if self.synchronizer is not None else \
+            self.state.engine if isinstance(self.state, SparseHookState) else None
+        if engine is None or engine.dense_fallback is None:
+            return None
+        return engine.dense_fallback.state_dict()
 
     def state_dict(self) -> Any:
         if self.local is not None:
@@ -707,7 +731,7 @@ def train_worker(config: TrainConfig, dataset: Dataset,
     checksums = replica_checksums(dict(model.named_parameters()))
     return {"rank": rank, "history": history, "epochs": epochs, "steps": steps if rank == 0 else [],
             "params": params, "steps_per_epoch": steps_per_epoch, "consistent": len(set(checksums)) == 1,
-            "num_parameters": sum(p.numel() for p in params)}
+            "num_parameters": sum(p.numel() for p in params), "dense_fallback": sync.fallback_state()}
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -788,6 +812,7 @@ def train(config: TrainConfig, progress: Callable[[dict[str, Any]], None] | None
         "final_accuracy": first["history"][-1]["test_accuracy"] if first["history"] else None,
         "time_to_target": time_to_target(first["history"], config.target_accuracy, config.target_perplexity),
         "consistent": first["consistent"],  # from every rank's parameter checksum (train_worker)
+        "dense_fallback": first["dense_fallback"],  # its decision (every rank takes the same)
     }
     if keep_params:
         record["params"] = [r["params"] for r in results]

@@ -11,9 +11,19 @@ measures it on the run itself:
 2. the next ``skip + probe`` steps use the method, and the last ``probe`` of them are timed;
 3. every rank's two medians are reduced to the slowest rank's (the slowest sets the pace of a
    data-parallel step, and every rank then decides alike), and the method is kept only if its
-   median step is at least ``margin`` faster than the dense one; otherwise the engine switches to
+   median step is at least ``margin`` shorter than the dense one; otherwise the engine switches to
    the dense all-reduce for the rest of training, carrying the method's residuals into the next
    gradient (:meth:`~.engine.GroupingEngine.switch_method`: nothing is lost).
+
+The margin is there because a step is not the whole cost: a sparse method reaches a given quality
+in more steps than the dense all-reduce (error feedback delays part of the gradient), so a method
+whose step is only a little shorter reaches the quality later. The default (a fifth) covers the
+extra steps the campaigns measured for the recommended sparse configurations (docs/campaign.md).
+
+A measured decision depends on the machine's load at the time of the probe, so two runs of one
+configuration may decide differently. ``pinned="method"`` or ``"dense"`` takes that decision after
+the probe whatever it measured (the probe still runs and is logged): a rerun then follows the
+trajectory of the run whose decision it pins, and a study can train each branch on purpose.
 
 A step's time is the wall time between two consecutive ends of a step as the engine sees them (the
 hook: DDP's last bucket; the synchronizer: the end of :meth:`synchronize`): forward, backward, the
@@ -32,7 +42,10 @@ from typing import Any
 from ..transport.comm import Communicator
 from ..transport.control import max_all_reduce
 
-__all__ = ["DenseFallback"]
+__all__ = ["DenseFallback", "as_dense_fallback", "DECISIONS"]
+
+#: the decisions a fallback can be pinned to: keep the method, or average densely after the probe
+DECISIONS = ("method", "dense")
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +56,21 @@ class DenseFallback:
     Args:
         probe: steps timed in each phase (the median of them is the phase's step time).
         skip: steps left out at the start of each phase (first-touch allocations, the switch).
-        margin: the fraction by which the method's step must beat the dense one to be kept.
+        margin: the fraction by which the method's step must be shorter than the dense one for the
+            method to be kept.
+        pinned: ``None`` (decide by the measurement), or the decision to take after the probe
+            whatever it measured: ``"method"`` or ``"dense"`` (reproducible runs; see the module
+            docstring).
     """
 
-    def __init__(self, probe: int = 8, skip: int = 3, margin: float = 0.05) -> None:
+    def __init__(self, probe: int = 8, skip: int = 3, margin: float = 0.2, pinned: str | None = None) -> None:
         if not (isinstance(probe, int) and probe >= 1 and isinstance(skip, int) and skip >= 1):
             raise ValueError(f"dense_fallback: probe={probe!r} and skip={skip!r} must be integers >= 1")
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"dense_fallback: margin={margin!r} must lie in [0, 1)")
-        self.probe, self.skip, self.margin = probe, skip, margin
+        if pinned is not None and pinned not in DECISIONS:
+            raise ValueError(f"dense_fallback: pinned={pinned!r} must be None, 'method' or 'dense'")
+        self.probe, self.skip, self.margin, self.pinned = probe, skip, margin, pinned
         #: "measuring", then "method" (kept) or "dense" (fell back)
         self.decision = "measuring"
         self.dense_s: float | None = None
@@ -87,10 +106,13 @@ class DenseFallback:
         micros = [round(1e6 * statistics.median(self._dense)), round(1e6 * statistics.median(self._method))]
         dense_us, method_us = max_all_reduce(comm, micros)
         self.dense_s, self.method_s = 1e-6 * dense_us, 1e-6 * method_us
-        keep = self.method_s < (1.0 - self.margin) * self.dense_s
+        measured_keep = self.method_s < (1.0 - self.margin) * self.dense_s
+        keep = measured_keep if self.pinned is None else self.pinned == "method"
         self.decision = "method" if keep else "dense"
-        log.info("dense_fallback: step %.1f ms with the method, %.1f ms dense: %s", 1e3 * self.method_s,
-                 1e3 * self.dense_s, "keeping the method" if keep else "falling back to the dense all-reduce")
+        log.info("dense_fallback: step %.1f ms with the method, %.1f ms dense%s: %s", 1e3 * self.method_s,
+                 1e3 * self.dense_s, "" if self.pinned is None else f" (pinned to {self.pinned!r}, the "
+                 f"measurement would {'keep the method' if measured_keep else 'fall back'})",
+                 "keeping the method" if keep else "falling back to the dense all-reduce")
         if not keep:
             switch_to_dense()
 
@@ -103,3 +125,16 @@ class DenseFallback:
             raise ValueError(f"dense_fallback: a saved decision {decision!r} is none of measuring, method, dense")
         self.decision, self.dense_s, self.method_s = decision, state.get("dense_s"), state.get("method_s")
         self._dense, self._method, self._last_end = [], [], None
+
+
+def as_dense_fallback(value: bool | DenseFallback | None) -> DenseFallback | None:
+    """The ``dense_fallback=`` argument of the hook and the synchronizer as a :class:`DenseFallback`:
+    ``True`` the default measurement, ``False``/``None`` none, an instance as it is (its own probe,
+    margin or pinned decision)."""
+    if isinstance(value, DenseFallback):
+        return value
+    if value is None or value is False:
+        return None
+    if value is True:
+        return DenseFallback()
+    raise TypeError(f"dense_fallback={value!r} must be True, False or a sparsecomm.integration.auto.DenseFallback")

@@ -261,6 +261,14 @@ class GroupingEngine:
                 self._stats.extend(records)
         return Stats.total(records)
 
+    def end_native_step(self) -> None:
+        """Close a step whose buckets the owner handed to the backend's all-reduce itself (the hook's
+        dense path): no call of the engine's to close, only ``dense_fallback``'s clock to tell (the
+        owner advanced iter at the step's last bucket)."""
+        if self.dense_fallback is not None:
+            self.dense_fallback.step_ended(self.iter - 1, self.dense_until, self.comm,
+                                           lambda: self.switch_method(_DENSE))
+
     def take_stats(self) -> Stats:
         """Totals over the calls of the steps closed since the last call; then start afresh."""
         with self._lock:

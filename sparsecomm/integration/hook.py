@@ -33,6 +33,15 @@ How a step runs:
   bit-identically.
 * For the first ``dense_warmup_steps`` iterations each bucket is all-reduced densely (the dense
   warm-up of DGC and RedSync).
+* **The dense all-reduce as DDP's own**: in the dense warm-up, and once the state synchronizes with
+  ``"dense"`` (after ``dense_fallback`` fell back, or chosen so), where no residual waits to be
+  flushed, the policy is ``"propagate"`` and no bucket holds a sparse gradient, each bucket goes
+  straight to the backend's all-reduce from the hook, as torch's ``allreduce_hook`` does: no thread,
+  no copy, no agreement round, so such a step is as fast as DDP's (cost: the backend's all-reduce of
+  the bucket, about 2 (P - 1)/P n values per rank over 2 (P - 1) rounds for a ring). Whether an
+  iteration goes so is decided at its first bucket from what every rank holds alike (the step count,
+  the method, set at the end of an earlier iteration, and the carry, emptied by the iteration
+  before) and kept for the iteration; DDP's first iteration, which forms the groups, does not.
 * **Non-finite gradients** (:mod:`.nonfinite`): by default (``nonfinite="propagate"``) every rank
   gets NaN when any rank's gradient holds NaN/Inf, with nothing sent and no state moved, so that
   ``torch.amp.GradScaler`` skips the step and lowers its scale as under plain DDP.
@@ -64,8 +73,10 @@ import torch.distributed as dist
 
 from ..core.validate import check_choice, check_int
 from ..methods import MethodSpec, Stats
+from ..transport.collectives import ring_cost
 from ..transport.comm import Communicator
-from .auto import DenseFallback
+from ..transport.deadline import explain_timeout, is_peer_failure
+from .auto import DenseFallback, as_dense_fallback
 from .engine import EngineView, GroupingEngine
 from .nonfinite import HOOK_DEFAULT
 from .overlap import CommThread, PrivateGroup, private_group
@@ -160,8 +171,9 @@ class SparseHookState(EngineView):
         dense_below: parameters with fewer elements, or whose sparse message would not be smaller
             than the dense one, are all-reduced densely in one fused call; 0: none (sparse methods).
         dense_fallback: time the first dense and sparse iterations and keep the method only if its
-            iterations are faster; otherwise all-reduce densely from then on, so the hook is never
-            slower than a dense all-reduce (:mod:`.auto`).
+            iterations are enough shorter (``True``); otherwise all-reduce densely from then on, so
+            the hook is never slower than a dense all-reduce (:mod:`.auto`). A
+            :class:`~.auto.DenseFallback` sets the probe, the margin or a pinned decision.
         **method_options: passed to :func:`sparsecomm.make_method`, e.g. ``density=0.01``, and
             ``nonfinite``: when any rank's gradient holds NaN/Inf, ``"propagate"`` (default: NaN on
             every rank, nothing sent, state untouched, so ``GradScaler`` skips the step as under plain
@@ -175,7 +187,8 @@ class SparseHookState(EngineView):
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, method: MethodSpec | str = "spardl", *,
                  dense_warmup_steps: int = 0, use_layout: bool = True, granularity: str = "bucket",
-                 overlap: bool = True, dense_below: int = DENSE_BELOW, dense_fallback: bool = False,
+                 overlap: bool = True, dense_below: int = DENSE_BELOW,
+                 dense_fallback: bool | DenseFallback | None = False,
                  **method_options: Any) -> None:
         spec = MethodSpec.of(method, method_options)  # unknown name or option, bad density: raises here
         check_int("dense_warmup_steps", dense_warmup_steps, minimum=0)
@@ -186,7 +199,7 @@ class SparseHookState(EngineView):
         self._start(resources, GroupingEngine(
             spec, resources.comm, granularity=granularity, dense_warmup_steps=dense_warmup_steps,
             dense_below=dense_below, use_layout=use_layout, nonfinite_default=HOOK_DEFAULT,
-            dense_fallback=DenseFallback() if dense_fallback else None))
+            dense_fallback=as_dense_fallback(dense_fallback)))
         if dist.is_available() and dist.is_initialized():
             spec.build(Communicator(process_group))  # probe: checks the values of the options
             self.engine.comm  # noqa: B018 - the private group, made now on every rank
@@ -222,6 +235,7 @@ class SparseHookState(EngineView):
         self._last_bucketing: list[tuple[int, ...]] | None = None
         self._bucket_params: list[list[torch.Tensor]] = []
         self._error: Exception | None = None        # the first failure; every later bucket fails with it
+        self._native = False                         # this iteration's buckets go to the backend directly
         engine = self.engine  # (not ``self``: the state keeps no reference cycle, see _Resources)
         self._sparse = SparseBuckets(lambda: engine.comm)  # buckets of sparse gradients, outside the groups
 
@@ -255,6 +269,46 @@ class SparseHookState(EngineView):
     @property
     def use_layout(self) -> bool:
         return self.engine.use_layout
+
+    # ------------------------------------------------------------------ the dense all-reduce as DDP's
+    def goes_native(self, bucket: dist.GradBucket) -> bool:
+        """Whether this iteration's buckets go straight to the backend's all-reduce (the module
+        docstring: the state synchronizes densely, nothing is carried, the ``"propagate"`` policy, no
+        sparse-gradient bucket). Decided at the iteration's first bucket, kept for the others."""
+        if bucket.index() == 0:
+            engine = self.engine
+            self._native = (engine.plan is not None and (engine.in_warmup or engine.spec.name == "dense")
+                            and not len(engine.carry) and engine.nonfinite == "propagate"
+                            and not self._sparse.seen and not self._first)
+        return self._native
+
+    def native_all_reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The bucket's average by the backend's all-reduce over the state's private group, summed
+        then divided by P as the ``dense`` method does (so an iteration gives the same bits by either
+        path); its call is counted in the stats (the ring formula's bytes, as ``dense`` books them)."""
+        engine, comm, buffer = self.engine, self.comm, bucket.buffer()
+        size = comm.size
+        modelled = ring_cost(P=comm.size, n=buffer.numel(), rank=comm.rank, itemsize=buffer.element_size())
+        engine.record_stats(Stats(n=buffer.numel(), selected=buffer.numel(), nnz_out=buffer.numel(),
+                                  bytes_sent=modelled.bytes_sent, bytes_recv=modelled.bytes_recv, rounds=1,
+                                  dense_calls=1, modelled_bytes=True, warmup=engine.in_warmup))
+        work = dist.all_reduce(buffer, group=comm.group, async_op=True)
+        self._note_bucket(list(bucket.parameters()))
+        self.maybe_increase_iter(bucket)
+        if bucket.is_last():
+            self._end_bucketing()  # (the communication thread is idle: its last iteration was waited for)
+            engine.end_native_step()
+        members = comm.ranks
+
+        def average(fut: torch.futures.Future) -> torch.Tensor:
+            try:
+                return fut.value()[0].div_(size)
+            except RuntimeError as exc:  # a timed-out peer: named on every waiting rank, as a method call does
+                if is_peer_failure(exc):
+                    raise explain_timeout(exc, members) from exc
+                raise
+
+        return work.get_future().then(average)
 
     # ------------------------------------------------------------------ the work of one bucket
     def submit(self, bucket: _Bucket) -> None:
@@ -305,8 +359,7 @@ class SparseHookState(EngineView):
         assert plan is not None
         bucket.route = route = plan.route(bucket.index, bucket.params, bucket.buffer.numel())
         self._pending.append(bucket)
-        self._bucketing.append(tuple(p.data_ptr() for p in bucket.params))
-        self._bucket_params.append(bucket.params)
+        self._note_bucket(bucket.params)
         if bucket.warmup:
             bucket.result = self.engine.warmup_reduce(bucket.buffer)
             return
@@ -348,11 +401,22 @@ class SparseHookState(EngineView):
             self._answer(bucket)
         for group in plan.groups:
             group.arrived = 0
+        self._end_bucketing()
+        self._pending, self._outputs, self._inputs = [], {}, {}
+
+    def _note_bucket(self, params: list[torch.Tensor]) -> None:
+        """Record a bucket of this iteration (its parameters), for :meth:`_end_bucketing`."""
+        self._bucketing.append(tuple(p.data_ptr() for p in params))
+        self._bucket_params.append(params)
+
+    def _end_bucketing(self) -> None:
+        """At an iteration's end: where DDP rebuilt its buckets since the last iteration, form the
+        groups on the new ones (``granularity="bucket"``), on either path, so that the groups a method
+        step sees do not depend on which path the iterations before it took."""
         if self.granularity == "bucket" and self._last_bucketing is not None \
                 and self._bucketing != self._last_bucketing:
             self.engine.regroup(self._bucket_params)  # DDP rebuilt its buckets
         self._last_bucketing = self._bucketing
-        self._pending, self._outputs, self._inputs = [], {}, {}
         self._bucketing, self._bucket_params = [], []
 
     def _fail(self, exc: BaseException, current: _Bucket) -> None:
@@ -511,6 +575,8 @@ def hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Futur
     Register with ``ddp_model.register_comm_hook(state, sparsecomm.hook)``. Returns a future (pending
     while the state's thread works on it) of a tensor shaped like ``bucket.buffer()``.
     """
+    if state.goes_native(bucket):
+        return state.native_all_reduce(bucket)
     future: torch.futures.Future = torch.futures.Future()
     state.comm  # noqa: B018 - the private group is made here, on every rank, before any thread uses it
     item = _Bucket(bucket.index(), bucket.buffer(), list(bucket.parameters()), bucket.is_last(),

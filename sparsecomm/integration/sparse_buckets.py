@@ -46,6 +46,11 @@ class SparseBuckets:
         self._comm = comm
         self._reducers: dict[tuple[int, tuple[int, ...]], RowSparseReducer] = {}
 
+    @property
+    def seen(self) -> bool:
+        """Whether a sparse bucket has come through (the model has sparse gradients)."""
+        return bool(self._reducers)
+
     def reduce(self, index: int, grad: torch.Tensor, method: str) -> tuple[torch.Tensor, Stats]:
         """The average over the ranks of the sparse gradient ``grad`` of bucket ``index`` (sparse
         COO, shaped like ``grad``) and the call's stats."""

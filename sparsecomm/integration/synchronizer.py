@@ -63,7 +63,7 @@ from ..methods import Method, MethodSpec, Stats
 from ..transport.comm import Communicator
 from . import dgc
 from .adam import FrozenVarianceAdam
-from .auto import DenseFallback
+from .auto import DenseFallback, as_dense_fallback
 from .consistency import check_same_tensors
 from .engine import EngineView, GroupingEngine
 from .nonfinite import SYNCHRONIZER_DEFAULT
@@ -99,7 +99,8 @@ class SparseSynchronizer(EngineView):
             synchronize the preconditioned gradient (:mod:`sparsecomm.integration.adam`); :meth:`step`
             then makes the optimizer's step itself.
         dense_fallback: time the first dense and sparse steps and keep the method only if its steps are
-            faster; otherwise average densely from then on (:mod:`.auto`).
+            enough shorter (``True``); otherwise average densely from then on (:mod:`.auto`). A
+            :class:`~.auto.DenseFallback` sets the probe, the margin or a pinned decision.
         **method_options: for :func:`sparsecomm.make_method` (e.g. ``density=0.01``), and
             ``nonfinite``: when any rank's gradient holds NaN/Inf, ``"error"`` (default: raise on every
             rank), ``"skip"`` (zeros) or ``"propagate"`` (NaN on every rank, for ``GradScaler``); for
@@ -113,7 +114,8 @@ class SparseSynchronizer(EngineView):
                  method: MethodSpec | str = "spardl", *, process_group=None, bucket_elements: int | None = None,
                  dense_warmup_steps: int = 0, dense_below: int = 0, clip_norm: float | None = None,
                  momentum_correction: float | None = None, density_warmup: int | None = None,
-                 freeze_adam_variance: bool = False, dense_fallback: bool = False, broadcast_parameters: bool = True,
+                 freeze_adam_variance: bool = False, dense_fallback: bool | DenseFallback | None = False,
+                 broadcast_parameters: bool = True,
                  **method_options: Any) -> None:
         spec = MethodSpec.of(method, method_options)
         check_int("dense_warmup_steps", dense_warmup_steps, minimum=0)
@@ -152,7 +154,7 @@ class SparseSynchronizer(EngineView):
         self._preconditioned = False  # whether the last synchronize() left preconditioned averages
         self.engine = GroupingEngine(spec, lambda: self.comm, dense_warmup_steps=dense_warmup_steps,
                                      dense_below=dense_below, nonfinite_default=SYNCHRONIZER_DEFAULT,
-                                     dense_fallback=DenseFallback() if dense_fallback else None)
+                                     dense_fallback=as_dense_fallback(dense_fallback))
         self.engine.build(self._make_buckets(bucket_elements))
         self.corrections: list[dgc.MomentumCorrection] | None = None
         if momentum_correction is not None:

@@ -63,7 +63,9 @@ def build_table(summaries: Sequence[dict[str, Any]], sources: Sequence[str] = ()
     for summary in summaries:
         wl = summary["workload"]
         runs = {name: _entry(arm, summary.get("ddp_steps_to_target"), wl["metric"])
-                for name, arm in summary["arms"].items() if arm.get("kind") != "floor" and arm.get("final")}
+                for name, arm in summary["arms"].items() if arm.get("kind") != "floor" and arm.get("final")
+                # a dense_fallback branch pinned to the dense all-reduce measures DDP's quality, not the method's
+                and arm.get("options", {}).get("dense_fallback_decision") != "dense"}
         if wl["name"] in table["workloads"]:
             raise ValueError(f"two campaign summaries of workload {wl['name']!r}")
         table["workloads"][wl["name"]] = {"model": wl["model"], "data": wl["data"], "metric": wl["metric"],

@@ -9,17 +9,20 @@
   confirmation phase checks the composition against a full run.
 * **The limit** is the floor's step x DDP's steps to the target: the soonest any synchronization
   could reach the target on this machine.
+* **A policy arm** (``dense_fallback``) has, on each network, the figures of the branch its timing
+  run took there (:meth:`Campaign.result`) and its own step times.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .plan import Arm, Workload, arms_of
+from .plan import Arm, Workload, arms_of, branches
 from .run import TIMING_WARMUP, final_metric
 
 __all__ = ["ArmResult", "Campaign", "analyse", "median_spread", "median_with_misses"]
@@ -97,6 +100,8 @@ class ArmResult:
     step_s: dict[str, tuple[float | None, float]] = field(default_factory=dict)  # net -> (warm-up, main) s
     load: dict[str, float | None] = field(default_factory=dict)          # net -> load before the timing run
     bytes_per_step: float | None = None
+    #: a policy arm: net -> the decision its timing run took there ("method" or "dense")
+    decision: dict[str, str] = field(default_factory=dict)
 
     def time_to_target(self, net: str, seed: int) -> float | None:
         """The composed time to the target on ``net`` for ``seed`` (None: not reached, or untimed)."""
@@ -129,6 +134,24 @@ class Campaign:
     nets: list[str]
     confirmations: dict[str, dict[str, Any]]    # net -> {"measured": s, "composed": s, "ratio": x}
 
+    def result(self, name: str, net: str | None = None) -> ArmResult:
+        """Arm ``name``'s figures on ``net``: a policy's are those of the branch its timing run took
+        there (its kept branch where ``net`` is None or untimed), with its own step times."""
+        result = self.arms[name]
+        if not result.arm.is_policy:
+            return result
+        branch = self.arms[branches(result.arm)[result.decision.get(net or "", "method")].name]
+        return dataclasses.replace(branch, arm=result.arm, step_s=result.step_s, load=result.load,
+                                   decision=result.decision, warmup=result.warmup)
+
+    def branch_names(self) -> set[str]:
+        """The names of the policies' branches (rows of the grid, not of the networks' tables)."""
+        return {b.name for r in self.arms.values() if r.arm.is_policy for b in branches(r.arm).values()}
+
+    def branches_taken(self) -> set[str]:
+        """The branches some network's timing run took."""
+        return {branches(r.arm)[d].name for r in self.arms.values() if r.arm.is_policy for d in r.decision.values()}
+
     def limit(self, net: str) -> float | None:
         """The floor's step x DDP's median steps to the target."""
         floor = self.arms.get("floor")
@@ -143,10 +166,10 @@ class Campaign:
         time, name = min(candidates) if candidates else (math.inf, "-")
         return name, time
 
-    def final_vs_ddp(self, name: str) -> float | None:
-        """The arm's median final metric relative to DDP's: +0.01 is 1% worse loss (or accuracy
-        points lower x 1/100 for accuracy, as a fraction of DDP's)."""
-        mine, ddp = self.arms[name].final, self.arms["ddp"].final if "ddp" in self.arms else {}
+    def final_vs_ddp(self, name: str, net: str | None = None) -> float | None:
+        """The arm's median final metric (on ``net``, for a policy) relative to DDP's: +0.01 is 1%
+        worse loss (or accuracy points lower x 1/100 for accuracy, as a fraction of DDP's)."""
+        mine, ddp = self.result(name, net).final, self.arms["ddp"].final if "ddp" in self.arms else {}
         if not mine or not ddp:
             return None
         a, b = statistics.median(mine.values()), statistics.median(ddp.values())
@@ -156,8 +179,9 @@ class Campaign:
 def analyse(records: Sequence[dict[str, Any]], wl: Workload, nets: Sequence[str] | None = None) -> Campaign:
     """The :class:`Campaign` of ``wl`` from its records (any phase may be missing: the figures that
     need it are then None)."""
-    arms = {arm.name: ArmResult(arm, warmup=int(arm.options.get("dense_warmup_steps", 0)))
-            for arm in arms_of(wl.name)}
+    listed = arms_of(wl.name)
+    listed += [branch for arm in listed if arm.is_policy for branch in branches(arm).values()]
+    arms = {arm.name: ArmResult(arm, warmup=int(arm.options.get("dense_warmup_steps", 0))) for arm in listed}
     by_phase: dict[str, list[dict[str, Any]]] = {}
     for record in records:
         by_phase.setdefault(record["campaign"]["phase"], []).append(record)
@@ -200,6 +224,9 @@ def analyse(records: Sequence[dict[str, Any]], wl: Workload, nets: Sequence[str]
         warm = camp.get("warmup_steps", TIMING_WARMUP if arms[camp["arm"]].warmup else 0)
         arms[camp["arm"]].step_s[camp["net"]] = _phase_times(record, warm, camp.get("decided_after", 0))
         arms[camp["arm"]].load[camp["net"]] = record.get("load", {}).get("before")
+        decision = (record.get("dense_fallback") or {}).get("decision")
+        if arms[camp["arm"]].arm.is_policy and decision in ("method", "dense"):
+            arms[camp["arm"]].decision[camp["net"]] = decision
         if camp["net"] not in seen_nets:
             seen_nets.append(camp["net"])
     campaign = Campaign(wl, arms, target, plateau, ddp_steps, list(nets or seen_nets), {})
@@ -209,9 +236,11 @@ def analyse(records: Sequence[dict[str, Any]], wl: Workload, nets: Sequence[str]
             continue
         measured = next((p["train_time"] for p in record["history"]
                          if _reaches(_metric(p, wl.metric), target, wl.metric)), None)
-        composed = arms[camp["arm"]].time_to_target(camp["net"], 0)
+        composed = campaign.result(camp["arm"], camp["net"]).time_to_target(camp["net"], 0)
         campaign.confirmations[camp["net"]] = {
             "arm": camp["arm"], "measured": measured, "composed": composed,
             "ratio": measured / composed if measured and composed else None,
             "load": record.get("load", {}).get("before")}
+        if arms[camp["arm"]].arm.is_policy:  # the full run measured its own decision: the same as timing's?
+            campaign.confirmations[camp["net"]]["decision"] = (record.get("dense_fallback") or {}).get("decision")
     return campaign

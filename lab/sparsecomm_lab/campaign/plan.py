@@ -9,6 +9,13 @@ workload trains at every learning rate of the workload's grid for its optimizer 
 the dense default; one grid per optimizer where a workload compares two), so that no row is tuned
 harder than another; the floor exchanges nothing and is only timed. A workload with a ``note``
 departs from this (one learning rate, or one seed) and its report says how.
+
+An arm with ``dense_fallback`` is a policy: after a short probe it keeps the method or falls back to
+the dense all-reduce, by step times it measures, so its trajectory depends on the link it runs on.
+Its convergence runs are therefore its two **branches**, each with the decision pinned
+(:func:`branches`), each tuned on the grid like any arm; its timing run on each network measures the
+decision there, and its row on that network is the branch it took, at that branch's best lr (a user
+tunes on the cluster where the policy decides).
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from typing import Any
 
 from sparsecomm_lab.training import FLOOR, TrainConfig
 
-__all__ = ["Workload", "Arm", "WORKLOADS", "ARMS", "SEEDS", "arms_of", "workload"]
+__all__ = ["Workload", "Arm", "WORKLOADS", "ARMS", "SEEDS", "arms_of", "workload", "branches", "trained_arms",
+           "BRANCH_NAMES"]
 
 #: the seeds of the headline figures (each arm's best learning rate runs every one)
 SEEDS = (0, 1, 2)
@@ -92,6 +100,40 @@ class Arm:
     def timed_only(self) -> bool:
         """The floor: its ranks train apart, so only its step time is a result."""
         return self.kind == "floor"
+
+    @property
+    def is_policy(self) -> bool:
+        """A ``dense_fallback`` arm whose decision is measured: trained as its :func:`branches`."""
+        return bool(self.options.get("dense_fallback")) and self.options.get("dense_fallback_decision") is None
+
+
+#: the name suffix of each branch of a policy arm, by the decision it pins
+BRANCH_NAMES = {"method": "kept", "dense": "fell-back"}
+
+
+def branches(arm: Arm) -> dict[str, Arm]:
+    """The two branches of a policy arm (:attr:`Arm.is_policy`), by decision: the method kept after
+    the probe, and the dense all-reduce from the probe's end on. Each is an arm of its own (named
+    ``<arm>-kept``, ``<arm>-fell-back``), trained on the grid and the seeds like any other."""
+    if not arm.is_policy:
+        raise ValueError(f"arm {arm.name!r} has no dense_fallback decision to branch on")
+    return {decision: Arm(f"{arm.name}-{suffix}", arm.kind if decision == "method" else "dense",
+                          f"{arm.name} with its decision pinned to {decision!r}"
+                          + (" (the method kept)" if decision == "method" else " (dense after the probe)"),
+                          {**arm.options, "dense_fallback_decision": decision}, explore_lrs=arm.explore_lrs)
+            for decision, suffix in BRANCH_NAMES.items()}
+
+
+def trained_arms(arms: list[Arm]) -> list[Arm]:
+    """The arms the convergence phase trains: ``arms`` with each policy replaced by its branches, the
+    floor left out."""
+    out: list[Arm] = []
+    for arm in arms:
+        if arm.is_policy:
+            out += branches(arm).values()
+        elif not arm.timed_only:
+            out.append(arm)
+    return out
 
 
 _FLOOR = Arm("floor", "floor", "no synchronization: DDP with torch's no-op hook (the step no exchange can beat)",

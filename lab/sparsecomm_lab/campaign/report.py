@@ -37,7 +37,7 @@ def grid_rows(camp: Campaign) -> list[dict[str, Any]]:
     """Arm x learning rate: the final metric at seed 0 (the best one marked)."""
     rows = []
     for name, result in camp.arms.items():
-        if result.arm.timed_only:
+        if result.arm.timed_only or result.arm.is_policy:  # a policy's grids are its branches'
             continue
         row: dict[str, Any] = {"arm": name, "optimizer": _optimizer(camp, name)}
         for lr in sorted({lr for grid in camp.workload.lr_grids.values() for lr in grid}):
@@ -57,14 +57,18 @@ def result_rows(camp: Campaign, net: str) -> list[dict[str, Any]]:
     floor_s = floor.step_s[net][1] if floor is not None and net in floor.step_s else None
     limit = camp.limit(net)
     rows = []
-    for name, result in camp.arms.items():
+    for name in camp.arms:
+        if name in camp.branch_names():  # a policy's branch: shown in the policy's row where it took it
+            continue
+        result = camp.result(name, net)
         main = result.step_s.get(net, (None, None))[1]
         times = result.times(net)
         steps = [s for s in result.steps.values() if s is not None]
-        gap = camp.final_vs_ddp(name)
+        gap = camp.final_vs_ddp(name, net)
         reached = f"{len(steps)}/{len(result.steps)}" if result.steps else "-"
+        took = {"method": " (kept the method)", "dense": " (fell back to dense)"}.get(result.decision.get(net, ""), "")
         rows.append({
-            "arm": name + (" (exploration)" if result.arm.explore_lrs is not None else ""),
+            "arm": name + took + (" (exploration)" if result.arm.explore_lrs is not None else ""),
             "optimizer": _optimizer(camp, name),
             "best lr": "-" if result.best_lr is None else f"{result.best_lr:g}",
             "steps to target": "floor: trains apart" if result.arm.timed_only else
@@ -85,11 +89,11 @@ def result_rows(camp: Campaign, net: str) -> list[dict[str, Any]]:
 def goals(camp: Campaign, net: str) -> dict[str, Any]:
     """The recommended arm against the campaign's goals on ``net``, measured."""
     name = camp.workload.recommended
-    result = camp.arms[name]
+    result = camp.result(name, net)
     mine = result.median_time(net)
     limit = camp.limit(net)
     base_name, base = camp.best_baseline(net)
-    gap = camp.final_vs_ddp(name)
+    gap = camp.final_vs_ddp(name, net)
     out: dict[str, Any] = {"network": net, "recommended": name, "time to target s": mine, "limit s": limit,
                            "best of DDP/PowerSGD": base_name, "its time s": base}
     if limit and mine < math.inf:
@@ -111,18 +115,28 @@ def summary(camp: Campaign) -> dict[str, Any]:
     """The figures as data (``summary.json``): per arm its configuration, best lr, steps to target
     and final metric per seed, step times per network; the target, DDP's plateau, the goals."""
     wl = camp.workload
+
+    def figures(r: Any, name: str, net: str | None = None) -> dict[str, Any]:
+        return {"grid": {f"{lr:g}": v for lr, v in r.grid.items()}, "best_lr": r.best_lr,
+                "steps_to_target": {str(s): v for s, v in r.steps.items()},
+                "final": {str(s): v for s, v in r.final.items()}, "final_vs_ddp": camp.final_vs_ddp(name, net)}
+
+    def arm_entry(name: str, r: Any) -> dict[str, Any]:
+        entry = {"kind": r.arm.kind, "options": r.arm.options, "optimizer": _optimizer(camp, name),
+                 "dense_twin": r.arm.dense_twin, **figures(r, name),
+                 "step_s": {net: {"warmup": w, "main": m} for net, (w, m) in r.step_s.items()}}
+        if r.arm.is_policy:  # no figures of its own: per network, the branch it took
+            entry.update({"grid": {}, "best_lr": None, "steps_to_target": {}, "final": {}, "final_vs_ddp": None,
+                          "by_network": {net: {"decision": r.decision.get(net),
+                                               **figures(camp.result(name, net), name, net)} for net in r.step_s}})
+        return entry
+
     return {
         "workload": {"name": wl.name, "model": wl.model, "data": wl.data, "metric": wl.metric, "steps": wl.steps,
                      "eval_every": wl.eval_every, "lr_grids": {k: list(v) for k, v in wl.lr_grids.items()},
                      "recommended": wl.recommended},
         "target": camp.target, "ddp_plateau": camp.plateau, "ddp_steps_to_target": camp.ddp_steps,
-        "arms": {name: {"kind": r.arm.kind, "options": r.arm.options, "optimizer": _optimizer(camp, name),
-                        "dense_twin": r.arm.dense_twin, "grid": {f"{lr:g}": v for lr, v in r.grid.items()},
-                        "best_lr": r.best_lr, "steps_to_target": {str(s): v for s, v in r.steps.items()},
-                        "final": {str(s): v for s, v in r.final.items()},
-                        "step_s": {net: {"warmup": w, "main": m} for net, (w, m) in r.step_s.items()},
-                        "final_vs_ddp": camp.final_vs_ddp(name)}
-                 for name, r in camp.arms.items()},
+        "arms": {name: arm_entry(name, r) for name, r in camp.arms.items()},
         "goals": [goals(camp, net) for net in camp.nets],
         "confirmations": camp.confirmations,
     }
@@ -143,6 +157,8 @@ def _plot(camp: Campaign, records: list[dict[str, Any]], path: str) -> str | Non
         result = camp.arms.get(c["arm"])
         if (c["phase"] != "convergence" or c["seed"] != 0 or result is None or c["lr"] != result.best_lr
                 or result.arm.explore_lrs is not None):  # the exploration arms are in the tables only
+            continue
+        if c["arm"] in camp.branch_names() and c["arm"] not in camp.branches_taken():  # a branch no net took
             continue
         values = [p["test_loss"] if wl.metric == "loss" else p["test_accuracy"] for p in record["history"]]
         ax.plot([p["step"] for p in record["history"]], values, label=f"{c['arm']} (lr {c['lr']:g})",

@@ -10,6 +10,11 @@
    measured time to the target checks the composition ``steps to target x step time``
    (:mod:`.analysis`).
 
+A ``dense_fallback`` arm (a policy, :func:`.plan.branches`) trains its two branches, each with its
+decision pinned, in phase 1; its timing run measures the decision on each network (at its kept
+branch's best learning rate: a step's time does not depend on it), and its confirmation runs, with
+the decision measured again, at the best learning rate of the branch the timing run took.
+
 Records (the run records of :func:`sparsecomm_lab.training.train`, with a ``campaign`` entry) go to
 ``<out>/<workload>/convergence/<arm>/lr<lr>-seed<seed>.json``, ``<out>/<workload>/timing/<net>/<arm>.json``
 and ``<out>/<workload>/confirm/<net>/<arm>.json``; a run whose file exists is skipped, so an
@@ -29,11 +34,12 @@ from typing import Any
 from sparsecomm.integration.auto import DenseFallback
 from sparsecomm_lab.training import save_record, train
 
-from .plan import Arm, Workload, arms_of
+from .plan import Arm, Workload, arms_of, branches, trained_arms
 from .quiet import QuietPolicy, train_quietly
 
 __all__ = ["run_convergence", "run_point", "run_timing", "run_confirmation", "load_records", "best_lr", "final_metric",
-           "convergence_path", "timing_path", "confirm_path", "TIMING_STEPS", "TIMING_WARMUP", "safe_name"]
+           "convergence_path", "timing_path", "confirm_path", "TIMING_STEPS", "TIMING_WARMUP", "safe_name",
+           "timed_decision"]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +109,7 @@ def run_convergence(out: str, wl: Workload, arms: Sequence[Arm] | None = None, s
     """Phase 1 on loopback: the grid at seed 0 for every arm (the floor excepted), then each arm's
     best learning rate at the other ``seeds``. ``overrides`` go into every run's config (tests: a
     smaller model or budget)."""
-    arms = [a for a in (arms or arms_of(wl.name)) if not a.timed_only]
+    arms = trained_arms(list(arms or arms_of(wl.name)))
     todo = [(arm, lr, 0) for arm in arms for lr in wl.grid(arm)]
     for stage in ("grid", "seeds"):
         if stage == "seeds":
@@ -142,7 +148,8 @@ def run_timing(out: str, wl: Workload, nets: Sequence[str], arms: Sequence[Arm] 
             path = timing_path(out, wl, arm, net)
             if os.path.exists(path):
                 continue
-            lr = wl.grid(arm)[0] if arm.timed_only else best_lr(out, wl, arm)
+            lr = wl.grid(arm)[0] if arm.timed_only else best_lr(out, wl, branches(arm)["method"] if arm.is_policy
+                                                                   else arm)
             if lr is None:
                 raise RuntimeError(f"arm {arm.name}: run the convergence phase first (its best learning rate)")
             timed = {"steps": TIMING_STEPS, "eval_every": TIMING_STEPS, "net": None if net == "loopback" else net}
@@ -162,19 +169,39 @@ def run_timing(out: str, wl: Workload, nets: Sequence[str], arms: Sequence[Arm] 
 
 def run_confirmation(out: str, wl: Workload, nets: Sequence[str], arm: Arm, quiet: QuietPolicy | None = None,
                      trainer: Trainer = train, echo: Echo = log.warning, **overrides: Any) -> None:
-    """Phase 3: the full run of ``arm`` (its best learning rate, seed 0) on each network."""
-    lr = best_lr(out, wl, arm)
-    if lr is None:
-        raise RuntimeError(f"arm {arm.name}: run the convergence phase first (its best learning rate)")
+    """Phase 3: the full run of ``arm`` (its best learning rate, seed 0) on each network; a policy's
+    at the best learning rate of the branch its timing run took there."""
     for net in nets:
         path = confirm_path(out, wl, arm, net)
         if os.path.exists(path):
             continue
+        trained = arm
+        if arm.is_policy:
+            decision = timed_decision(out, wl, arm, net)
+            if decision is None:
+                raise RuntimeError(f"arm {arm.name}: run the timing phase on {net} first (its decision there)")
+            trained = branches(arm)[decision]
+        lr = best_lr(out, wl, trained)
+        if lr is None:
+            raise RuntimeError(f"arm {trained.name}: run the convergence phase first (its best learning rate)")
         echo(f"[confirm] {wl.name} {arm.name} on {net}, the full budget ...")
         config = wl.config(arm, lr, 0, **{"net": None if net == "loopback" else net, **overrides})
         record = train_quietly(config, trainer, quiet, echo)
         _save(record, path, {"workload": wl.name, "arm": arm.name, "lr": lr, "seed": 0, "phase": "confirm",
                              "net": net})
+
+
+def timed_decision(out: str, wl: Workload, arm: Arm, net: str) -> str | None:
+    """The decision (``"method"`` or ``"dense"``) the timing run of policy ``arm`` took on ``net``, or
+    None before that run."""
+    path = timing_path(out, wl, arm, net)
+    if not os.path.exists(path):
+        return None
+    state = _load(path).get("dense_fallback") or {}
+    decision = state.get("decision")
+    if decision not in ("method", "dense"):
+        raise RuntimeError(f"{path}: no dense_fallback decision recorded (rerun its timing: delete the file)")
+    return str(decision)
 
 
 def load_records(out: str, wl: Workload) -> list[dict[str, Any]]:

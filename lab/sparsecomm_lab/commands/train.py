@@ -73,7 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="AdamW under the synchronizer: freeze the second moment after the dense warm-up; "
                         "default: the recipe's (on for topka-like methods on gpt with AdamW, else off)")
     parser.add_argument("--dense-fallback", action="store_true",
-                        help="keep the method only where its steps are faster than dense ones")
+                        help="keep the method only where its steps are at least a fifth shorter than dense ones")
+    parser.add_argument("--dense-fallback-decision", choices=["method", "dense"], default=None,
+                        help="with --dense-fallback: take this decision after the probe whatever it measures "
+                        "(a run that does not depend on the machine's load)")
     parser.add_argument("--dense-warmup-steps", type=int, default=None,
                         help="default: the recipe's (50 under AdamW's recipe on gpt, else 0)")
     parser.add_argument("--clip-norm", type=float, default=None, help="local gradient clipping (synchronizer)")
@@ -159,6 +162,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm, steps=args.steps,
         eval_every=args.eval_every, local_steps=args.local_steps, outer=args.outer,
         freeze_adam_variance=args.freeze_adam_variance, dense_fallback=args.dense_fallback,
+        dense_fallback_decision=args.dense_fallback_decision,
         seed=args.seed, net=emulated_net(args.net), sync=args.sync,
         dense_warmup_steps=args.dense_warmup_steps, clip_norm=args.clip_norm,
         momentum_correction=args.momentum_correction, density_warmup=args.density_warmup,
