@@ -331,3 +331,40 @@ def _train_worker(kind: str, method: str) -> list[float]:
 def test_training_on_one_gpu_lowers_the_loss(kind, method):
     losses = run_workers(1, _train_worker, kind, method, backend="nccl", timeout=240)[0]
     assert losses[-1] < 0.7 * losses[0], f"{kind}/{method}: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def _dense_warmup_worker() -> tuple[list[bool], float, float]:
+    import torch.distributed as dist
+    from torch import nn
+
+    from sparsecomm import SparseHookState, hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).cuda()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = SparseHookState(None, "topka", density=0.1, dense_warmup_steps=4)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    data = torch.randn(64, 32, generator=gen).cuda()
+    target = (data[:, :4].sum(1) > 0).long()
+    went, losses = [], []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(data), target)
+        loss.backward()
+        opt.step()
+        went.append(state._native)
+        losses.append(float(loss))
+    state.close()
+    return went, losses[0], losses[-1]
+
+
+@pytest.mark.parametrize("backend, P", [("nccl", 1), ("gloo", 2)])
+def test_the_hooks_dense_warm_up_on_cuda_goes_to_the_backend_where_it_takes_device_buckets(backend, P):
+    """NCCL takes CUDA buckets as they are: the warm-up goes straight to its all-reduce; gloo reads host
+    memory only, so the warm-up stays on the engine's path, which stages through the host."""
+    results = run_workers(P, _dense_warmup_worker, backend=backend, timeout=240)
+    for went, first, last in results:
+        assert went == ([False, True, True, True] if backend == "nccl" else [False] * 4) + [False] * 4
+        assert last < first

@@ -35,13 +35,15 @@ How a step runs:
   warm-up of DGC and RedSync).
 * **The dense all-reduce as DDP's own**: in the dense warm-up, and once the state synchronizes with
   ``"dense"`` (after ``dense_fallback`` fell back, or chosen so), where no residual waits to be
-  flushed, the policy is ``"propagate"`` and no bucket holds a sparse gradient, each bucket goes
-  straight to the backend's all-reduce from the hook, as torch's ``allreduce_hook`` does: no thread,
-  no copy, no agreement round, so such a step is as fast as DDP's (cost: the backend's all-reduce of
-  the bucket, about 2 (P - 1)/P n values per rank over 2 (P - 1) rounds for a ring). Whether an
-  iteration goes so is decided at its first bucket from what every rank holds alike (the step count,
-  the method, set at the end of an earlier iteration, and the carry, emptied by the iteration
-  before) and kept for the iteration; DDP's first iteration, which forms the groups, does not.
+  flushed, the policy is ``"propagate"``, no bucket holds a sparse gradient and the backend takes
+  the bucket where it lives (not a CUDA bucket under gloo, which the engine stages through the
+  host), each bucket goes straight to the backend's all-reduce from the hook, as torch's
+  ``allreduce_hook`` does: no thread, no copy, no agreement round, so such a step is as fast as
+  DDP's (cost: the backend's all-reduce of the bucket, about 2 (P - 1)/P n values per rank over
+  2 (P - 1) rounds for a ring). Whether an iteration goes so is decided at its first bucket from
+  what every rank holds alike (the step count, the method, set at the end of an earlier iteration,
+  and the carry, emptied by the iteration before) and kept for the iteration; DDP's first
+  iteration, which forms the groups, does not.
 * **Non-finite gradients** (:mod:`.nonfinite`): by default (``nonfinite="propagate"``) every rank
   gets NaN when any rank's gradient holds NaN/Inf, with nothing sent and no state moved, so that
   ``torch.amp.GradScaler`` skips the step and lowers its scale as under plain DDP.
@@ -279,7 +281,8 @@ class SparseHookState(EngineView):
             engine = self.engine
             self._native = (engine.plan is not None and (engine.in_warmup or engine.spec.name == "dense")
                             and not len(engine.carry) and engine.nonfinite == "propagate"
-                            and not self._sparse.seen and not self._first)
+                            and not self._sparse.seen and not self._first
+                            and self.comm.takes_as_is(bucket.buffer()))
         return self._native
 
     def native_all_reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -395,6 +395,11 @@ class Communicator:
             raise RuntimeError(f"{what} needs a communicator spanning its whole process group; "
                                f"this one holds ranks {self._ranks}")
 
+    def takes_as_is(self, tensor: torch.Tensor) -> bool:
+        """Whether the backend's collectives take ``tensor`` where it lives (gloo: host memory only;
+        a CUDA tensor is staged through a host copy by this communicator's own calls)."""
+        return not (self._host_staging and tensor.is_cuda)
+
     def native_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """torch.distributed's own all_reduce (sum), in place. Its bytes are the backend's business:
         the meter books one round and no bytes (see ``costmodel`` for the model's figure)."""
