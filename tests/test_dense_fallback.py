@@ -1,4 +1,4 @@
-"""dense_fallback: the hook and the synchronizer time dense and sparse steps and keep the faster
+"""dense_fallback: the hook and the synchronizer time dense and sparse steps and keep the method where it pays
 (sparsecomm.integration.auto), the same decision on every rank, nothing lost, resumable."""
 
 import io

@@ -1,4 +1,4 @@
-"""Never slower than a dense all-reduce: measure both, keep the faster (``dense_fallback=True``).
+"""Never slower than a dense all-reduce: measure both, keep the method only where it pays (``dense_fallback=True``).
 
 Sparse synchronization pays when moving the gradient costs more than selecting and exchanging a few
 of its elements: on a slow link and a large gradient. On a fast link, or on a model whose step is

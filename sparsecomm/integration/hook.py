@@ -279,7 +279,8 @@ class SparseHookState(EngineView):
         sparse-gradient bucket). Decided at the iteration's first bucket, kept for the others."""
         if bucket.index() == 0:
             engine = self.engine
-            self._native = (engine.plan is not None and (engine.in_warmup or engine.spec.name == "dense")
+            self._native = (engine.plan is not None and self._error is None
+                            and (engine.in_warmup or engine.spec.name == "dense")
                             and not len(engine.carry) and engine.nonfinite == "propagate"
                             and not self._sparse.seen and not self._first
                             and self.comm.takes_as_is(bucket.buffer()))
