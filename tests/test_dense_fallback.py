@@ -138,9 +138,25 @@ def test_the_synchronizer_falls_back_alike():
     assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0], strict=True))
 
 
+def _train_native_or_engine(model, ddp, state, native, steps, loss):
+    """Train ``steps`` iterations of ``loss(ddp, generator)`` with ``state`` on ``ddp`` (``native=False``:
+    every iteration on the engine's path); the parameters and which iterations went to the backend."""
+    if not native:
+        state.goes_native = lambda bucket: False
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    went = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss(ddp, torch.Generator().manual_seed(step * 10 + dist.get_rank())).backward()
+        went.append(state._native)
+        assert state.take_stats().density == 1.0 or not state._native
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], went
+
+
 def _train_dense_hook(steps, native, method="topka", nonfinite="propagate"):
-    """Train with a hook that falls back (margin 0.99) or synchronizes densely; ``native=False`` keeps
-    every iteration on the engine's path. Returns the parameters and which iterations went native."""
+    """Train with a hook that falls back (margin 0.99) or synchronizes densely."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -148,24 +164,12 @@ def _train_dense_hook(steps, native, method="topka", nonfinite="propagate"):
     state = SparseHookState(None, method, dense_fallback=method == "topka", nonfinite=nonfinite, **options)
     if method == "topka":
         state.engine.dense_fallback.margin = 0.99
-    if not native:
-        state.goes_native = lambda bucket: False
-    ddp.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    went = []
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(step * 10 + dist.get_rank())
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(torch.randn(8, 32, generator=gen)), torch.randint(4, (8,), generator=gen)
-                                    ).backward()
-        went.append(state._native)
-        stats = state.take_stats()
-        assert stats.density == 1.0 or not state._native
-        opt.step()
+    result = _train_native_or_engine(model, ddp, state, native, steps, lambda ddp, gen: nn.functional.cross_entropy(
+        ddp(torch.randn(8, 32, generator=gen)), torch.randint(4, (8,), generator=gen)))
     if method == "topka":
         assert state.engine.dense_fallback.decision == "dense" and state.engine.dense_fallback.dense_s > 0
     state.close()
-    return [p.detach().clone() for p in model.parameters()], went
+    return result
 
 
 def test_after_falling_back_the_hook_hands_buckets_to_the_backend_as_ddp_does_with_the_same_bits():
@@ -204,19 +208,10 @@ def _warmup_then_method(steps, native):
     model = _Reordered()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)  # a few buckets, rebuilt
     state = SparseHookState(None, "topka", density=0.1, dense_warmup_steps=3)
-    if not native:
-        state.goes_native = lambda bucket: False
-    ddp.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    went = []
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(step * 10 + dist.get_rank())
-        opt.zero_grad()
-        ddp(torch.randn(8, 16, generator=gen)).square().mean().backward()
-        went.append(state._native)
-        opt.step()
+    result = _train_native_or_engine(model, ddp, state, native, steps,
+                                     lambda ddp, gen: ddp(torch.randn(8, 16, generator=gen)).square().mean())
     state.close()
-    return [p.detach().clone() for p in model.parameters()], went
+    return result
 
 
 def test_a_native_warm_up_leaves_the_method_the_same_groups_and_bits_across_ddps_bucket_rebuild():
