@@ -137,3 +137,40 @@ def test_momentum_correction_at_full_density_is_sgd_without_momentum(P):
     for corrected, plain in run_workers(P, _momentum_corrected_at_full_density, P):
         for a, b in zip(corrected, plain, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _warmup_grads(dtype):
+    model = _model()
+    sync = SparseSynchronizer(model, None, "topka", density=0.1, dense_warmup_steps=2, dense_warmup_dtype=dtype)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    nn.functional.cross_entropy(model(torch.randn(4, 6, generator=gen)), torch.randint(2, (4,), generator=gen)
+                                ).backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    stats = sync.synchronize()
+    return local, [p.grad.clone() for p in model.parameters()], stats.bytes_sent
+
+
+def test_a_bf16_warm_up_averages_in_bf16_with_half_the_bytes_on_every_rank_alike():
+    """``dense_warmup_dtype=torch.bfloat16``: the warm-up's average is taken in bf16 (every element a bf16
+    value), close to the float32 average, the same on every rank, for half the float32 warm-up's bytes."""
+    low = run_workers(3, _warmup_grads, torch.bfloat16)
+    full = run_workers(3, _warmup_grads, None)
+    for rank in range(3):
+        for g, g0 in zip(low[rank][1], low[0][1], strict=True):
+            assert torch.equal(g, g0) and g.dtype == torch.float32
+            assert torch.equal(g, g.to(torch.bfloat16).float())
+        for g, local in zip(full[rank][1], zip(*[r[0] for r in full], strict=True), strict=True):
+            assert torch.allclose(g, torch.stack(local).mean(0), atol=1e-6)
+    for g, g32 in zip(low[0][1], full[0][1], strict=True):
+        assert torch.allclose(g, g32, rtol=2e-2, atol=1e-3) and not torch.equal(g, g32)
+    assert low[0][2] * 2 == full[0][2]
+    refused = run_workers(1, _refused_warmup_dtype, torch.int32)[0]
+    assert "dense_warmup_dtype=torch.int32 must be a floating torch dtype" in refused
+
+
+def _refused_warmup_dtype(dtype):
+    try:
+        SparseSynchronizer(nn.Linear(2, 2), None, "topka", density=0.1, dense_warmup_dtype=dtype)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"

@@ -169,6 +169,10 @@ def scheduled_lr(config: TrainConfig, step: int, total_steps: int) -> float:
     return config.lr
 
 
+#: the dtypes the synchronizer's dense warm-up may travel in (``dense_warmup_dtype``)
+WARMUP_DTYPES = ("bfloat16", "float16")
+
+
 @dataclass
 class TrainConfig:
     """Everything that defines a training run (saved in its record).
@@ -226,6 +230,8 @@ class TrainConfig:
     #: with dense_fallback: the decision to take after its probe whatever it measures ("method" or
     #: "dense"), so that the run's trajectory does not depend on the machine's load; None: measured
     dense_fallback_decision: str | None = None
+    #: the synchronizer's dense warm-up all-reduced in this dtype ("bfloat16", "float16"; None: the gradient's)
+    dense_warmup_dtype: str | None = None
     powersgd_rank: int = 2
     method_options: dict[str, Any] = field(default_factory=dict)
     schedule: str | None = None     # method switches "EPOCH:METHOD,...", e.g. "3:torus2d" (Shi et al. 5.6)
@@ -319,6 +325,10 @@ class TrainConfig:
                              "sync='synchronizer'")
         if self.freeze_adam_variance and (self.optimizer != "adamw" or self.dense_warmup_steps < 1):
             raise ValueError("freeze_adam_variance needs optimizer='adamw' and dense_warmup_steps >= 1")
+        if self.dense_warmup_dtype is not None and (self.dense_warmup_dtype not in WARMUP_DTYPES
+                                                    or self.sync != "synchronizer"):
+            raise ValueError(f"dense_warmup_dtype={self.dense_warmup_dtype!r} must be None or one of "
+                             f"{', '.join(map(repr, WARMUP_DTYPES))}, with sync='synchronizer'")
         if self.dense_fallback and (self.method in BASELINES or self.sync == "local"):
             raise ValueError(f"dense_fallback needs a sparsecomm method through the hook or the synchronizer "
                              f"(method={self.method!r}, sync={self.sync!r})")
@@ -350,6 +360,10 @@ class TrainConfig:
     @property
     def is_sparse(self) -> bool:
         return self.method not in BASELINES and self.method not in LOCAL_BASELINES and is_sparse(self.method)
+
+    def warmup_dtype(self) -> torch.dtype | None:
+        """The torch dtype of ``dense_warmup_dtype`` (None: the gradient's)."""
+        return None if self.dense_warmup_dtype is None else getattr(torch, self.dense_warmup_dtype)
 
     def fallback(self) -> DenseFallback | None:
         """The ``dense_fallback=`` argument of the hook or the synchronizer (its decision pinned where
@@ -399,6 +413,7 @@ class _Synchronization:
                 clip_norm=config.clip_norm,
                 momentum_correction=(config.betas[0] if config.optimizer == "adamw" else config.momentum)
                 if config.momentum_correction else None,
+                dense_warmup_dtype=config.warmup_dtype(),
                 density_warmup=config.density_warmup, freeze_adam_variance=config.freeze_adam_variance,
                 dense_fallback=config.fallback())
             return

@@ -79,17 +79,24 @@ class GroupingEngine:
             ``"propagate"`` for the DDP hook, ``"error"`` for the synchronizer (:mod:`.nonfinite`).
         dense_fallback: time dense and sparse steps and keep the method only where it makes steps
             faster (:class:`~.auto.DenseFallback`), or ``None``.
+        warmup_dtype: the floating dtype the dense warm-up's all-reduce travels in (the average is
+            cast back to the gradient's), or ``None``: the gradient's own.
     """
 
     def __init__(self, spec: MethodSpec, comm: Callable[[], Communicator], *, granularity: str = "bucket",
                  dense_warmup_steps: int = 0, dense_below: int = 0, use_layout: bool = True,
-                 nonfinite_default: str = "error", dense_fallback: DenseFallback | None = None) -> None:
+                 nonfinite_default: str = "error", dense_fallback: DenseFallback | None = None,
+                 warmup_dtype: torch.dtype | None = None) -> None:
+        if warmup_dtype is not None and not (isinstance(warmup_dtype, torch.dtype) and warmup_dtype.is_floating_point):
+            raise ValueError(f"dense_warmup_dtype={warmup_dtype!r} must be a floating torch dtype "
+                             "(e.g. torch.bfloat16) or None")
         spec, policy = split_policy(spec, nonfinite_default)
         #: the method; its ``nonfinite`` option is the engine's (:attr:`nonfinite`)
         self.spec = spec
         self.granularity = granularity
         self.dense_warmup_steps = dense_warmup_steps
         self.dense_fallback = dense_fallback
+        self.warmup_dtype = warmup_dtype
         self.dense_below = dense_below
         self.use_layout = bool(use_layout)
         #: steps begun so far (the owner advances it: the hook on DDP's last bucket, the synchronizer
@@ -216,7 +223,13 @@ class GroupingEngine:
         if self._warmup_method is None:
             self._warmup_method = self._build(_DENSE)
         start = time.perf_counter()
-        result = self._warmup_method(grad, out=out)
+        if self.warmup_dtype is not None and grad.dtype != self.warmup_dtype:
+            # the average in the narrower dtype (its bytes on the wire), then cast back, as torch's
+            # bf16_compress_hook; cost: the dense all-reduce's at the dtype's item size
+            low = self._warmup_method(grad.to(self.warmup_dtype))
+            result = out.copy_(low) if out is not None else low.to(grad.dtype)
+        else:
+            result = self._warmup_method(grad, out=out)
         self._record(self._warmup_method, start, warmup=True, **figures)
         return result
 
@@ -288,7 +301,7 @@ class GroupingEngine:
         engine = GroupingEngine(self.spec, comm, granularity=self.granularity,
                                 dense_warmup_steps=self.dense_warmup_steps, dense_below=self.dense_below,
                                 use_layout=self.use_layout, nonfinite_default=self.nonfinite,
-                                dense_fallback=self.dense_fallback)
+                                dense_fallback=self.dense_fallback, warmup_dtype=self.warmup_dtype)
         engine.iter, engine.skipped_calls = self.iter, self.skipped_calls
         engine.carry.load_state_dict(self.carry.state_dict())
         engine._loaded = self.plan.state_dict() if self.plan is not None else self._loaded

@@ -98,6 +98,9 @@ class SparseSynchronizer(EngineView):
             ``dense_warmup_steps >= 1``: freeze Adam's second moment at the end of the warm-up and
             synchronize the preconditioned gradient (:mod:`sparsecomm.integration.adam`); :meth:`step`
             then makes the optimizer's step itself.
+        dense_warmup_dtype: the floating dtype the dense warm-up's all-reduce travels in, the average
+            cast back (``torch.bfloat16`` halves the warm-up's bytes, as torch's ``bf16_compress_hook``);
+            ``None`` (default): the gradient's own.
         dense_fallback: time the first dense and sparse steps and keep the method only if its steps are
             enough shorter (``True``); otherwise average densely from then on (:mod:`.auto`). A
             :class:`~.auto.DenseFallback` sets the probe, the margin or a pinned decision.
@@ -112,7 +115,8 @@ class SparseSynchronizer(EngineView):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  method: MethodSpec | str = "spardl", *, process_group=None, bucket_elements: int | None = None,
-                 dense_warmup_steps: int = 0, dense_below: int = 0, clip_norm: float | None = None,
+                 dense_warmup_steps: int = 0, dense_warmup_dtype: torch.dtype | None = None,
+                 dense_below: int = 0, clip_norm: float | None = None,
                  momentum_correction: float | None = None, density_warmup: int | None = None,
                  freeze_adam_variance: bool = False, dense_fallback: bool | DenseFallback | None = False,
                  broadcast_parameters: bool = True,
@@ -154,7 +158,8 @@ class SparseSynchronizer(EngineView):
         self._preconditioned = False  # whether the last synchronize() left preconditioned averages
         self.engine = GroupingEngine(spec, lambda: self.comm, dense_warmup_steps=dense_warmup_steps,
                                      dense_below=dense_below, nonfinite_default=SYNCHRONIZER_DEFAULT,
-                                     dense_fallback=as_dense_fallback(dense_fallback))
+                                     dense_fallback=as_dense_fallback(dense_fallback),
+                                     warmup_dtype=dense_warmup_dtype)
         self.engine.build(self._make_buckets(bucket_elements))
         self.corrections: list[dgc.MomentumCorrection] | None = None
         if momentum_correction is not None:
