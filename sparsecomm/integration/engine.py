@@ -266,18 +266,16 @@ class GroupingEngine:
                 stats.hidden_time = hidden_seconds([(start, end)], backward_end)
         self._calls = []
         self.overflow.reset()
-        if self.dense_fallback is not None:  # (the owner advanced iter when the step's last call began)
-            self.dense_fallback.step_ended(self.iter - 1, self.dense_until, self.comm,
-                                           lambda: self.switch_method(_DENSE))
+        self.end_native_step()  # dense_fallback's clock
         if keep:
             with self._lock:
                 self._stats.extend(records)
         return Stats.total(records)
 
     def end_native_step(self) -> None:
-        """Close a step whose buckets the owner handed to the backend's all-reduce itself (the hook's
-        dense path): no call of the engine's to close, only ``dense_fallback``'s clock to tell (the
-        owner advanced iter at the step's last bucket)."""
+        """Tell ``dense_fallback``'s clock that a step ended: all that closes a step whose buckets the
+        owner handed to the backend's all-reduce itself (the hook's dense path), and part of
+        :meth:`end_step` (the owner advanced iter when the step's last call began)."""
         if self.dense_fallback is not None:
             self.dense_fallback.step_ended(self.iter - 1, self.dense_until, self.comm,
                                            lambda: self.switch_method(_DENSE))

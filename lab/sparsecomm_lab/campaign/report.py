@@ -123,13 +123,14 @@ def summary(camp: Campaign) -> dict[str, Any]:
 
     def arm_entry(name: str, r: Any) -> dict[str, Any]:
         entry = {"kind": r.arm.kind, "options": r.arm.options, "optimizer": _optimizer(camp, name),
-                 "dense_twin": r.arm.dense_twin, **figures(r, name),
+                 "dense_twin": r.arm.dense_twin,
                  "step_s": {net: {"warmup": w, "main": m} for net, (w, m) in r.step_s.items()}}
-        if r.arm.is_policy:  # no figures of its own: per network, the branch it took
-            entry.update({"grid": {}, "best_lr": None, "steps_to_target": {}, "final": {}, "final_vs_ddp": None,
-                          "by_network": {net: {"decision": r.decision.get(net),
-                                               **figures(camp.result(name, net), name, net)} for net in r.step_s}})
-        return entry
+        if not r.arm.is_policy:
+            return {**entry, **figures(r, name)}
+        # a policy has no figures of its own: per network, the branch it took
+        return {**entry, "grid": {}, "best_lr": None, "steps_to_target": {}, "final": {}, "final_vs_ddp": None,
+                "by_network": {net: {"decision": r.decision.get(net), **figures(camp.result(name, net), name, net)}
+                               for net in r.step_s}}
 
     return {
         "workload": {"name": wl.name, "model": wl.model, "data": wl.data, "metric": wl.metric, "steps": wl.steps,
