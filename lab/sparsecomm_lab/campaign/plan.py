@@ -147,6 +147,8 @@ _HOOK: dict[str, Any] = {"sync": "ddp", "momentum_correction": False, "dense_war
 
 #: the dense warm-up of the frozen-variance recipe: Adam's second moment is estimated over it
 FVA_WARMUP = 50
+#: the dtype the GPT's frozen-variance arms average their dense warm-up in
+GPT_WARMUP_DTYPE = "bfloat16"
 
 
 def _explore(arm: Arm, lr: float = 1e-3) -> Arm:
@@ -156,19 +158,21 @@ def _explore(arm: Arm, lr: float = 1e-3) -> Arm:
 
 
 def _fva(method: str, density: float | None, name: str, twin: str | None, corrected: bool = False,
-         clip_norm: float | None = 1.0) -> Arm:
+         clip_norm: float | None = 1.0, warmup_dtype: str | None = None) -> Arm:
     """The frozen-variance AdamW recipe through the synchronizer (``clip_norm``: the workload's clipping,
-    applied by the synchronizer after the exchange in place of the harness's)."""
+    applied by the synchronizer after the exchange in place of the harness's; ``warmup_dtype``: the
+    dtype the dense warm-up is averaged in, None for the gradient's)."""
     options: dict[str, Any] = {"method": method, "sync": "synchronizer", "freeze_adam_variance": True,
-                               "momentum_correction": corrected,
-                               "dense_warmup_steps": FVA_WARMUP, "clip_norm": clip_norm, "max_grad_norm": None}
+                               "momentum_correction": corrected, "dense_warmup_steps": FVA_WARMUP,
+                               "dense_warmup_dtype": warmup_dtype, "clip_norm": clip_norm, "max_grad_norm": None}
     if density is not None:
         options["density"] = density
     what = "dense all-reduce" if density is None else f"{method} at {density:g}"
     how = " and DGC momentum correction with masking" if corrected else ""
+    warmup = f"{FVA_WARMUP} dense steps" + ("" if warmup_dtype is None else f" (averaged in {warmup_dtype})")
     dense = density is None or density == 1
     return Arm(name, "dense" if dense else "sparse",
-               f"{what}, AdamW with the second moment frozen after {FVA_WARMUP} dense steps{how} "
+               f"{what}, AdamW with the second moment frozen after {warmup}{how} "
                "(synchronizer, freeze_adam_variance)", options, dense_twin=twin)
 
 
@@ -200,19 +204,24 @@ def _adamw(name: str, kind: str, description: str, **options: Any) -> Arm:
 
 #: the arms of each workload, in table order
 ARMS: dict[str, list[Arm]] = {
+    # the recipe's dense warm-up travels in bfloat16 (half the bytes of its 50 dense steps) in every
+    # frozen-variance arm, so that the twins differ from each other only in what they name
     "gpt": [
         _FLOOR, _DDP, *_POWERSGD,
-        _fva("dense", None, "dense-fva", None),
+        _fva("dense", None, "dense-fva", None, warmup_dtype=GPT_WARMUP_DTYPE),
         Arm("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, AdamW on the averaged gradient",
             {"method": "topka", "density": 0.01, **_HOOK}),
-        _fva("topka", 0.01, "topka-fva@0.01", "dense-fva"),
-        _fva("topka", 1.0, "topka-fvamc@1", None, corrected=True),
-        _fva("topka", 0.01, "topka-fvamc@0.01", "topka-fvamc@1", corrected=True),
-        _explore(_fva("topka", 0.001, "topka-fvamc@0.001", "topka-fvamc@1", corrected=True)),
-        _explore(_fva("topka", 0.1, "topka-fva@0.1", "dense-fva")),
-        _explore(_fva("topka", 0.03, "topka-fva@0.03", "dense-fva")),
-        _explore(_fva("topka", 0.1, "topka-fvamc@0.1", "topka-fvamc@1", corrected=True)),
-        _explore(_fva("topka", 0.03, "topka-fvamc@0.03", "topka-fvamc@1", corrected=True)),
+        _fva("topka", 0.01, "topka-fva@0.01", "dense-fva", warmup_dtype=GPT_WARMUP_DTYPE),
+        _fva("topka", 1.0, "topka-fvamc@1", None, corrected=True, warmup_dtype=GPT_WARMUP_DTYPE),
+        _fva("topka", 0.01, "topka-fvamc@0.01", "topka-fvamc@1", corrected=True, warmup_dtype=GPT_WARMUP_DTYPE),
+        _explore(_fva("topka", 0.001, "topka-fvamc@0.001", "topka-fvamc@1", corrected=True,
+                      warmup_dtype=GPT_WARMUP_DTYPE)),
+        _explore(_fva("topka", 0.1, "topka-fva@0.1", "dense-fva", warmup_dtype=GPT_WARMUP_DTYPE)),
+        _explore(_fva("topka", 0.03, "topka-fva@0.03", "dense-fva", warmup_dtype=GPT_WARMUP_DTYPE)),
+        _explore(_fva("topka", 0.1, "topka-fvamc@0.1", "topka-fvamc@1", corrected=True,
+                      warmup_dtype=GPT_WARMUP_DTYPE)),
+        _explore(_fva("topka", 0.03, "topka-fvamc@0.03", "topka-fvamc@1", corrected=True,
+                      warmup_dtype=GPT_WARMUP_DTYPE)),
     ],
     # local steps against per-step synchronization, on the GPT's budget (one lr, one seed: see WORKLOADS)
     "gpt-local": [
