@@ -93,6 +93,19 @@ def test_nosync_floor_exchanges_nothing_and_ddp_keeps_the_ranks_equal():
     assert floor["epochs"][0]["bytes_per_step"] == 0 and floor["epochs"][0]["time_per_step"] > 0
 
 
+def test_ddp_in_half_precision_keeps_the_ranks_equal_and_is_refused_elsewhere():
+    """method="ddp" with ddp_dtype: torch's fp16_compress_hook averages the gradient in float16 (its
+    bf16_compress_hook needs NCCL), so the replicas stay equal but the run leaves the float32 trajectory."""
+    fp32 = train(dataclasses.replace(SMALL, method="ddp", epochs=1), keep_params=True)
+    fp16 = train(dataclasses.replace(SMALL, method="ddp", epochs=1, ddp_dtype="float16"), keep_params=True)
+    assert fp16["consistent"] and fp16["label"] == "ddp(float16)"
+    assert not all(torch.equal(a, b) for a, b in zip(fp32["params"][0], fp16["params"][0], strict=True))
+    with pytest.raises(ValueError, match="ddp_dtype='bfloat16' must be None or one of .* with method='ddp'"):
+        dataclasses.replace(SMALL, method="topka", ddp_dtype="bfloat16").validate()
+    with pytest.raises(ValueError, match="ddp_dtype='int8'"):
+        dataclasses.replace(SMALL, method="ddp", ddp_dtype="int8").validate()
+
+
 @pytest.mark.parametrize("sync", ["ddp", "synchronizer"])
 def test_a_pinned_dense_fallback_decision_is_taken_and_recorded(sync):
     """``dense_fallback_decision`` pins the decision after the probe (a trajectory that does not depend on

@@ -169,8 +169,8 @@ def scheduled_lr(config: TrainConfig, step: int, total_steps: int) -> float:
     return config.lr
 
 
-#: the dtypes the synchronizer's dense warm-up may travel in (``dense_warmup_dtype``)
-WARMUP_DTYPES = ("bfloat16", "float16")
+#: the half-precision dtypes a dense all-reduce may travel in (``dense_warmup_dtype``, ``ddp_dtype``)
+HALF_DTYPES = ("bfloat16", "float16")
 
 
 @dataclass
@@ -232,6 +232,9 @@ class TrainConfig:
     dense_fallback_decision: str | None = None
     #: the synchronizer's dense warm-up all-reduced in this dtype ("bfloat16", "float16"; None: the gradient's)
     dense_warmup_dtype: str | None = None
+    #: method="ddp": DDP all-reduces the gradient in this dtype through torch's bf16_compress_hook (NCCL
+    #: only) or fp16_compress_hook ("bfloat16", "float16"; None: the gradient's, DDP's default)
+    ddp_dtype: str | None = None
     powersgd_rank: int = 2
     method_options: dict[str, Any] = field(default_factory=dict)
     schedule: str | None = None     # method switches "EPOCH:METHOD,...", e.g. "3:torus2d" (Shi et al. 5.6)
@@ -325,10 +328,13 @@ class TrainConfig:
                              "sync='synchronizer'")
         if self.freeze_adam_variance and (self.optimizer != "adamw" or self.dense_warmup_steps < 1):
             raise ValueError("freeze_adam_variance needs optimizer='adamw' and dense_warmup_steps >= 1")
-        if self.dense_warmup_dtype is not None and (self.dense_warmup_dtype not in WARMUP_DTYPES
+        if self.dense_warmup_dtype is not None and (self.dense_warmup_dtype not in HALF_DTYPES
                                                     or self.sync != "synchronizer"):
             raise ValueError(f"dense_warmup_dtype={self.dense_warmup_dtype!r} must be None or one of "
-                             f"{', '.join(map(repr, WARMUP_DTYPES))}, with sync='synchronizer'")
+                             f"{', '.join(map(repr, HALF_DTYPES))}, with sync='synchronizer'")
+        if self.ddp_dtype is not None and (self.ddp_dtype not in HALF_DTYPES or self.method != "ddp"):
+            raise ValueError(f"ddp_dtype={self.ddp_dtype!r} must be None or one of "
+                             f"{', '.join(map(repr, HALF_DTYPES))}, with method='ddp' (got {self.method!r})")
         if self.dense_fallback and (self.method in BASELINES or self.sync == "local"):
             raise ValueError(f"dense_fallback needs a sparsecomm method through the hook or the synchronizer "
                              f"(method={self.method!r}, sync={self.sync!r})")
@@ -381,9 +387,11 @@ class TrainConfig:
 
 
 def describe_method(config: TrainConfig) -> str:
-    """A short label: ``spardl@0.01``, ``dense``, ``powersgd(r=2)``."""
+    """A short label: ``spardl@0.01``, ``dense``, ``powersgd(r=2)``, ``ddp(bfloat16)``."""
     if config.method == "powersgd":
         return f"powersgd(r={config.powersgd_rank})"
+    if config.method == "ddp" and config.ddp_dtype is not None:
+        return f"ddp({config.ddp_dtype})"
     return f"{config.method}@{config.density:g}" if config.is_sparse else config.method
 
 
@@ -430,6 +438,12 @@ class _Synchronization:
                                                 start_powerSGD_iter=max(2, config.dense_warmup_steps),
                                                 random_seed=config.seed)
             self.module.register_comm_hook(self.state, powersgd.powerSGD_hook)
+        elif config.method == "ddp" and config.ddp_dtype is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            compress = default_hooks.bf16_compress_hook if config.ddp_dtype == "bfloat16" \
+                else default_hooks.fp16_compress_hook
+            self.module.register_comm_hook(None, compress)
         elif config.method == FLOOR:
             from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 

@@ -160,9 +160,10 @@ class Campaign:
         return floor.step_s[net][1] * self.ddp_steps
 
     def best_baseline(self, net: str) -> tuple[str, float]:
-        """The fastest of DDP and PowerSGD's ranks to the target on ``net`` (name, median time)."""
+        """The fastest of torch's DDP (in any of its forms: half precision, sparse embeddings) and
+        PowerSGD's ranks to the target on ``net`` (name, median time)."""
         candidates = [(r.median_time(net), name) for name, r in self.arms.items()
-                      if r.arm.kind in ("powersgd",) or name == "ddp"]
+                      if r.arm.kind == "powersgd" or r.arm.options.get("method") == "ddp"]
         time, name = min(candidates) if candidates else (math.inf, "-")
         return name, time
 

@@ -139,6 +139,10 @@ def trained_arms(arms: list[Arm]) -> list[Arm]:
 _FLOOR = Arm("floor", "floor", "no synchronization: DDP with torch's no-op hook (the step no exchange can beat)",
              {"method": FLOOR})
 _DDP = Arm("ddp", "dense", "torch DDP (all-reduce)", {"method": "ddp"})
+#: DDP with torch's fp16_compress_hook: half the bytes, as the recipe's warm-up in bfloat16 (torch's
+#: bf16_compress_hook needs NCCL)
+_DDP_HALF = Arm("ddp-fp16", "dense", "torch DDP with fp16_compress_hook (the gradient all-reduced in float16)",
+                {"method": "ddp", "ddp_dtype": "float16"})
 _POWERSGD = [Arm(f"powersgd-r{r}", "powersgd", f"torch's powerSGD_hook, rank {r} (one bucket)",
                  {"method": "powersgd", "powersgd_rank": r}) for r in (2, 4)]
 
@@ -207,7 +211,7 @@ ARMS: dict[str, list[Arm]] = {
     # the recipe's dense warm-up travels in bfloat16 (half the bytes of its 50 dense steps) in every
     # frozen-variance arm, so that the twins differ from each other only in what they name
     "gpt": [
-        _FLOOR, _DDP, *_POWERSGD,
+        _FLOOR, _DDP, _DDP_HALF, *_POWERSGD,
         _fva("dense", None, "dense-fva", None, warmup_dtype=GPT_WARMUP_DTYPE),
         Arm("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, AdamW on the averaged gradient",
             {"method": "topka", "density": 0.01, **_HOOK}),

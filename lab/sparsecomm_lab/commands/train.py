@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: the recipe's (50 under AdamW's recipe on gpt, else 0)")
     parser.add_argument("--dense-warmup-dtype", choices=["bfloat16", "float16"], default=None,
                         help="with --sync synchronizer: all-reduce the dense warm-up in this dtype (half the bytes)")
+    parser.add_argument("--ddp-dtype", choices=["bfloat16", "float16"], default=None,
+                        help="with --method ddp: all-reduce the gradient in this dtype (torch's bf16_compress_hook "
+                        "or fp16_compress_hook)")
     parser.add_argument("--clip-norm", type=float, default=None, help="local gradient clipping (synchronizer)")
     parser.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
                         help="DGC momentum correction (synchronizer); default: the recipe's (on for topka-like "
@@ -165,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_every=args.eval_every, local_steps=args.local_steps, outer=args.outer,
         freeze_adam_variance=args.freeze_adam_variance, dense_fallback=args.dense_fallback,
         dense_fallback_decision=args.dense_fallback_decision, dense_warmup_dtype=args.dense_warmup_dtype,
+        ddp_dtype=args.ddp_dtype,
         seed=args.seed, net=emulated_net(args.net), sync=args.sync,
         dense_warmup_steps=args.dense_warmup_steps, clip_norm=args.clip_norm,
         momentum_correction=args.momentum_correction, density_warmup=args.density_warmup,
