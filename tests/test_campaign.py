@@ -105,6 +105,29 @@ def test_the_target_the_steps_the_composed_time_the_limit_and_the_goals():
     assert goals["within 1% of DDP"] is True  # 1.995 against 1.99
 
 
+def test_ddp_in_half_precision_is_a_baseline_and_the_report_names_the_rows_that_rest_on_less():
+    """Any form of torch's DDP competes for the best baseline; an arm run at one seed, or not timed, is
+    named in the report's departures sentence."""
+    wl = _tiny()
+    records = [_record("ddp", 3e-3, seed, [3.0, 2.5, 2.0, 1.99]) for seed in (0, 1, 2)]
+    records += [_record("ddp", 1e-3, 0, [3.0, 2.9, 2.8, 2.7]), _record("ddp-fp16", 1e-3, 0, [3.0, 2.9, 2.8, 2.7]),
+                _record("ddp-fp16", 3e-3, 0, [3.0, 2.5, 2.0, 1.99]), _record("powersgd-r4", 1e-3, 0, [3.0] * 4),
+                _record("powersgd-r4", 3e-3, 0, [3.0] * 4)]
+    net = "1gbit"
+    records += [_record("floor", 1e-3, 0, [9.0], "timing", net, [1.0] * 40),
+                _record("ddp", 3e-3, 0, [9.0], "timing", net, [4.0] * 40),
+                _record("ddp-fp16", 3e-3, 0, [9.0], "timing", net, [2.5] * 40)]
+    camp = campaign.analyse(records, wl, [net])
+    assert camp.best_baseline(net) == ("ddp-fp16", pytest.approx(75.0))
+    [sentence, _] = campaign.report._departures(camp)
+    assert "seed 0 alone (its row says [n/1]): ddp-fp16, powersgd-r4;" in sentence
+    assert sentence.endswith("not timed (no step time or time to the target): powersgd-r4.")
+    records += [_record(name, lr, seed, [3.0] * 4) for name, lr in (("ddp-fp16", 3e-3), ("powersgd-r4", 1e-3))
+                for seed in (1, 2)]
+    records.append(_record("powersgd-r4", 1e-3, 0, [9.0], "timing", net, [3.0] * 40))
+    assert campaign.report._departures(campaign.analyse(records, wl, [net])) == []
+
+
 def test_the_campaign_runs_end_to_end_on_a_tiny_transformer_and_writes_its_report(tmp_path):
     pytest.importorskip("tokenizers")
     wl = _tiny(steps=8, eval_every=4, data_options={"train_chars": 60_000, "test_chars": 20_000, "vocab_size": 300,

@@ -180,6 +180,22 @@ def _plot(camp: Campaign, records: list[dict[str, Any]], path: str) -> str | Non
     return path
 
 
+def _departures(camp: Campaign) -> list[str]:
+    """The report's sentence naming the arms the campaign ran on fewer seeds than the protocol's, or
+    did not time, so that a reader sees where a row rests on less (exploration arms say so themselves)."""
+    wl, branched = camp.workload, camp.branch_names()
+    listed = [r for r in camp.arms.values()
+              if not r.arm.timed_only and r.arm.explore_lrs is None and r.arm.name not in branched]
+    fewer = [r.arm.name for r in listed if r.final and len(r.final) < len(wl.seeds_of(r.arm))]
+    untimed = [r.arm.name for r in listed if r.final and not r.arm.is_policy and not r.step_s]
+    said = []
+    if fewer:
+        said.append(f"ran at seed 0 alone (its row says [n/1]): {', '.join(fewer)}")
+    if untimed:
+        said.append(f"not timed (no step time or time to the target): {', '.join(untimed)}")
+    return [f"**Departures from the protocol in this run.** {'; '.join(said)}.", ""] if said else []
+
+
 def write_report(camp: Campaign, records: list[dict[str, Any]], outdir: str, command: str) -> str:
     """Write ``report.md``, ``summary.json`` and the plot into ``outdir``; returns the report's path."""
     os.makedirs(outdir, exist_ok=True)
@@ -207,6 +223,7 @@ def write_report(camp: Campaign, records: list[dict[str, Any]], outdir: str, com
               "the target x the step time measured on each emulated network on a quiet machine (dense warm-up "
               "steps at the warm-up's step time). One full run per network checks the composition. `x limit`: "
               "the time over the limit, the floor's step x DDP's steps to the target.", ""]
+    lines += _departures(camp)
     if plot:
         lines += [f"![{os.path.basename(plot)}]({os.path.basename(plot)})", ""]
     for net in camp.nets:
