@@ -54,6 +54,24 @@ def test_the_table_is_built_from_campaign_summaries():
         accuracy.build_table([])
 
 
+def test_a_baseline_that_beat_the_recommended_arm_is_kept_and_advise_says_so(capsys):
+    """Where the campaign's best baseline (here DDP with sparse embeddings) reached the target sooner
+    than its recommended arm, the table keeps it and advise tells a user with a model like it."""
+    lstm = _lstm_summary()
+    lstm["arms"]["ddp-sparse-embedding"] = {**_arm("ddp", None, [1.9] * 3, [200] * 3, kind="dense"),
+                                            "description": "torch DDP with nn.Embedding(sparse=True)"}
+    lstm["goals"] = [{"network": "1gbit", "recommended": "topka-hook@0.01", "best of DDP/PowerSGD":
+                      "ddp-sparse-embedding", "speed-up vs best baseline": 0.5},
+                     {"network": "100mbit", "recommended": "topka-hook@0.01", "best of DDP/PowerSGD": "ddp",
+                      "speed-up vs best baseline": 2.0}]
+    table = accuracy.build_table([_summary(), lstm], sources=["synthetic"])
+    assert table["workloads"]["gpt"]["baseline_sooner"] == []
+    [line] = accuracy.baselines_sooner(table)
+    assert line.startswith("in the word-lstm campaign (word-lstm), ddp-sparse-embedding (torch DDP with "
+                           "nn.Embedding(sparse=True)) reached DDP's target 2.00x sooner than topka-hook@0.01 over 1gbit")
+    assert accuracy.baselines_sooner(table, "gpt") == []
+
+
 def test_the_shipped_table_is_the_one_built_from_the_campaigns_in_benchmarks(tmp_path):
     sources = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("benchmarks/campaign-*/summary.json"))
     if not sources:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..methods import dense_warmup
-from ..simulator.accuracy import TABLE_PATH, Assessment, assess, check_workload, load_table
+from ..simulator.accuracy import TABLE_PATH, Assessment, assess, baselines_sooner, check_workload, load_table
 from ..simulator.model import Prediction, UnknownMethodError, predict
 from .table import markdown_table
 
@@ -324,6 +324,8 @@ def run(args) -> int:
               + ("ACCURACY UNKNOWN: " if verdict.ok is None else "") + verdict.note)
         if verdict.recipe:
             print(f"recipe: {verdict.recipe} (docs/choosing-a-method.md)")
+        for line in baselines_sooner(table, args.like):
+            print(f"note: {line}")
         for p in result.passed_over:
             print(f"not recommended: {p.method} at density {p.density:g}, predicted {1e3 * p.total_s:.1f} ms per "
                   f"step, lost more than the tolerance in the campaign: {result.accuracy[(p.method, p.density)].note}")

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TABLE_PATH", "build_table", "load_table", "check_workload", "assess", "Assessment", "main"]
+__all__ = ["TABLE_PATH", "build_table", "load_table", "check_workload", "assess", "Assessment", "baselines_sooner",
+           "main"]
 
 #: the generated table shipped with the package
 TABLE_PATH = Path(__file__).with_name("accuracy_table.json")
@@ -57,6 +58,20 @@ def _entry(arm: dict[str, Any], ddp_steps: float | None, metric: str) -> dict[st
     }
 
 
+def _baseline_sooner(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The networks on which the campaign's best baseline (a form of torch's DDP or PowerSGD) reached
+    the target sooner than the arm the campaign recommends: a user with a model like the workload's
+    should try that baseline first."""
+    sooner = []
+    for goal in summary.get("goals", []):
+        speedup, name = goal.get("speed-up vs best baseline"), goal.get("best of DDP/PowerSGD")
+        if isinstance(speedup, (int, float)) and 0 < speedup < 1 and name in summary["arms"]:
+            sooner.append({"network": goal["network"], "recommended": goal["recommended"], "baseline": name,
+                           "description": summary["arms"][name].get("description", name),
+                           "times_sooner": 1.0 / speedup})
+    return sooner
+
+
 def build_table(summaries: Sequence[dict[str, Any]], sources: Sequence[str] = ()) -> dict[str, Any]:
     """The accuracy table from campaign summaries (see the module docstring)."""
     table: dict[str, Any] = {"sources": list(sources), "workloads": {}}
@@ -69,7 +84,7 @@ def build_table(summaries: Sequence[dict[str, Any]], sources: Sequence[str] = ()
         if wl["name"] in table["workloads"]:
             raise ValueError(f"two campaign summaries of workload {wl['name']!r}")
         table["workloads"][wl["name"]] = {"model": wl["model"], "data": wl["data"], "metric": wl["metric"],
-                                          "runs": runs}
+                                          "runs": runs, "baseline_sooner": _baseline_sooner(summary)}
     if not table["workloads"]:
         raise ValueError("no campaign summaries to build the accuracy table from")
     return table
@@ -80,6 +95,16 @@ def load_table(path: str | Path = TABLE_PATH) -> dict[str, Any]:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"accuracy table {str(path)!r} cannot be read: {err}") from None
+
+
+def baselines_sooner(table: dict[str, Any], workload: str | None = None) -> list[str]:
+    """One line per campaign network where a torch baseline beat the campaign's recommended arm to the
+    target (``workload``: that workload's alone)."""
+    return [f"in the {name} campaign ({entry['model']}), {b['baseline']} ({b['description']}) reached DDP's "
+            f"target {b['times_sooner']:.2f}x sooner than {b['recommended']} over {b['network']}: on a model like "
+            f"it, try that first"
+            for name, entry in table["workloads"].items() if workload is None or name == workload
+            for b in entry.get("baseline_sooner", [])]
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,8 @@ def summary(camp: Campaign) -> dict[str, Any]:
                 "final": {str(s): v for s, v in r.final.items()}, "final_vs_ddp": camp.final_vs_ddp(name, net)}
 
     def arm_entry(name: str, r: Any) -> dict[str, Any]:
-        entry = {"kind": r.arm.kind, "options": r.arm.options, "optimizer": _optimizer(camp, name),
+        entry = {"kind": r.arm.kind, "description": r.arm.description, "options": r.arm.options,
+                 "optimizer": _optimizer(camp, name),
                  "dense_twin": r.arm.dense_twin,
                  "step_s": {net: {"warmup": w, "main": m} for net, (w, m) in r.step_s.items()}}
         if not r.arm.is_policy:
