@@ -203,11 +203,11 @@ class _Reordered(nn.Module):
         return self.c(torch.relu(self.a(torch.relu(self.b(x)))))
 
 
-def _warmup_then_method(steps, native):
+def _warmup_then_method(steps, native, dtype=None):
     torch.manual_seed(0)
     model = _Reordered()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)  # a few buckets, rebuilt
-    state = SparseHookState(None, "topka", density=0.1, dense_warmup_steps=3)
+    state = SparseHookState(None, "topka", density=0.1, dense_warmup_steps=3, dense_warmup_dtype=dtype)
     result = _train_native_or_engine(model, ddp, state, native, steps,
                                      lambda ddp, gen: ddp(torch.randn(8, 16, generator=gen)).square().mean())
     state.close()
@@ -219,3 +219,40 @@ def test_a_native_warm_up_leaves_the_method_the_same_groups_and_bits_across_ddps
     engine = run_workers(2, _warmup_then_method, 7, False)
     assert native[0][1] == [False, True, True, False, False, False, False]
     assert all(torch.equal(a, b) for a, b in zip(native[0][0], engine[0][0], strict=True))
+
+
+def _first_warmup_step(native, dtype):
+    """One warm-up iteration after DDP's first (which forms the groups): each rank's averaged gradient
+    and the bytes the stats book for it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = SparseHookState(None, "topka", density=0.1, dense_warmup_steps=3, dense_warmup_dtype=dtype)
+    if not native:
+        state.goes_native = lambda bucket: False
+    ddp.register_comm_hook(state, hook)
+    for step in range(2):
+        model.zero_grad()
+        gen = torch.Generator().manual_seed(step * 10 + dist.get_rank())
+        nn.functional.cross_entropy(ddp(torch.randn(8, 32, generator=gen)), torch.randint(4, (8,), generator=gen)
+                                    ).backward()
+        stats = state.take_stats()
+    went = state._native
+    state.close()
+    return [p.grad.clone() for p in model.parameters()], stats.bytes_sent, went
+
+
+def test_a_bf16_warm_up_through_the_hook_averages_in_bf16_for_half_the_bytes_by_either_path():
+    """``dense_warmup_dtype=torch.bfloat16`` on the hook: the warm-up's average is a bf16 value cast back
+    to float32, the same bits on the backend's path and the engine's, on every rank, for half the bytes."""
+    native = run_workers(3, _first_warmup_step, True, torch.bfloat16)
+    engine = run_workers(3, _first_warmup_step, False, torch.bfloat16)
+    full = run_workers(3, _first_warmup_step, True, None)
+    assert native[0][2] and not engine[0][2] and full[0][2]
+    for rank in range(3):
+        for a, b, c in zip(native[rank][0], engine[rank][0], native[0][0], strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c) and a.dtype == torch.float32
+            assert torch.equal(a, a.to(torch.bfloat16).float())
+    for low, high in zip(native[0][0], full[0][0], strict=True):
+        assert torch.allclose(low, high, rtol=2e-2, atol=1e-3) and not torch.equal(low, high)
+    assert native[0][1] * 2 == full[0][1] and engine[0][1] * 2 == full[0][1]

@@ -126,13 +126,15 @@ def test_a_pinned_dense_fallback_decision_is_taken_and_recorded(sync):
         dataclasses.replace(base, dense_fallback=False, dense_fallback_decision="dense").validate()
 
 
-def test_the_warm_up_dtype_is_the_synchronizers_and_named_when_refused():
+def test_the_warm_up_dtype_is_the_hooks_and_the_synchronizers_and_named_when_refused():
     config = dataclasses.replace(SMALL, method="topka", sync="synchronizer", dense_warmup_steps=2,
                                  dense_warmup_dtype="bfloat16", momentum_correction=False)
     config.validate()
     assert config.warmup_dtype() is torch.bfloat16 and SMALL.warmup_dtype() is None
-    with pytest.raises(ValueError, match="dense_warmup_dtype='bfloat16' must be .* with sync='synchronizer'"):
-        dataclasses.replace(config, sync="ddp").validate()
+    dataclasses.replace(config, sync="ddp").validate()  # the hook's warm-up too
+    with pytest.raises(ValueError, match="dense_warmup_dtype='bfloat16' must be .* through the hook or the "
+                       "synchronizer \\(method='ddp'"):
+        dataclasses.replace(config, method="ddp", sync="ddp", dense_warmup_steps=0).validate()
     with pytest.raises(ValueError, match="dense_warmup_dtype='int8'"):
         dataclasses.replace(config, dense_warmup_dtype="int8").validate()
 

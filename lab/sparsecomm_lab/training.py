@@ -230,7 +230,8 @@ class TrainConfig:
     #: with dense_fallback: the decision to take after its probe whatever it measures ("method" or
     #: "dense"), so that the run's trajectory does not depend on the machine's load; None: measured
     dense_fallback_decision: str | None = None
-    #: the synchronizer's dense warm-up all-reduced in this dtype ("bfloat16", "float16"; None: the gradient's)
+    #: the dense warm-up (hook or synchronizer) all-reduced in this dtype ("bfloat16", "float16"; None: the
+    #: gradient's)
     dense_warmup_dtype: str | None = None
     #: method="ddp": DDP all-reduces the gradient in this dtype through torch's bf16_compress_hook (NCCL
     #: only) or fp16_compress_hook ("bfloat16", "float16"; None: the gradient's, DDP's default)
@@ -329,9 +330,10 @@ class TrainConfig:
         if self.freeze_adam_variance and (self.optimizer != "adamw" or self.dense_warmup_steps < 1):
             raise ValueError("freeze_adam_variance needs optimizer='adamw' and dense_warmup_steps >= 1")
         if self.dense_warmup_dtype is not None and (self.dense_warmup_dtype not in HALF_DTYPES
-                                                    or self.sync != "synchronizer"):
+                                                    or self.sync == "local" or self.method in BASELINES):
             raise ValueError(f"dense_warmup_dtype={self.dense_warmup_dtype!r} must be None or one of "
-                             f"{', '.join(map(repr, HALF_DTYPES))}, with sync='synchronizer'")
+                             f"{', '.join(map(repr, HALF_DTYPES))}, with a sparsecomm method through the hook "
+                             f"or the synchronizer (method={self.method!r}, sync={self.sync!r})")
         if self.ddp_dtype is not None and (self.ddp_dtype not in HALF_DTYPES or self.method != "ddp"):
             raise ValueError(f"ddp_dtype={self.ddp_dtype!r} must be None or one of "
                              f"{', '.join(map(repr, HALF_DTYPES))}, with method='ddp' (got {self.method!r})")
@@ -450,7 +452,7 @@ class _Synchronization:
             self.module.register_comm_hook(None, noop_hook)
         elif config.method != "ddp":
             self.state = SparseHookState(None, config.method_spec(), dense_warmup_steps=config.dense_warmup_steps,
-                                         dense_fallback=config.fallback())
+                                         dense_warmup_dtype=config.warmup_dtype(), dense_fallback=config.fallback())
             self.module.register_comm_hook(self.state, hook)
 
     def evaluation_model(self) -> Any:

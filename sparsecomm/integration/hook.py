@@ -164,6 +164,9 @@ class SparseHookState(EngineView):
         method: a :class:`~sparsecomm.methods.MethodSpec`, or a name from
             :func:`sparsecomm.available_methods` with ``method_options``.
         dense_warmup_steps: all-reduce densely for this many first iterations (>= 0).
+        dense_warmup_dtype: the floating dtype the warm-up's all-reduce travels in, the average cast
+            back to the gradient's (``torch.bfloat16``: half the bytes, as torch's
+            ``bf16_compress_hook``); ``None``: the gradient's own.
         use_layout: pass each group's layer layout to the method (layer-wise methods need it).
         granularity: ``"bucket"`` (one method call per DDP bucket of the first iteration, overlapped
             with backward) or ``"model"`` (one call over the whole model when its last gradient
@@ -188,7 +191,8 @@ class SparseHookState(EngineView):
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, method: MethodSpec | str = "spardl", *,
-                 dense_warmup_steps: int = 0, use_layout: bool = True, granularity: str = "bucket",
+                 dense_warmup_steps: int = 0, dense_warmup_dtype: torch.dtype | None = None,
+                 use_layout: bool = True, granularity: str = "bucket",
                  overlap: bool = True, dense_below: int = DENSE_BELOW,
                  dense_fallback: bool | DenseFallback | None = False,
                  **method_options: Any) -> None:
@@ -201,7 +205,7 @@ class SparseHookState(EngineView):
         self._start(resources, GroupingEngine(
             spec, resources.comm, granularity=granularity, dense_warmup_steps=dense_warmup_steps,
             dense_below=dense_below, use_layout=use_layout, nonfinite_default=HOOK_DEFAULT,
-            dense_fallback=as_dense_fallback(dense_fallback)))
+            dense_fallback=as_dense_fallback(dense_fallback), warmup_dtype=dense_warmup_dtype))
         if dist.is_available() and dist.is_initialized():
             spec.build(Communicator(process_group))  # probe: checks the values of the options
             self.engine.comm  # noqa: B018 - the private group, made now on every rank
@@ -289,14 +293,19 @@ class SparseHookState(EngineView):
     def native_all_reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The bucket's average by the backend's all-reduce over the state's private group, summed
         then divided by P as the ``dense`` method does (so an iteration gives the same bits by either
-        path); its call is counted in the stats (the ring formula's bytes, as ``dense`` books them)."""
+        path); its call is counted in the stats (the ring formula's bytes, as ``dense`` books them).
+        A warm-up in ``dense_warmup_dtype`` all-reduces a cast copy and casts the average back, as the
+        engine's warm-up does."""
         engine, comm, buffer = self.engine, self.comm, bucket.buffer()
         size = comm.size
-        modelled = ring_cost(P=comm.size, n=buffer.numel(), rank=comm.rank, itemsize=buffer.element_size())
+        low = engine.warmup_dtype if engine.in_warmup and engine.warmup_dtype not in (None, buffer.dtype) else None
+        sent = buffer if low is None else buffer.to(low)
+        # cost: 2 (P - 1) / P x n x itemsize bytes sent per rank, in 2 (P - 1) rounds (the ring)
+        modelled = ring_cost(P=comm.size, n=sent.numel(), rank=comm.rank, itemsize=sent.element_size())
         engine.record_stats(Stats(n=buffer.numel(), selected=buffer.numel(), nnz_out=buffer.numel(),
                                   bytes_sent=modelled.bytes_sent, bytes_recv=modelled.bytes_recv, rounds=1,
                                   dense_calls=1, modelled_bytes=True, warmup=engine.in_warmup))
-        work = dist.all_reduce(buffer, group=comm.group, async_op=True)
+        work = dist.all_reduce(sent, group=comm.group, async_op=True)
         self._note_bucket(list(bucket.parameters()))
         self.maybe_increase_iter(bucket)
         if bucket.is_last():
@@ -306,7 +315,8 @@ class SparseHookState(EngineView):
 
         def average(fut: torch.futures.Future) -> torch.Tensor:
             try:
-                return fut.value()[0].div_(size)
+                average = fut.value()[0].div_(size)
+                return average if low is None else buffer.copy_(average)
             except RuntimeError as exc:  # a timed-out peer: named on every waiting rank, as a method call does
                 if is_peer_failure(exc):
                     raise explain_timeout(exc, members) from exc
@@ -550,7 +560,8 @@ class SparseHookState(EngineView):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the process group, communicator and thread (like ``PowerSGDState``)."""
-        return {"state": self.state_dict(), "use_layout": self.use_layout, "overlap": self.overlap}
+        return {"state": self.state_dict(), "use_layout": self.use_layout, "overlap": self.overlap,
+                "dense_warmup_dtype": self.engine.warmup_dtype}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         """Unpickle onto the default process group; set ``process_group`` after loading for another.
@@ -562,7 +573,8 @@ class SparseHookState(EngineView):
                                               granularity=state["granularity"],
                                               dense_warmup_steps=state["dense_warmup_steps"],
                                               dense_below=state["dense_below"], use_layout=pickled["use_layout"],
-                                              nonfinite_default=state["nonfinite"]))
+                                              nonfinite_default=state["nonfinite"],
+                                              warmup_dtype=pickled["dense_warmup_dtype"]))
         self._load(state, collective=False)
 
     def __repr__(self) -> str:

@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense-warmup-steps", type=int, default=None,
                         help="default: the recipe's (50 under AdamW's recipe on gpt, else 0)")
     parser.add_argument("--dense-warmup-dtype", choices=["bfloat16", "float16"], default=None,
-                        help="with --sync synchronizer: all-reduce the dense warm-up in this dtype (half the bytes)")
+                        help="all-reduce the dense warm-up in this dtype (half the bytes; a sparsecomm method)")
     parser.add_argument("--ddp-dtype", choices=["bfloat16", "float16"], default=None,
                         help="with --method ddp: all-reduce the gradient in this dtype (torch's bf16_compress_hook "
                         "or fp16_compress_hook)")
