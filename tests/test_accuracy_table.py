@@ -68,7 +68,8 @@ def test_a_baseline_that_beat_the_recommended_arm_is_kept_and_advise_says_so(cap
     assert table["workloads"]["gpt"]["baseline_sooner"] == []
     [line] = accuracy.baselines_sooner(table)
     assert line.startswith("in the word-lstm campaign (word-lstm), ddp-sparse-embedding (torch DDP with "
-                           "nn.Embedding(sparse=True)) reached DDP's target 2.00x sooner than topka-hook@0.01 over 1gbit")
+                           "nn.Embedding(sparse=True)) reached DDP's target 2.00x sooner than topka-hook@0.01 "
+                           "over 1gbit")
     assert accuracy.baselines_sooner(table, "gpt") == []
 
 
