@@ -2,6 +2,7 @@
 (sparsecomm.integration.auto), the same decision on every rank, nothing lost, resumable."""
 
 import io
+import pickle
 
 import pytest
 import torch
@@ -238,6 +239,9 @@ def _first_warmup_step(native, dtype):
                                     ).backward()
         stats = state.take_stats()
     went = state._native
+    copy = pickle.loads(pickle.dumps(state))  # the dtype is a setting the pickled state keeps
+    assert copy.engine.warmup_dtype == dtype
+    copy.close()
     state.close()
     return [p.grad.clone() for p in model.parameters()], stats.bytes_sent, went
 
