@@ -34,8 +34,8 @@ def train(density: float = 0.05, steps: int = 30, warmup: int = 10, sparse: bool
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     sync = sparsecomm.SparseSynchronizer(                                          # <- added
         model, optimizer, method="topka" if sparse else "dense", dense_warmup_steps=warmup,
-        freeze_adam_variance=True, momentum_correction=0.9 if sparse else None, clip_norm=1.0,
-        **({"density": density} if sparse else {}))
+        dense_warmup_dtype=torch.bfloat16, freeze_adam_variance=True,
+        momentum_correction=0.9 if sparse else None, clip_norm=1.0, **({"density": density} if sparse else {}))
     generator = torch.Generator().manual_seed(1 + dist.get_rank())  # each rank its own data
     losses = []
     for _ in range(steps):

@@ -147,7 +147,10 @@ def test_the_recipe_follows_the_optimizer():
     gpt.validate()
     assert (gpt.optimizer, gpt.sync, gpt.freeze_adam_variance, gpt.momentum_correction) == \
         ("adamw", "synchronizer", True, True)
-    assert (gpt.dense_warmup_steps, gpt.density, gpt.lr) == (50, 0.01, 1e-3)
+    assert (gpt.dense_warmup_steps, gpt.dense_warmup_dtype, gpt.density, gpt.lr) == (50, "bfloat16", 0.01, 1e-3)
+    full = TrainConfig(model="gpt", data="python-source", method="topka", dense_warmup_dtype="float32")
+    full.validate()
+    assert full.warmup_dtype() is torch.float32  # the gradient's own: no cast
     for hook in (dict(sync="ddp"), dict(freeze_adam_variance=False), dict(momentum_correction=False),
                  dict(optimizer="sgd", lr=0.1)):
         config = TrainConfig(model="gpt", data="python-source", method="topka", **hook)

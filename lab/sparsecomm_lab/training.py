@@ -109,9 +109,10 @@ MOMENTUM_CORRECTION_RECIPES: dict[str, dict[str, float]] = {
 #: AdamW's recipe per model, where its campaign measured one (benchmarks/campaign-gpt): the
 #: synchronizer with Adam's second moment frozen after a dense warm-up and DGC momentum correction in
 #: the preconditioned space (sparsecomm.integration.adam), at the model's own learning rate. The DDP
-#: hook under live AdamW falls far behind there: Adam's normalization undoes error feedback.
+#: hook under live AdamW falls far behind there: Adam's normalization undoes error feedback. The
+#: warm-up is averaged in bfloat16 (half its bytes; the campaign trained the recipe so).
 ADAMW_RECIPES: dict[str, dict[str, Any]] = {
-    "gpt": {"density": 0.01, "dense_warmup_steps": 50},
+    "gpt": {"density": 0.01, "dense_warmup_steps": 50, "dense_warmup_dtype": "bfloat16"},
 }
 
 
@@ -171,6 +172,9 @@ def scheduled_lr(config: TrainConfig, step: int, total_steps: int) -> float:
 
 #: the half-precision dtypes a dense all-reduce may travel in (``dense_warmup_dtype``, ``ddp_dtype``)
 HALF_DTYPES = ("bfloat16", "float16")
+#: the dtypes of ``dense_warmup_dtype``: a half-precision one, or float32 (no cast, where a recipe
+#: would choose bfloat16)
+WARMUP_DTYPES = (*HALF_DTYPES, "float32")
 
 
 @dataclass
@@ -230,8 +234,8 @@ class TrainConfig:
     #: with dense_fallback: the decision to take after its probe whatever it measures ("method" or
     #: "dense"), so that the run's trajectory does not depend on the machine's load; None: measured
     dense_fallback_decision: str | None = None
-    #: the dense warm-up (hook or synchronizer) all-reduced in this dtype ("bfloat16", "float16"; None: the
-    #: gradient's)
+    #: the dense warm-up (hook or synchronizer) all-reduced in this dtype ("bfloat16", "float16",
+    #: "float32"); None: the recipe's (bfloat16 in AdamW's on gpt), else the gradient's
     dense_warmup_dtype: str | None = None
     #: method="ddp": DDP all-reduces the gradient in this dtype through torch's bf16_compress_hook (NCCL
     #: only) or fp16_compress_hook ("bfloat16", "float16"; None: the gradient's, DDP's default)
@@ -329,10 +333,10 @@ class TrainConfig:
                              "sync='synchronizer'")
         if self.freeze_adam_variance and (self.optimizer != "adamw" or self.dense_warmup_steps < 1):
             raise ValueError("freeze_adam_variance needs optimizer='adamw' and dense_warmup_steps >= 1")
-        if self.dense_warmup_dtype is not None and (self.dense_warmup_dtype not in HALF_DTYPES
+        if self.dense_warmup_dtype is not None and (self.dense_warmup_dtype not in WARMUP_DTYPES
                                                     or self.sync == "local" or self.method in BASELINES):
             raise ValueError(f"dense_warmup_dtype={self.dense_warmup_dtype!r} must be None or one of "
-                             f"{', '.join(map(repr, HALF_DTYPES))}, with a sparsecomm method through the hook "
+                             f"{', '.join(map(repr, WARMUP_DTYPES))}, with a sparsecomm method through the hook "
                              f"or the synchronizer (method={self.method!r}, sync={self.sync!r})")
         if self.ddp_dtype is not None and (self.ddp_dtype not in HALF_DTYPES or self.method != "ddp"):
             raise ValueError(f"ddp_dtype={self.ddp_dtype!r} must be None or one of "

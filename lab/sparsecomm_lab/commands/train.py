@@ -79,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(a run that does not depend on the machine's load)")
     parser.add_argument("--dense-warmup-steps", type=int, default=None,
                         help="default: the recipe's (50 under AdamW's recipe on gpt, else 0)")
-    parser.add_argument("--dense-warmup-dtype", choices=["bfloat16", "float16"], default=None,
-                        help="all-reduce the dense warm-up in this dtype (half the bytes; a sparsecomm method)")
+    parser.add_argument("--dense-warmup-dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                        help="all-reduce the dense warm-up in this dtype (a sparsecomm method; default: the "
+                        "recipe's, bfloat16 under AdamW's recipe on gpt, else the gradient's)")
     parser.add_argument("--ddp-dtype", choices=["bfloat16", "float16"], default=None,
                         help="with --method ddp: all-reduce the gradient in this dtype (torch's bf16_compress_hook "
                         "or fp16_compress_hook)")
