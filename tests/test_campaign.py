@@ -125,7 +125,11 @@ def test_ddp_in_half_precision_is_a_baseline_and_the_report_names_the_rows_that_
     records += [_record(name, lr, seed, [3.0] * 4) for name, lr in (("ddp-fp16", 3e-3), ("powersgd-r4", 1e-3))
                 for seed in (1, 2)]
     records.append(_record("powersgd-r4", 1e-3, 0, [9.0], "timing", net, [3.0] * 40))
-    assert campaign.report._departures(campaign.analyse(records, wl, [net])) == []
+    [sentence, _] = campaign.report._departures(campaign.analyse(records, wl, [net]))
+    assert "seed 0 alone" not in sentence and "not timed" not in sentence
+    assert sentence.startswith("**Departures from the protocol in this run.** not trained (no row): powersgd-r2, ")
+    rows = campaign.report.result_rows(campaign.analyse(records, wl, [net]), net)
+    assert [r["arm"] for r in rows] == ["floor", "ddp", "ddp-fp16", "powersgd-r4"]  # the untrained: no row
 
 
 def test_the_campaign_runs_end_to_end_on_a_tiny_transformer_and_writes_its_report(tmp_path):

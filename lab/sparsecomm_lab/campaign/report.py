@@ -37,7 +37,7 @@ def grid_rows(camp: Campaign) -> list[dict[str, Any]]:
     """Arm x learning rate: the final metric at seed 0 (the best one marked)."""
     rows = []
     for name, result in camp.arms.items():
-        if result.arm.timed_only or result.arm.is_policy:  # a policy's grids are its branches'
+        if result.arm.timed_only or result.arm.is_policy or not result.grid:  # a policy's grids are its branches'
             continue
         row: dict[str, Any] = {"arm": name, "optimizer": _optimizer(camp, name)}
         for lr in sorted({lr for grid in camp.workload.lr_grids.values() for lr in grid}):
@@ -61,6 +61,8 @@ def result_rows(camp: Campaign, net: str) -> list[dict[str, Any]]:
         if name in camp.branch_names():  # a policy's branch: shown in the policy's row where it took it
             continue
         result = camp.result(name, net)
+        if not (result.arm.timed_only or result.grid or result.step_s):  # not trained in this run: said apart
+            continue
         main = result.step_s.get(net, (None, None))[1]
         times = result.times(net)
         steps = [s for s in result.steps.values() if s is not None]
@@ -185,11 +187,14 @@ def _departures(camp: Campaign) -> list[str]:
     """The report's sentence naming the arms the campaign ran on fewer seeds than the protocol's, or
     did not time, so that a reader sees where a row rests on less (exploration arms say so themselves)."""
     wl, branched = camp.workload, camp.branch_names()
-    listed = [r for r in camp.arms.values()
-              if not r.arm.timed_only and r.arm.explore_lrs is None and r.arm.name not in branched]
+    trained = [r for r in camp.arms.values() if not r.arm.timed_only and not r.arm.is_policy]
+    untrained = [r.arm.name for r in trained if not r.grid]
+    listed = [r for r in trained if r.arm.explore_lrs is None and r.arm.name not in branched]
     fewer = [r.arm.name for r in listed if r.final and len(r.final) < len(wl.seeds_of(r.arm))]
-    untimed = [r.arm.name for r in listed if r.final and not r.arm.is_policy and not r.step_s]
+    untimed = [r.arm.name for r in listed if r.final and not r.step_s]
     said = []
+    if untrained:
+        said.append(f"not trained (no row): {', '.join(untrained)}")
     if fewer:
         said.append(f"ran at seed 0 alone (its row says [n/1]): {', '.join(fewer)}")
     if untimed:
