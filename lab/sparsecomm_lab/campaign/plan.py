@@ -21,6 +21,7 @@ tunes on the cluster where the policy decides).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +181,10 @@ def _fva(method: str, density: float | None, name: str, twin: str | None, correc
                "(synchronizer, freeze_adam_variance)", options, dense_twin=twin)
 
 
+#: the GPT's frozen-variance arms: their dense warm-up averaged in GPT_WARMUP_DTYPE
+_gpt_fva = functools.partial(_fva, warmup_dtype=GPT_WARMUP_DTYPE)
+
+
 def _local(method: str, steps: int, density: float | None = None, outer: str = "nesterov") -> Arm:
     """Local steps: ``steps`` inner AdamW steps per synchronization of the pseudo-gradient
     (sparsecomm.LocalSteps; DiLoCo's outer Nesterov SGD, lr 0.7, momentum 0.9), or torch's post-local SGD."""
@@ -212,20 +217,17 @@ ARMS: dict[str, list[Arm]] = {
     # frozen-variance arm, so that the twins differ from each other only in what they name
     "gpt": [
         _FLOOR, _DDP, _DDP_HALF, *_POWERSGD,
-        _fva("dense", None, "dense-fva", None, warmup_dtype=GPT_WARMUP_DTYPE),
+        _gpt_fva("dense", None, "dense-fva", None),
         Arm("topka-hook@0.01", "sparse", "topka at 1% through the DDP hook, AdamW on the averaged gradient",
             {"method": "topka", "density": 0.01, **_HOOK}),
-        _fva("topka", 0.01, "topka-fva@0.01", "dense-fva", warmup_dtype=GPT_WARMUP_DTYPE),
-        _fva("topka", 1.0, "topka-fvamc@1", None, corrected=True, warmup_dtype=GPT_WARMUP_DTYPE),
-        _fva("topka", 0.01, "topka-fvamc@0.01", "topka-fvamc@1", corrected=True, warmup_dtype=GPT_WARMUP_DTYPE),
-        _explore(_fva("topka", 0.001, "topka-fvamc@0.001", "topka-fvamc@1", corrected=True,
-                      warmup_dtype=GPT_WARMUP_DTYPE)),
-        _explore(_fva("topka", 0.1, "topka-fva@0.1", "dense-fva", warmup_dtype=GPT_WARMUP_DTYPE)),
-        _explore(_fva("topka", 0.03, "topka-fva@0.03", "dense-fva", warmup_dtype=GPT_WARMUP_DTYPE)),
-        _explore(_fva("topka", 0.1, "topka-fvamc@0.1", "topka-fvamc@1", corrected=True,
-                      warmup_dtype=GPT_WARMUP_DTYPE)),
-        _explore(_fva("topka", 0.03, "topka-fvamc@0.03", "topka-fvamc@1", corrected=True,
-                      warmup_dtype=GPT_WARMUP_DTYPE)),
+        _gpt_fva("topka", 0.01, "topka-fva@0.01", "dense-fva"),
+        _gpt_fva("topka", 1.0, "topka-fvamc@1", None, corrected=True),
+        _gpt_fva("topka", 0.01, "topka-fvamc@0.01", "topka-fvamc@1", corrected=True),
+        _explore(_gpt_fva("topka", 0.001, "topka-fvamc@0.001", "topka-fvamc@1", corrected=True)),
+        _explore(_gpt_fva("topka", 0.1, "topka-fva@0.1", "dense-fva")),
+        _explore(_gpt_fva("topka", 0.03, "topka-fva@0.03", "dense-fva")),
+        _explore(_gpt_fva("topka", 0.1, "topka-fvamc@0.1", "topka-fvamc@1", corrected=True)),
+        _explore(_gpt_fva("topka", 0.03, "topka-fvamc@0.03", "topka-fvamc@1", corrected=True)),
     ],
     # local steps against per-step synchronization, on the GPT's budget (one lr, one seed: see WORKLOADS)
     "gpt-local": [
