@@ -25,11 +25,12 @@ def _tiny(**changes):
     return dataclasses.replace(wl, **changes)
 
 
-def _record(arm, lr, seed, losses, phase="convergence", net="loopback", step_times=None, warmup=0):
+def _record(arm, lr, seed, losses, phase="convergence", net="loopback", step_times=None, warmup=0, repeat=0,
+            load=None):
     return {"history": _history(losses), "epochs": [{"bytes_per_step": 10.0}],
-            "steps": [{"time": t} for t in (step_times or [])], "config": {"lr": lr},
+            "steps": [{"time": t} for t in (step_times or [])], "config": {"lr": lr}, "load": {"before": load},
             "campaign": {"workload": "gpt", "arm": arm, "lr": lr, "seed": seed, "phase": phase, "net": net,
-                         "warmup_steps": warmup}}
+                         "warmup_steps": warmup, "repeat": repeat}}
 
 
 def test_every_arm_shares_the_grid_and_the_recommended_arm_exists():
@@ -121,7 +122,9 @@ def test_ddp_in_half_precision_is_a_baseline_and_the_report_names_the_rows_that_
     assert camp.best_baseline(net) == ("ddp-fp16", pytest.approx(75.0))
     [sentence, _] = campaign.report._departures(camp)
     assert "seed 0 alone (its row says [n/1]): ddp-fp16, powersgd-r4;" in sentence
-    assert sentence.endswith("not timed (no step time or time to the target): powersgd-r4.")
+    assert "not timed (no step time or time to the target): powersgd-r4;" in sentence
+    assert sentence.endswith("step times from fewer than 3 timing runs: floor on 1gbit (1), ddp on 1gbit (1), "
+                             "ddp-fp16 on 1gbit (1).")
     records += [_record(name, lr, seed, [3.0] * 4) for name, lr in (("ddp-fp16", 3e-3), ("powersgd-r4", 1e-3))
                 for seed in (1, 2)]
     records.append(_record("powersgd-r4", 1e-3, 0, [9.0], "timing", net, [3.0] * 40))
@@ -130,6 +133,39 @@ def test_ddp_in_half_precision_is_a_baseline_and_the_report_names_the_rows_that_
     assert sentence.startswith("**Departures from the protocol in this run.** not trained (no row): powersgd-r2, ")
     rows = campaign.report.result_rows(campaign.analyse(records, wl, [net]), net)
     assert [r["arm"] for r in rows] == ["floor", "ddp", "ddp-fp16", "powersgd-r4"]  # the untrained: no row
+
+
+def test_a_step_time_is_the_median_of_the_timing_runs_and_the_rounds_alternate_the_arms(tmp_path):
+    """One slow timing run does not move an arm's step time: the median of its runs does not see it;
+    the load shown is the highest before them; the runs go in rounds, every arm once per round."""
+    wl, net = _tiny(), "1gbit"
+    records = [_record("ddp", 3e-3, 0, [3.0, 2.5, 2.0, 1.99])]
+    for repeat, (floor_s, ddp_s, load) in enumerate([(1.0, 4.0, 0.5), (1.6, 6.0, 1.4), (1.1, 4.2, 0.7)]):
+        records += [_record("floor", 1e-3, 0, [9.0], "timing", net, [floor_s] * 40, repeat=repeat, load=load),
+                    _record("ddp", 3e-3, 0, [9.0], "timing", net, [ddp_s] * 40, repeat=repeat, load=load)]
+    camp = campaign.analyse(records, wl, [net])
+    assert camp.arms["floor"].step_s[net] == (None, 1.1) and camp.arms["ddp"].step_s[net] == (None, 4.2)
+    assert camp.arms["ddp"].timing_runs[net] == 3 and camp.arms["ddp"].load[net] == 1.4
+    assert "timing runs" not in "".join(campaign.report._departures(camp))
+
+    made = []
+
+    def trainer(config):
+        made.append((config.method, config.net))
+        return {"history": _history([3.0]), "epochs": [], "steps": [{"time": 0.1}] * config.steps, "config": {}}
+
+    out = str(tmp_path)
+    arms = campaign.arms_of("gpt", ["floor", "ddp"])
+    for seed in (0, 1, 2):  # DDP's best lr, found by its convergence records
+        for lr in wl.grid(arms[1]):
+            os.makedirs(os.path.dirname(run.convergence_path(out, wl, arms[1], lr, seed)), exist_ok=True)
+            run._save(_record("ddp", lr, seed, [2.0 + lr]), run.convergence_path(out, wl, arms[1], lr, seed), {
+                "workload": "gpt", "arm": "ddp", "lr": lr, "seed": seed, "phase": "convergence", "net": "loopback"})
+    run.run_timing(out, wl, ["100mbit", "1gbit"], arms, trainer=trainer, echo=lambda _: None)
+    assert made == [("nosync", "100mbit"), ("ddp", "100mbit"), ("nosync", "1gbit"), ("ddp", "1gbit")] * 3
+    made.clear()
+    run.run_timing(out, wl, ["100mbit", "1gbit"], arms, trainer=trainer, echo=lambda _: None)
+    assert made == []  # resumed: every run's record exists
 
 
 def test_the_campaign_runs_end_to_end_on_a_tiny_transformer_and_writes_its_report(tmp_path):
@@ -141,7 +177,7 @@ def test_the_campaign_runs_end_to_end_on_a_tiny_transformer_and_writes_its_repor
     small = {"workers": 2, "batch_size": 2}
     out = str(tmp_path / "runs")
     run.run_convergence(out, wl, arms, echo=lambda _: None, **small, dense_warmup_steps=2)
-    run.run_timing(out, wl, ["loopback"], arms, echo=lambda _: None, **small, steps=20)
+    run.run_timing(out, wl, ["loopback"], arms, echo=lambda _: None, repeats=1, **small, steps=20)
     records = campaign.load_records(out, wl)
     assert len([r for r in records if r["campaign"]["phase"] == "convergence"]) == 2 * 2 + 2 * 2
     assert all(r["consistent"] for r in records if r["campaign"]["arm"] != "floor")  # replicas identical
@@ -238,28 +274,39 @@ def test_quiet_policy_waits_for_the_load_and_redoes_a_run_started_on_a_busy_mach
 
 
 def test_the_demo_takes_the_campaigns_tuned_lrs_and_reports_measured_times(tmp_path):
+    ddp_form = {"kind": "dense", "options": {"method": "ddp"}}
     summary = {"workload": {"recommended": "topka-fva@0.01"},
-               "arms": {"ddp": {"best_lr": 3e-3, "final": {"0": 2.0}},
+               "arms": {"ddp": {**ddp_form, "best_lr": 3e-3, "final": {"0": 2.0}, "steps_to_target": {"0": 30},
+                                "step_s": {"1gbit": {"main": 0.4}, "100mbit": {"main": 2.0}}},
+                        "ddp-fp16": {**ddp_form, "best_lr": 3e-3, "final": {"0": 2.0}, "steps_to_target": {"0": 30},
+                                     "step_s": {"1gbit": {"main": 0.3}, "100mbit": {"main": 2.5}}},
                         "powersgd-r2": {"best_lr": 1e-3, "final": {"0": 2.3}},
                         "powersgd-r4": {"best_lr": 1e-3, "final": {"0": 2.2}},
                         "topka-fva@0.01": {"best_lr": 1e-3, "final": {"0": 2.01}}}}
     path = tmp_path / "summary.json"
     path.write_text(json.dumps(summary))
-    lrs, power, recommended = demo.tuned(str(path))
-    assert lrs["ddp"] == 3e-3 and power == "powersgd-r4" and recommended == "topka-fva@0.01"
-    assert demo.tuned(str(tmp_path / "none.json")) == ({}, "powersgd-r4", campaign.workload("gpt").recommended)
-    steps = [{"time": 0.1}] * 24
-    records = {"floor": {"history": _history([5.0] * 12, 2), "steps": steps, "config": {"lr": 1e-3}},
+    found = demo.tuned(str(path), "1gbit")
+    assert found.lrs["ddp"] == 3e-3 and found.best_power == "powersgd-r4" and found.recommended == "topka-fva@0.01"
+    assert found.faster_ddp == "ddp-fp16" and demo.tuned(str(path), "100mbit").faster_ddp is None
+    assert demo.tuned(str(tmp_path / "none.json")) == ({}, "powersgd-r4", campaign.workload("gpt").recommended, None)
+    steps = [{"time": 0.1}] * 4
+    records = {"floor": {"history": _history([5.0], 4), "steps": steps, "config": {"lr": 1e-3}},
                "ddp": {"history": _history([3.0] * 8 + [2.0] * 4, 2), "steps": [{"time": 0.4}] * 24,
                        "config": {"lr": 3e-3}},
+               "ddp-fp16": {"history": _history([3.0] * 8 + [2.0], 2), "steps": [{"time": 0.3}] * 18,
+                            "config": {"lr": 3e-3, "stop_at_target": True}},
                "topka-fva@0.01": {"history": _history([3.0] * 4 + [1.9] * 8, 2), "steps": [{"time": 0.12}] * 24,
                                   "config": {"lr": 1e-3}}}
     args = argparse.Namespace(steps=24, workers=4)
+    assert demo.demo_target(records["ddp"], 24) == 2.0 and demo.demo_target(None, 24) is None
     report = demo.write_demo_report(records, campaign.workload("gpt"), str(tmp_path), args, "1gbit")
     rows = {r["arm"]: r for r in report["rows"]}
     assert rows["ddp"]["steps to target"] == 18 and rows["topka-fva@0.01"]["steps to target"] == 10
+    assert rows["ddp-fp16"]["final loss"] == "stopped at the target" and rows["floor"]["final loss"] == "-"
     assert rows["ddp"]["x floor"] == "4.00" and "reached the target 1.80x sooner" in report["table"]
-    assert os.path.exists(report["path"])
+    with open(report["path"]) as handle:
+        text = handle.read()
+    assert "the floor ran 4 steps" in text and "ddp-fp16 stopped at the target" in text
 
 
 def test_the_demo_replaces_an_earlier_result_and_keeps_the_folders_readme(tmp_path):

@@ -98,8 +98,11 @@ def _train_hook(steps, margin, state_bytes=None, start=0):
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         buffers.append(buffer.getvalue())
+    copy = pickle.loads(pickle.dumps(state))  # a pickled state keeps the policy's settings and decision
+    pickled = (copy.method_name, copy.engine.dense_fallback.decision, copy.engine.dense_fallback.margin)
+    copy.close()
     result = ([p.detach().clone() for p in model.parameters()], state.method_name,
-              state.engine.dense_fallback.decision, buffers)
+              state.engine.dense_fallback.decision, buffers, pickled)
     state.close()
     return result
 
@@ -109,6 +112,7 @@ def test_the_hook_falls_back_to_dense_keeps_the_replicas_identical_and_resumes_w
     steps = fallback.dense_steps(0) + fallback.skip + fallback.probe + 4
     results = run_workers(3, _train_hook, steps, 0.99)
     assert [r[1:3] for r in results] == [("dense", "dense")] * 3   # fell back, on every rank
+    assert [r[4] for r in results] == [("dense", "dense", 0.99)] * 3
     assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(r[0], results[0][0], strict=True))
     # a resumed run keeps the decision (dense) and makes the same steps as the uninterrupted one
     saved = [r[3][0] for r in results] + [results[0][3][1]]

@@ -559,9 +559,14 @@ class SparseHookState(EngineView):
         self._last_bucketing = None  # keep the saved groups until DDP's buckets change
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle without the process group, communicator and thread (like ``PowerSGDState``)."""
+        """Pickle without the process group, communicator and thread (like ``PowerSGDState``); the
+        ``dense_fallback`` settings go with its decision (in the state), so the copy keeps measuring
+        or keeps what it decided."""
+        fallback = self.engine.dense_fallback
+        settings = None if fallback is None else {"probe": fallback.probe, "skip": fallback.skip,
+                                                  "margin": fallback.margin, "pinned": fallback.pinned}
         return {"state": self.state_dict(), "use_layout": self.use_layout, "overlap": self.overlap,
-                "dense_warmup_dtype": self.engine.warmup_dtype}
+                "dense_warmup_dtype": self.engine.warmup_dtype, "dense_fallback": settings}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         """Unpickle onto the default process group; set ``process_group`` after loading for another.
@@ -574,7 +579,9 @@ class SparseHookState(EngineView):
                                               dense_warmup_steps=state["dense_warmup_steps"],
                                               dense_below=state["dense_below"], use_layout=pickled["use_layout"],
                                               nonfinite_default=state["nonfinite"],
-                                              warmup_dtype=pickled["dense_warmup_dtype"]))
+                                              warmup_dtype=pickled["dense_warmup_dtype"],
+                                              dense_fallback=None if pickled["dense_fallback"] is None
+                                              else DenseFallback(**pickled["dense_fallback"])))
         self._load(state, collective=False)
 
     def __repr__(self) -> str:

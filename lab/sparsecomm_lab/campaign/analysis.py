@@ -5,8 +5,8 @@
   improvement over the last fifth of the budget (the campaign asks for less than 1%).
 * **Steps to the target** of a run: the first evaluation at or past the target.
 * **Time to the target** is composed: ``steps in the warm-up x the warm-up step + the remaining
-  steps x the main step``, the step times measured on each network by the timing phase; the
-  confirmation phase checks the composition against a full run.
+  steps x the main step``, the step times measured on each network by the timing phase (the median
+  over its runs); the confirmation phase checks the composition against a full run.
 * **The limit** is the floor's step x DDP's steps to the target: the soonest any synchronization
   could reach the target on this machine.
 * **A policy arm** (``dense_fallback``) has, on each network, the figures of the branch its timing
@@ -97,10 +97,12 @@ class ArmResult:
     steps: dict[int, int | None] = field(default_factory=dict)           # seed -> steps to target
     final: dict[int, float] = field(default_factory=dict)                # seed -> final metric
     warmup: int = 0                                                      # dense warm-up steps of its runs
-    step_s: dict[str, tuple[float | None, float]] = field(default_factory=dict)  # net -> (warm-up, main) s
-    load: dict[str, float | None] = field(default_factory=dict)          # net -> load before the timing run
+    #: net -> (warm-up, main) step s: the medians over its timing runs there
+    step_s: dict[str, tuple[float | None, float]] = field(default_factory=dict)
+    timing_runs: dict[str, int] = field(default_factory=dict)            # net -> timing runs they rest on
+    load: dict[str, float | None] = field(default_factory=dict)          # net -> the highest load before them
     bytes_per_step: float | None = None
-    #: a policy arm: net -> the decision its timing run took there ("method" or "dense")
+    #: a policy arm: net -> the decision its timing runs took there ("method" or "dense"; the most of them)
     decision: dict[str, str] = field(default_factory=dict)
 
     def time_to_target(self, net: str, seed: int) -> float | None:
@@ -135,14 +137,14 @@ class Campaign:
     confirmations: dict[str, dict[str, Any]]    # net -> {"measured": s, "composed": s, "ratio": x}
 
     def result(self, name: str, net: str | None = None) -> ArmResult:
-        """Arm ``name``'s figures on ``net``: a policy's are those of the branch its timing run took
+        """Arm ``name``'s figures on ``net``: a policy's are those of the branch its timing runs took
         there (its kept branch where ``net`` is None or untimed), with its own step times."""
         result = self.arms[name]
         if not result.arm.is_policy:
             return result
         branch = self.arms[branches(result.arm)[result.decision.get(net or "", "method")].name]
-        return dataclasses.replace(branch, arm=result.arm, step_s=result.step_s, load=result.load,
-                                   decision=result.decision, warmup=result.warmup)
+        return dataclasses.replace(branch, arm=result.arm, step_s=result.step_s, timing_runs=result.timing_runs,
+                                   load=result.load, decision=result.decision, warmup=result.warmup)
 
     def branch_names(self) -> set[str]:
         """The names of the policies' branches (rows of the grid, not of the networks' tables)."""
@@ -216,20 +218,31 @@ def analyse(records: Sequence[dict[str, Any]], wl: Workload, nets: Sequence[str]
     if "ddp" in arms and arms["ddp"].steps:
         values = [math.inf if s is None else s for s in arms["ddp"].steps.values()]
         ddp_steps = statistics.median(values) if statistics.median(values) < math.inf else None
-    timing = by_phase.get("timing", [])
+    timed: dict[tuple[str, str], list[dict[str, Any]]] = {}
     seen_nets = []
-    for record in timing:
+    for record in by_phase.get("timing", []):
         camp = record["campaign"]
         if camp["arm"] not in arms:
             continue
-        warm = camp.get("warmup_steps", TIMING_WARMUP if arms[camp["arm"]].warmup else 0)
-        arms[camp["arm"]].step_s[camp["net"]] = _phase_times(record, warm, camp.get("decided_after", 0))
-        arms[camp["arm"]].load[camp["net"]] = record.get("load", {}).get("before")
-        decision = (record.get("dense_fallback") or {}).get("decision")
-        if arms[camp["arm"]].arm.is_policy and decision in ("method", "dense"):
-            arms[camp["arm"]].decision[camp["net"]] = decision
+        timed.setdefault((camp["arm"], camp["net"]), []).append(record)
         if camp["net"] not in seen_nets:
             seen_nets.append(camp["net"])
+    for (name, net), runs in timed.items():
+        result = arms[name]
+        runs.sort(key=lambda r: r["campaign"].get("repeat", 0))
+        if result.arm.is_policy:  # the decision most of its runs took, and the step times of those runs
+            decisions = [str(d) for r in runs for d in [(r.get("dense_fallback") or {}).get("decision")]
+                         if d in ("method", "dense")]
+            if decisions:
+                result.decision[net] = max(decisions, key=decisions.count)
+                runs = [r for r in runs if (r.get("dense_fallback") or {}).get("decision") == result.decision[net]]
+        phases = [_phase_times(r, r["campaign"].get("warmup_steps", TIMING_WARMUP if result.warmup else 0),
+                               r["campaign"].get("decided_after", 0)) for r in runs]
+        warm = [w for w, _ in phases if w is not None]
+        result.step_s[net] = (statistics.median(warm) if warm else None, statistics.median(m for _, m in phases))
+        result.timing_runs[net] = len(runs)
+        loads = [r.get("load", {}).get("before") for r in runs]
+        result.load[net] = max((x for x in loads if x is not None), default=None)
     campaign = Campaign(wl, arms, target, plateau, ddp_steps, list(nets or seen_nets), {})
     for record in by_phase.get("confirm", []):
         camp = record["campaign"]

@@ -13,6 +13,7 @@ from typing import Any
 from sparsecomm.cli.table import markdown_table
 
 from .analysis import Campaign, median_spread, median_with_misses
+from .run import TIMING_REPEATS
 
 __all__ = ["write_report", "summary", "result_rows", "grid_rows"]
 
@@ -127,7 +128,8 @@ def summary(camp: Campaign) -> dict[str, Any]:
         entry = {"kind": r.arm.kind, "description": r.arm.description, "options": r.arm.options,
                  "optimizer": _optimizer(camp, name),
                  "dense_twin": r.arm.dense_twin,
-                 "step_s": {net: {"warmup": w, "main": m} for net, (w, m) in r.step_s.items()}}
+                 "step_s": {net: {"warmup": w, "main": m} for net, (w, m) in r.step_s.items()},
+                 "timing_runs": r.timing_runs}
         if not r.arm.is_policy:
             return {**entry, **figures(r, name)}
         # a policy has no figures of its own: per network, the branch it took
@@ -184,14 +186,17 @@ def _plot(camp: Campaign, records: list[dict[str, Any]], path: str) -> str | Non
 
 
 def _departures(camp: Campaign) -> list[str]:
-    """The report's sentence naming the arms the campaign ran on fewer seeds than the protocol's, or
-    did not time, so that a reader sees where a row rests on less (exploration arms say so themselves)."""
+    """The report's sentence naming the arms the campaign ran on fewer seeds than the protocol's, did
+    not time, or timed in fewer runs, so that a reader sees where a row rests on less (exploration arms
+    say so themselves)."""
     wl, branched = camp.workload, camp.branch_names()
     trained = [r for r in camp.arms.values() if not r.arm.timed_only and not r.arm.is_policy]
     untrained = [r.arm.name for r in trained if not r.grid]
     listed = [r for r in trained if r.arm.explore_lrs is None and r.arm.name not in branched]
     fewer = [r.arm.name for r in listed if r.final and len(r.final) < len(wl.seeds_of(r.arm))]
     untimed = [r.arm.name for r in listed if r.final and not r.step_s]
+    timed_less = [f"{r.arm.name} on {net} ({n})" for r in camp.arms.values() if r.arm.name not in branched
+                  for net, n in r.timing_runs.items() if n < TIMING_REPEATS]
     said = []
     if untrained:
         said.append(f"not trained (no row): {', '.join(untrained)}")
@@ -199,6 +204,8 @@ def _departures(camp: Campaign) -> list[str]:
         said.append(f"ran at seed 0 alone (its row says [n/1]): {', '.join(fewer)}")
     if untimed:
         said.append(f"not timed (no step time or time to the target): {', '.join(untimed)}")
+    if timed_less:
+        said.append(f"step times from fewer than {TIMING_REPEATS} timing runs: {', '.join(timed_less)}")
     return [f"**Departures from the protocol in this run.** {'; '.join(said)}.", ""] if said else []
 
 
@@ -227,8 +234,10 @@ def write_report(camp: Campaign, records: list[dict[str, Any]], outdir: str, com
               "lr (final metric) then trains seeds 1 and 2. The metric after a given step does not depend on the "
               "link or the load (the runs are deterministic), so the time to the target is composed: steps to "
               "the target x the step time measured on each emulated network on a quiet machine (dense warm-up "
-              "steps at the warm-up's step time). One full run per network checks the composition. `x limit`: "
-              "the time over the limit, the floor's step x DDP's steps to the target.", ""]
+              f"steps at the warm-up's step time): the median of {TIMING_REPEATS} short timing runs, made in rounds "
+              "(every arm once, then again) so that a slow spell of the machine falls on every arm alike; `load` "
+              "is the highest load average before an arm's timing runs. One full run per network checks the "
+              "composition. `x limit`: the time over the limit, the floor's step x DDP's steps to the target.", ""]
     lines += _departures(camp)
     if plot:
         lines += [f"![{os.path.basename(plot)}]({os.path.basename(plot)})", ""]

@@ -5,20 +5,22 @@
    given step does not depend on the link or on the machine's load (the runs are deterministic), so
    these runs may train anywhere and at any time.
 2. **Timing** (:func:`run_timing`, on each emulated network, on a quiet machine): each arm's step
-   time, from a short run: its dense warm-up phase (where it has one) and its main phase apart.
+   time, from :data:`TIMING_REPEATS` short runs made in rounds (every arm once per round, so that a
+   slow spell of the machine falls on every arm alike, and the median over the rounds leaves it out):
+   its dense warm-up phase (where it has one) and its main phase apart.
 3. **Confirmation** (:func:`run_confirmation`): one full run of the recommended arm per network, whose
    measured time to the target checks the composition ``steps to target x step time``
    (:mod:`.analysis`).
 
 A ``dense_fallback`` arm (a policy, :func:`.plan.branches`) trains its two branches, each with its
-decision pinned, in phase 1; its timing run measures the decision on each network (at its kept
+decision pinned, in phase 1; its timing runs measure the decision on each network (at its kept
 branch's best learning rate: a step's time does not depend on it), and its confirmation runs, with
-the decision measured again, at the best learning rate of the branch the timing run took.
+the decision measured again, at the best learning rate of the branch the timing runs took.
 
 Records (the run records of :func:`sparsecomm_lab.training.train`, with a ``campaign`` entry) go to
-``<out>/<workload>/convergence/<arm>/lr<lr>-seed<seed>.json``, ``<out>/<workload>/timing/<net>/<arm>.json``
-and ``<out>/<workload>/confirm/<net>/<arm>.json``; a run whose file exists is skipped, so an
-interrupted campaign resumes where it stopped.
+``<out>/<workload>/convergence/<arm>/lr<lr>-seed<seed>.json``,
+``<out>/<workload>/timing/<net>/<arm>/repeat<k>.json`` and ``<out>/<workload>/confirm/<net>/<arm>.json``;
+a run whose file exists is skipped, so an interrupted campaign resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from .plan import Arm, Workload, arms_of, branches, trained_arms
 from .quiet import QuietPolicy, train_quietly
 
 __all__ = ["run_convergence", "run_point", "run_timing", "run_confirmation", "load_records", "best_lr", "final_metric",
-           "convergence_path", "timing_path", "confirm_path", "TIMING_STEPS", "TIMING_WARMUP", "safe_name",
-           "timed_decision"]
+           "convergence_path", "timing_path", "confirm_path", "TIMING_STEPS", "TIMING_WARMUP", "TIMING_REPEATS",
+           "safe_name", "timed_decision"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ Echo = Callable[[str], None]
 #: median of each phase; the first steps of each phase are skipped as warm-up of the caches)
 TIMING_STEPS = 40
 TIMING_WARMUP = 12
+#: timing runs per arm and network: a step time is their median (one run can fall on a slow spell)
+TIMING_REPEATS = 3
 
 
 def safe_name(text: str) -> str:
@@ -61,8 +65,8 @@ def convergence_path(out: str, wl: Workload, arm: Arm, lr: float, seed: int) -> 
     return os.path.join(out, wl.name, "convergence", arm.name, f"lr{lr:g}-seed{seed}.json")
 
 
-def timing_path(out: str, wl: Workload, arm: Arm, net: str) -> str:
-    return os.path.join(out, wl.name, "timing", safe_name(net), f"{arm.name}.json")
+def timing_path(out: str, wl: Workload, arm: Arm, net: str, repeat: int) -> str:
+    return os.path.join(out, wl.name, "timing", safe_name(net), arm.name, f"repeat{repeat}.json")
 
 
 def confirm_path(out: str, wl: Workload, arm: Arm, net: str) -> str:
@@ -139,32 +143,35 @@ def run_point(out: str, wl: Workload, arm: Arm, lr: float, seed: int, trainer: T
 
 def run_timing(out: str, wl: Workload, nets: Sequence[str], arms: Sequence[Arm] | None = None,
                quiet: QuietPolicy | None = None, trainer: Trainer = train, echo: Echo = log.warning,
-               **overrides: Any) -> None:
-    """Phase 2: each arm's step time on each network, from a :data:`TIMING_STEPS`-step run at its best
-    learning rate (the grid's first for the floor), a warm-up cut to :data:`TIMING_WARMUP` steps; each
+               repeats: int = TIMING_REPEATS, **overrides: Any) -> None:
+    """Phase 2: each arm's step time on each network, from ``repeats`` runs of :data:`TIMING_STEPS`
+    steps at its best learning rate (the grid's first for the floor), a warm-up cut to
+    :data:`TIMING_WARMUP` steps. The runs go in rounds (every network and arm once, then again), so
+    that the median over the rounds compares arms timed under the same spells of the machine; each
     run waits for a quiet machine (``quiet``) and records the load it started at."""
-    for net in nets:
-        for arm in arms or [a for a in arms_of(wl.name) if a.explore_lrs is None]:
-            path = timing_path(out, wl, arm, net)
-            if os.path.exists(path):
-                continue
-            lr = wl.grid(arm)[0] if arm.timed_only else best_lr(out, wl, branches(arm)["method"] if arm.is_policy
-                                                                   else arm)
-            if lr is None:
-                raise RuntimeError(f"arm {arm.name}: run the convergence phase first (its best learning rate)")
-            timed = {"steps": TIMING_STEPS, "eval_every": TIMING_STEPS, "net": None if net == "loopback" else net}
-            if arm.options.get("dense_warmup_steps"):
-                timed["dense_warmup_steps"] = TIMING_WARMUP
-            decided = 0
-            if arm.options.get("dense_fallback"):  # time the steps after its decision, whichever it made
-                probe = DenseFallback()
-                decided = probe.dense_steps(0) + probe.skip + probe.probe
-                timed["steps"] = TIMING_STEPS + decided
-            echo(f"[timing] {wl.name} {arm.name} on {net} ...")
-            record = train_quietly(wl.config(arm, lr, 0, **{**timed, **overrides}), trainer, quiet, echo)
-            _save(record, path, {"workload": wl.name, "arm": arm.name, "lr": lr, "seed": 0, "phase": "timing",
-                                 "net": net, "warmup_steps": timed.get("dense_warmup_steps", 0),
-                                 "decided_after": decided})
+    for repeat in range(repeats):
+        for net in nets:
+            for arm in arms or [a for a in arms_of(wl.name) if a.explore_lrs is None]:
+                path = timing_path(out, wl, arm, net, repeat)
+                if os.path.exists(path):
+                    continue
+                lr = wl.grid(arm)[0] if arm.timed_only else best_lr(out, wl, branches(arm)["method"]
+                                                                      if arm.is_policy else arm)
+                if lr is None:
+                    raise RuntimeError(f"arm {arm.name}: run the convergence phase first (its best learning rate)")
+                timed = {"steps": TIMING_STEPS, "eval_every": TIMING_STEPS, "net": None if net == "loopback" else net}
+                if arm.options.get("dense_warmup_steps"):
+                    timed["dense_warmup_steps"] = TIMING_WARMUP
+                decided = 0
+                if arm.options.get("dense_fallback"):  # time the steps after its decision, whichever it made
+                    probe = DenseFallback()
+                    decided = probe.dense_steps(0) + probe.skip + probe.probe
+                    timed["steps"] = TIMING_STEPS + decided
+                echo(f"[timing {repeat + 1}/{repeats}] {wl.name} {arm.name} on {net} ...")
+                record = train_quietly(wl.config(arm, lr, 0, **{**timed, **overrides}), trainer, quiet, echo)
+                _save(record, path, {"workload": wl.name, "arm": arm.name, "lr": lr, "seed": 0, "phase": "timing",
+                                     "net": net, "repeat": repeat, "warmup_steps": timed.get("dense_warmup_steps", 0),
+                                     "decided_after": decided})
 
 
 def run_confirmation(out: str, wl: Workload, nets: Sequence[str], arm: Arm, quiet: QuietPolicy | None = None,
@@ -192,16 +199,18 @@ def run_confirmation(out: str, wl: Workload, nets: Sequence[str], arm: Arm, quie
 
 
 def timed_decision(out: str, wl: Workload, arm: Arm, net: str) -> str | None:
-    """The decision (``"method"`` or ``"dense"``) the timing run of policy ``arm`` took on ``net``, or
-    None before that run."""
-    path = timing_path(out, wl, arm, net)
-    if not os.path.exists(path):
-        return None
-    state = _load(path).get("dense_fallback") or {}
-    decision = state.get("decision")
-    if decision not in ("method", "dense"):
-        raise RuntimeError(f"{path}: no dense_fallback decision recorded (rerun its timing: delete the file)")
-    return str(decision)
+    """The decision (``"method"`` or ``"dense"``) the timing runs of policy ``arm`` took on ``net`` (the
+    most of them; the first run's on a tie), or None before any."""
+    decisions = []
+    for repeat in range(TIMING_REPEATS):
+        path = timing_path(out, wl, arm, net, repeat)
+        if not os.path.exists(path):
+            continue
+        decision = (_load(path).get("dense_fallback") or {}).get("decision")
+        if decision not in ("method", "dense"):
+            raise RuntimeError(f"{path}: no dense_fallback decision recorded (rerun its timing: delete the file)")
+        decisions.append(str(decision))
+    return max(decisions, key=decisions.count) if decisions else None
 
 
 def load_records(out: str, wl: Workload) -> list[dict[str, Any]]:
