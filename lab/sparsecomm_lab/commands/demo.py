@@ -213,7 +213,10 @@ def write_demo_report(records: dict[str, dict[str, Any]], wl: campaign.Workload,
              f"{wl.model} on {wl.data}, P = {args.workers}, {net or 'loopback'}, {args.steps} steps per run (the "
              f"campaign's budget is {wl.steps}), each arm at the campaign's best lr for it. Target: DDP's validation "
              + ("loss at 75% of the budget, " + f"{target:.4f}." if target is not None else "loss (DDP did not run)."),
-             "", table, "", headline, ""] + ([f"To fit the demo in 10 minutes, {'; '.join(cuts)}.", ""] if cuts else [])
+             "", table, "", headline, ""]
+    lines += [f"To fit the demo in 10 minutes, {'; '.join(cuts)}.", ""] if cuts else []
+    lines += ["`load before`: the 1-minute load average as an arm started; it includes the previous arm's own "
+           "workers for about a minute after they end (`--max-wait` waits for it to settle first).", ""]
     path = os.path.join(out, "report.md")
     with open(path, "w") as handle:
         handle.write("\n".join(lines))
