@@ -123,8 +123,7 @@ def test_ddp_in_half_precision_is_a_baseline_and_the_report_names_the_rows_that_
     [sentence, _] = campaign.report._departures(camp)
     assert "seed 0 alone (its row says [n/1]): ddp-fp16, powersgd-r4;" in sentence
     assert "not timed (no step time or time to the target): powersgd-r4;" in sentence
-    assert sentence.endswith("step times from fewer than 3 timing runs: floor on 1gbit (1), ddp on 1gbit (1), "
-                             "ddp-fp16 on 1gbit (1).")
+    assert sentence.endswith("step times from fewer than 3 timing runs: every arm on 1gbit (1 run).")
     records += [_record(name, lr, seed, [3.0] * 4) for name, lr in (("ddp-fp16", 3e-3), ("powersgd-r4", 1e-3))
                 for seed in (1, 2)]
     records.append(_record("powersgd-r4", 1e-3, 0, [9.0], "timing", net, [3.0] * 40))
@@ -147,6 +146,12 @@ def test_a_step_time_is_the_median_of_the_timing_runs_and_the_rounds_alternate_t
     assert camp.arms["floor"].step_s[net] == (None, 1.1) and camp.arms["ddp"].step_s[net] == (None, 4.2)
     assert camp.arms["ddp"].timing_runs[net] == 3 and camp.arms["ddp"].load[net] == 1.4
     assert "timing runs" not in "".join(campaign.report._departures(camp))
+    records.append(_record("ddp", 3e-3, 0, [9.0], "timing", "100mbit", [9.0] * 40, load=0.5))
+    records.append(_record("floor", 1e-3, 0, [9.0], "timing", "100mbit", [2.0] * 40, load=0.5))
+    records.append(_record("floor", 1e-3, 0, [9.0], "timing", "100mbit", [2.0] * 40, repeat=1, load=0.5))
+    [sentence, _] = campaign.report._departures(campaign.analyse(records, wl, [net, "100mbit"]))
+    assert sentence.endswith("step times from fewer than 3 timing runs: ddp on 100mbit (1 run), floor on "
+                             "100mbit (2 runs).")
 
     made = []
 

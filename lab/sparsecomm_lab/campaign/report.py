@@ -195,8 +195,17 @@ def _departures(camp: Campaign) -> list[str]:
     listed = [r for r in trained if r.arm.explore_lrs is None and r.arm.name not in branched]
     fewer = [r.arm.name for r in listed if r.final and len(r.final) < len(wl.seeds_of(r.arm))]
     untimed = [r.arm.name for r in listed if r.final and not r.step_s]
-    timed_less = [f"{r.arm.name} on {net} ({n})" for r in camp.arms.values() if r.arm.name not in branched
-                  for net, n in r.timing_runs.items() if n < TIMING_REPEATS]
+    timed: dict[str, dict[str, int]] = {}  # net -> arm -> its timing runs there
+    for r in camp.arms.values():
+        for net, n in r.timing_runs.items():
+            if r.arm.name not in branched:
+                timed.setdefault(net, {})[r.arm.name] = n
+    timed_less = []
+    for net, runs in timed.items():
+        for n in sorted({n for n in runs.values() if n < TIMING_REPEATS}):
+            names = [name for name, m in runs.items() if m == n]
+            who = "every arm" if len(names) == len(runs) else ", ".join(names)
+            timed_less.append(f"{who} on {net} ({n} run{'s' if n > 1 else ''})")
     said = []
     if untrained:
         said.append(f"not trained (no row): {', '.join(untrained)}")
