@@ -292,8 +292,10 @@ def test_the_demo_takes_the_campaigns_tuned_lrs_and_reports_measured_times(tmp_p
     path.write_text(json.dumps(summary))
     found = demo.tuned(str(path), "1gbit")
     assert found.lrs["ddp"] == 3e-3 and found.best_power == "powersgd-r4" and found.recommended == "topka-fva@0.01"
-    assert found.faster_ddp == "ddp-fp16" and demo.tuned(str(path), "100mbit").faster_ddp is None
-    assert demo.tuned(str(tmp_path / "none.json")) == ({}, "powersgd-r4", campaign.workload("gpt").recommended, None)
+    assert found.fastest_ddp == "ddp-fp16" and demo.tuned(str(path), "100mbit").fastest_ddp == "ddp"
+    assert demo.tuned(str(tmp_path / "none.json")) == ({}, "powersgd-r4", campaign.workload("gpt").recommended, "ddp")
+    assert demo.reference_ddp(campaign.arms_of("gpt", ["floor", "ddp-fp16", "powersgd-r4"])) == "ddp-fp16"
+    assert demo.reference_ddp(campaign.arms_of("gpt", ["ddp-fp16", "ddp"])) == "ddp"
     steps = [{"time": 0.1}] * 4
     records = {"floor": {"history": _history([5.0], 4), "steps": steps, "config": {"lr": 1e-3}},
                "ddp": {"history": _history([3.0] * 8 + [2.0] * 4, 2), "steps": [{"time": 0.4}] * 24,
@@ -304,7 +306,7 @@ def test_the_demo_takes_the_campaigns_tuned_lrs_and_reports_measured_times(tmp_p
                                   "config": {"lr": 1e-3}}}
     args = argparse.Namespace(steps=24, workers=4)
     assert demo.demo_target(records["ddp"], 24) == 2.0 and demo.demo_target(None, 24) is None
-    report = demo.write_demo_report(records, campaign.workload("gpt"), str(tmp_path), args, "1gbit")
+    report = demo.write_demo_report(records, campaign.workload("gpt"), str(tmp_path), args, "1gbit", "ddp")
     rows = {r["arm"]: r for r in report["rows"]}
     assert rows["ddp"]["steps to target"] == 18 and rows["topka-fva@0.01"]["steps to target"] == 10
     assert rows["ddp-fp16"]["final loss"] == "stopped at the target" and rows["floor"]["final loss"] == "-"
@@ -312,6 +314,13 @@ def test_the_demo_takes_the_campaigns_tuned_lrs_and_reports_measured_times(tmp_p
     with open(report["path"]) as handle:
         text = handle.read()
     assert "the floor ran 4 steps" in text and "ddp-fp16 stopped at the target" in text
+    assert "Target: ddp's validation loss" in text and "DDP runs as" not in text
+    del records["ddp"]  # the fastest form of DDP sets the target, and the report says which it is
+    records["ddp-fp16"] = {**records["ddp-fp16"], "config": {"lr": 3e-3}}
+    report = demo.write_demo_report(records, campaign.workload("gpt"), str(tmp_path), args, "1gbit", "ddp-fp16")
+    with open(report["path"]) as handle:
+        text = handle.read()
+    assert "Target: ddp-fp16's validation loss" in text and "DDP runs as ddp-fp16 (torch DDP with fp16" in text
 
 
 def test_the_demo_replaces_an_earlier_result_and_keeps_the_folders_readme(tmp_path):

@@ -93,6 +93,22 @@ def test_nosync_floor_exchanges_nothing_and_ddp_keeps_the_ranks_equal():
     assert floor["epochs"][0]["bytes_per_step"] == 0 and floor["epochs"][0]["time_per_step"] > 0
 
 
+def test_a_run_stops_at_the_first_evaluation_that_meets_the_target(tmp_path):
+    """``stop_at_target`` ends the run there, inside an epoch, on every rank; a resumed run that had
+    stopped makes no more steps."""
+    config = dataclasses.replace(SMALL, method="ddp", epochs=1, eval_every=4)
+    full = train(config)
+    target = full["history"][2]["test_accuracy"]  # met at step 12 at the latest
+    first = next(p["step"] for p in full["history"] if p["test_accuracy"] >= target)
+    stopped = train(dataclasses.replace(config, target_accuracy=target, stop_at_target=True,
+                                        checkpoint_dir=str(tmp_path)))
+    assert stopped["history"][-1]["step"] == first < full["history"][-1]["step"]
+    assert len(stopped["steps"]) == first and stopped["consistent"]
+    again = train(dataclasses.replace(config, target_accuracy=target, stop_at_target=True,
+                                      checkpoint_dir=str(tmp_path), resume=True))
+    assert len(again["steps"]) == first
+
+
 def test_ddp_in_half_precision_keeps_the_ranks_equal_and_is_refused_elsewhere():
     """method="ddp" with ddp_dtype: torch's fp16_compress_hook averages the gradient in float16 (its
     bf16_compress_hook needs NCCL), so the replicas stay equal but the run leaves the float32 trajectory."""

@@ -250,6 +250,8 @@ class TrainConfig:
     eval_every: int | None = None
     target_accuracy: float | None = None
     target_perplexity: float | None = None  # language models: reached when exp(test loss) <= it
+    #: end the run at the first evaluation that meets the target (its epoch's summary and checkpoint
+    #: then cover the steps made)
     stop_at_target: bool = False
     checkpoint_dir: str | None = None
     #: continue from the checkpoint in checkpoint_dir (True), or "auto": when every rank has one,
@@ -699,6 +701,8 @@ def train_worker(config: TrainConfig, dataset: Dataset,
                       for i in range(config.evals_per_epoch)}
     reached = any(reached_target(h, config.target_accuracy, config.target_perplexity) for h in history)
     for epoch in range(start_epoch, math.ceil(total_steps / steps_per_epoch)):
+        if config.stop_at_target and reached:  # a resumed run that had stopped there
+            break
         sampler.set_epoch(epoch)
         if schedule is not None:
             sync.switch_method(schedule.method_at(epoch))
@@ -734,6 +738,8 @@ def train_worker(config: TrainConfig, dataset: Dataset,
                          "train_time": train_time, **_evaluate_on_rank0(sync, dataset)}
                 history.append(point)
                 reached = reached or reached_target(point, config.target_accuracy, config.target_perplexity)
+                if config.stop_at_target and reached:  # every rank has the point (rank 0's, broadcast)
+                    break
         n_steps = len(step_stats)
         total = Stats.total(step_stats)
         summary = {
@@ -758,8 +764,6 @@ def train_worker(config: TrainConfig, dataset: Dataset,
                              "step": epoch * steps_per_epoch + n_steps, "train_time": train_time,
                              "history": history, "epochs": epochs, "steps": steps},
                             _checkpoint_meta(config, world))
-        if config.stop_at_target and reached:
-            break
     params = [p.detach().clone() for p in model.parameters()]
     # every rank's, so the record says whether the replicas are equal: the parameters alone, as DDP
     # leaves BatchNorm's running statistics per rank until its next forward broadcasts rank 0's

@@ -3,17 +3,18 @@
 P = 4 local workers on an emulated 1 Gbit/s switch (loopback when the machine cannot emulate it,
 said in the output) train the campaign's transformer (``gpt`` on ``python-source``, AdamW) with the
 campaign's comparison, each arm at the learning rate the campaign found best for it on the shared
-grid (``benchmarks/campaign-gpt/summary.json``): the no-synchronization floor, torch's DDP (and the
-campaign's fastest other form of DDP on this network, e.g. in half precision, where one beat it), the
-best PowerSGD rank, and the recommended sparse recipe, over the campaign's budget, for which the
-learning rates were tuned (``--steps`` cuts it, scaling the cosine schedule and the recipe's dense
-warm-up with it). The target is the demo's own DDP run's validation loss at 75% of the budget; every
-arm's time to it is measured here, on the emulated link, not composed. The report gives each arm's
-step as a multiple of the floor's and the load average before its run.
+grid (``benchmarks/campaign-gpt/summary.json``): the no-synchronization floor, the campaign's fastest
+form of torch's DDP on this network (plain, or in half precision where that was faster), the best
+PowerSGD rank, and the recommended sparse recipe, over the campaign's budget, for which the learning
+rates were tuned (``--steps`` cuts it, scaling the cosine schedule and the recipe's dense warm-up with
+it). The target is the demo's own DDP run's validation loss at 75% of the budget (plain DDP's where
+``--arms`` names it); every arm's time to it is measured here, on the emulated link, not composed.
+The report gives each arm's step as a multiple of the floor's and the load average before its run.
 
 To fit in 10 minutes on a 2-core machine, the floor (whose replicas train apart: its loss says
-nothing) runs only the campaign's timing steps, and the baselines after DDP stop at the target (the
-comparison needs their time to it; DDP's and the recipe's runs go to the end, for the final loss).
+nothing) runs only the campaign's timing steps, and the arms other than DDP and the recipe stop at
+the target (the comparison needs their time to it; DDP's and the recipe's runs go to the end, for
+the final loss).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--net", default="1gbit", help="emulated rate, or 'loopback' (default 1gbit)")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps per run (default: the campaign's budget, 600)")
-    parser.add_argument("--arms", default=None, help="comma-separated arms (default: floor, ddp, the campaign's best "
-                        "PowerSGD rank, its recommended sparse arm)")
+    parser.add_argument("--arms", default=None, help="comma-separated arms (default: floor, the campaign's fastest "
+                        "form of DDP on --net, its best PowerSGD rank, its recommended sparse arm)")
     parser.add_argument("--summary", default=SUMMARY, help="the campaign summary with the tuned lrs")
     parser.add_argument("--out", default=None, help="output folder (default runs/demo-<time>)")
     parser.add_argument("--copy-to", default=None, help="also copy the report and records here (e.g. "
@@ -73,15 +74,15 @@ class Tuned(NamedTuple):
     lrs: dict[str, float]        # arm -> its best lr on the shared grid
     best_power: str              # the PowerSGD rank with the lowest final loss
     recommended: str             # the recommended sparse arm
-    faster_ddp: str | None       # the fastest form of DDP on the demo's network where not plain DDP
+    fastest_ddp: str             # the fastest form of DDP on the demo's network (plain "ddp" without figures)
 
 
 def tuned(summary_path: str, net: str | None = None) -> Tuned:
     """:class:`Tuned` from the campaign's summary; without one, every arm at the workload's default lr
-    (said by the caller) and no other form of DDP."""
+    (said by the caller) and plain DDP."""
     wl = campaign.workload("gpt")
     if not os.path.exists(summary_path):
-        return Tuned({}, "powersgd-r4", wl.recommended, None)
+        return Tuned({}, "powersgd-r4", wl.recommended, "ddp")
     with open(summary_path) as handle:
         data = json.load(handle)
     lrs = {name: arm["best_lr"] for name, arm in data["arms"].items() if arm.get("best_lr") is not None}
@@ -96,8 +97,9 @@ def tuned(summary_path: str, net: str | None = None) -> Tuned:
 
     forms = {name: ddp_time(arm) for name, arm in data["arms"].items() if arm.get("options", {}).get("method") == "ddp"}
     fastest = min(forms, key=forms.__getitem__) if forms else "ddp"
-    faster = fastest if fastest != "ddp" and forms[fastest] < forms.get("ddp", math.inf) else None
-    return Tuned(lrs, best_power, data["workload"]["recommended"], faster)
+    if forms.get(fastest, math.inf) >= forms.get("ddp", math.inf):  # no figures, or a tie: plain DDP
+        fastest = "ddp"
+    return Tuned(lrs, best_power, data["workload"]["recommended"], fastest)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,9 +111,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: cannot emulate {net} here ({unavailable_reason()}); running on loopback")
         net = None
     found = tuned(args.summary, net)
-    names = args.arms.split(",") if args.arms else \
-        ["floor", "ddp", *([found.faster_ddp] if found.faster_ddp else []), found.best_power, found.recommended]
+    names = args.arms.split(",") if args.arms else ["floor", found.fastest_ddp, found.best_power, found.recommended]
     arms = campaign.arms_of("gpt", names)
+    ddp = reference_ddp(arms)
     out = args.out or os.path.join("runs", "demo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
     eval_every = max(1, args.steps // 12)
@@ -128,14 +130,14 @@ def run(args: argparse.Namespace) -> int:
             config.dense_warmup_steps = max(1, round(arm.options["dense_warmup_steps"] * args.steps / wl.steps))
         if arm.timed_only:  # the floor: its step time (its replicas train apart)
             config.steps = config.eval_every = min(args.steps, TIMING_STEPS)
-        target = demo_target(records.get("ddp"), args.steps)
-        if target is not None and arm.name != "ddp" and arm.name != found.recommended and not arm.timed_only:
+        target = demo_target(records.get(ddp or ""), args.steps)
+        if target is not None and arm.name not in (ddp, found.recommended) and not arm.timed_only:
             config.target_perplexity, config.stop_at_target = math.exp(target), True
         print(f"  {arm.name} (lr {lr:g}) ...", flush=True)
         record = campaign.quiet.train_quietly(config, train, quiet, lambda line: print(line, flush=True))
         save_record(record, out, f"{arm.name}.json")
         records[arm.name] = record
-    report = write_demo_report(records, wl, out, args, net)
+    report = write_demo_report(records, wl, out, args, net, ddp)
     print()
     print(report["table"])
     print(f"\nreport: {report['path']} (total {time.perf_counter() - start:.0f} s)")
@@ -143,6 +145,12 @@ def run(args: argparse.Namespace) -> int:
         copy_result(out, args.copy_to)
         print(f"copied to {args.copy_to}")
     return 0
+
+
+def reference_ddp(arms: list[campaign.Arm]) -> str | None:
+    """The DDP run that sets the target: plain DDP where it runs, else the first other form of DDP."""
+    forms = [arm.name for arm in arms if arm.options.get("method") == "ddp"]
+    return "ddp" if "ddp" in forms else forms[0] if forms else None
 
 
 def demo_target(ddp: dict[str, Any] | None, steps: int) -> float | None:
@@ -170,9 +178,10 @@ def copy_result(out: str, folder: str) -> None:
 
 
 def write_demo_report(records: dict[str, dict[str, Any]], wl: campaign.Workload, out: str,
-                      args: argparse.Namespace, net: str | None) -> dict[str, Any]:
-    """``report.md`` in ``out``: the table (measured times to the demo's target) and the command."""
-    target = demo_target(records.get("ddp"), args.steps)
+                      args: argparse.Namespace, net: str | None, ddp: str | None) -> dict[str, Any]:
+    """``report.md`` in ``out``: the table (measured times to the demo's target, that of run ``ddp``)
+    and the command."""
+    target = demo_target(records.get(ddp or ""), args.steps)
     floor = records.get("floor")
     floor_ms = 1e3 * _median_step(floor) if floor else None
     rows = []
@@ -203,7 +212,8 @@ def write_demo_report(records: dict[str, dict[str, Any]], wl: campaign.Workload,
     floor_steps = len(floor["steps"]) if floor else 0
     cuts = ([f"the floor ran {floor_steps} steps (its step time; its replicas train apart)"]
             if floor and floor_steps < args.steps else [])
-    stopped = [n for n, r in records.items() if r["config"].get("stop_at_target")]
+    stopped = [n for n, r in records.items()
+               if r["config"].get("stop_at_target") and r["history"][-1]["step"] < args.steps]
     if stopped:
         cuts.append(f"{', '.join(stopped)} stopped at the target (the comparison needs their time to it)")
     table = markdown_table(rows)
@@ -211,12 +221,17 @@ def write_demo_report(records: dict[str, dict[str, Any]], wl: campaign.Workload,
     lines = ["# sparsecomm demo", "",
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `{command.strip()}`: "
              f"{wl.model} on {wl.data}, P = {args.workers}, {net or 'loopback'}, {args.steps} steps per run (the "
-             f"campaign's budget is {wl.steps}), each arm at the campaign's best lr for it. Target: DDP's validation "
-             + ("loss at 75% of the budget, " + f"{target:.4f}." if target is not None else "loss (DDP did not run)."),
+             f"campaign's budget is {wl.steps}), each arm at the campaign's best lr for it. Target: "
+             + (f"{ddp}'s validation loss at 75% of the budget, {target:.4f}." if target is not None
+                else "DDP's validation loss (DDP did not run)."),
              "", table, "", headline, ""]
+    if ddp is not None and ddp != "ddp":
+        lines += [f"DDP runs as {ddp} ({kinds[ddp].description}): the campaign's fastest form of DDP on this link, "
+                  "so the comparison is with the strongest DDP; `--arms floor,ddp,...` adds plain DDP, whose run "
+                  "then sets the target.", ""]
     lines += [f"To fit the demo in 10 minutes, {'; '.join(cuts)}.", ""] if cuts else []
     lines += ["`load before`: the 1-minute load average as an arm started; it includes the previous arm's own "
-           "workers for about a minute after they end (`--max-wait` waits for it to settle first).", ""]
+              "workers for about a minute after they end (`--max-wait` waits for it to settle first).", ""]
     path = os.path.join(out, "report.md")
     with open(path, "w") as handle:
         handle.write("\n".join(lines))
