@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .plan import Arm, Workload, arms_of, branches
-from .run import TIMING_WARMUP, final_metric
+from .run import TIMING_WARMUP, final_metric, majority
 
 __all__ = ["ArmResult", "Campaign", "analyse", "median_spread", "median_with_misses"]
 
@@ -233,8 +233,9 @@ def analyse(records: Sequence[dict[str, Any]], wl: Workload, nets: Sequence[str]
         if result.arm.is_policy:  # the decision most of its runs took, and the step times of those runs
             decisions = [str(d) for r in runs for d in [(r.get("dense_fallback") or {}).get("decision")]
                          if d in ("method", "dense")]
-            if decisions:
-                result.decision[net] = max(decisions, key=decisions.count)
+            decided = majority(decisions)
+            if decided is not None:
+                result.decision[net] = decided
                 runs = [r for r in runs if (r.get("dense_fallback") or {}).get("decision") == result.decision[net]]
         phases = [_phase_times(r, r["campaign"].get("warmup_steps", TIMING_WARMUP if result.warmup else 0),
                                r["campaign"].get("decided_after", 0)) for r in runs]

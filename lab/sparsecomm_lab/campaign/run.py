@@ -41,7 +41,7 @@ from .quiet import QuietPolicy, train_quietly
 
 __all__ = ["run_convergence", "run_point", "run_timing", "run_confirmation", "load_records", "best_lr", "final_metric",
            "convergence_path", "timing_path", "confirm_path", "TIMING_STEPS", "TIMING_WARMUP", "TIMING_REPEATS",
-           "safe_name", "timed_decision"]
+           "safe_name", "timed_decision", "majority"]
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,11 @@ def timed_decision(out: str, wl: Workload, arm: Arm, net: str) -> str | None:
         if decision not in ("method", "dense"):
             raise RuntimeError(f"{path}: no dense_fallback decision recorded (rerun its timing: delete the file)")
         decisions.append(str(decision))
+    return majority(decisions)
+
+
+def majority(decisions: Sequence[str]) -> str | None:
+    """The decision most of a policy's timing runs took (the first run's on a tie), or None of none."""
     return max(decisions, key=decisions.count) if decisions else None
 
 
