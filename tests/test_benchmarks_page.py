@@ -54,5 +54,8 @@ def test_the_time_breakdown_multiplies_to_the_campaigns_x_limit():
             product = float(row["x steps"]) * float(row["x step"]) * float(row["x warm-up"])
             assert abs(float(row["x limit"]) - goal["x limit"]) < 0.006, (name, goal["network"])
             assert abs(product - goal["x limit"]) < 0.02 * goal["x limit"], (name, goal["network"])
+            # a free exchange leaves the steps and the warm-up: never more than the x limit, never under x steps
+            free = float(row["x limit, main step at the floor's"])
+            assert float(row["x steps"]) - 0.01 <= free <= float(row["x limit"]) + 0.01, (name, goal["network"])
             checked += 1
     assert checked >= 3

@@ -320,7 +320,7 @@ def test_the_demo_takes_the_campaigns_tuned_lrs_and_reports_measured_times(tmp_p
     report = demo.write_demo_report(records, campaign.workload("gpt"), str(tmp_path), args, "1gbit", "ddp-fp16")
     with open(report["path"]) as handle:
         text = handle.read()
-    assert "Target: ddp-fp16's validation loss" in text and "DDP runs as ddp-fp16 (torch DDP with fp16" in text
+    assert "Target: ddp-fp16's validation loss" in text and "DDP runs as ddp-fp16, torch DDP with fp16" in text
 
 
 def test_the_demo_replaces_an_earlier_result_and_keeps_the_folders_readme(tmp_path):

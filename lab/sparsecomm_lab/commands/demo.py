@@ -184,6 +184,8 @@ def write_demo_report(records: dict[str, dict[str, Any]], wl: campaign.Workload,
     target = demo_target(records.get(ddp or ""), args.steps)
     floor = records.get("floor")
     floor_ms = 1e3 * _median_step(floor) if floor else None
+    stopped = [n for n, r in records.items()  # arms cut at the target before the budget's end
+               if r["config"].get("stop_at_target") and r["history"][-1]["step"] < args.steps]
     rows = []
     times = {}
     for name, record in records.items():
@@ -196,8 +198,7 @@ def write_demo_report(records: dict[str, dict[str, Any]], wl: campaign.Workload,
                      "not reached" if reached is None else f"{reached:.1f}",
                      "steps to target": "-" if steps is None else steps, "ms/step": f"{ms:.0f}",
                      "x floor": "-" if not floor_ms else f"{ms / floor_ms:.2f}",
-                     "final loss": "-" if name == "floor" else "stopped at the target"
-                     if record["config"].get("stop_at_target") and record["history"][-1]["step"] < args.steps
+                     "final loss": "-" if name == "floor" else "stopped at the target" if name in stopped
                      else f"{record['history'][-1]['test_loss']:.4f}",
                      "load before": "-" if record.get("load") is None else f"{record['load']['before']:.2f}"})
     kinds = {arm.name: arm for arm in campaign.arms_of("gpt", list(records))}
@@ -212,8 +213,6 @@ def write_demo_report(records: dict[str, dict[str, Any]], wl: campaign.Workload,
     floor_steps = len(floor["steps"]) if floor else 0
     cuts = ([f"the floor ran {floor_steps} steps (its step time; its replicas train apart)"]
             if floor and floor_steps < args.steps else [])
-    stopped = [n for n, r in records.items()
-               if r["config"].get("stop_at_target") and r["history"][-1]["step"] < args.steps]
     if stopped:
         cuts.append(f"{', '.join(stopped)} stopped at the target (the comparison needs their time to it)")
     table = markdown_table(rows)
@@ -226,7 +225,7 @@ def write_demo_report(records: dict[str, dict[str, Any]], wl: campaign.Workload,
                 else "DDP's validation loss (DDP did not run)."),
              "", table, "", headline, ""]
     if ddp is not None and ddp != "ddp":
-        lines += [f"DDP runs as {ddp} ({kinds[ddp].description}): the campaign's fastest form of DDP on this link, "
+        lines += [f"DDP runs as {ddp}, {kinds[ddp].description}: the campaign's fastest form of DDP on this link, "
                   "so the comparison is with the strongest DDP; `--arms floor,ddp,...` adds plain DDP, whose run "
                   "then sets the target.", ""]
     lines += [f"To fit the demo in 10 minutes, {'; '.join(cuts)}.", ""] if cuts else []
