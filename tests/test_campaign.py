@@ -104,6 +104,21 @@ def test_the_target_the_steps_the_composed_time_the_limit_and_the_goals():
     assert goals["x limit"] == pytest.approx(2.0) and goals["within 1.25x the limit"] is False
     assert goals["speed-up vs best baseline"] == pytest.approx(2.0) and goals["2x sooner than the best baseline"]
     assert goals["within 1% of DDP"] is True  # 1.995 against 1.99
+    # three full runs check the composition (20 steps x 3.0 s = 60 s): their median time to the target, a slow
+    # run and a run that misses it (counted as never) do not move it; the load shown is the highest before them
+    for repeat, (seconds, losses, load) in enumerate([(63.0, [3.0, 2.0], 0.9), (400.0, [3.0, 2.0], 1.4),
+                                                      (0.0, [3.0, 2.5], 0.5)]):
+        record = _record("topka-fva@0.01", 1e-3, 0, losses, "confirm", net, repeat=repeat, load=load)
+        record["history"][1]["train_time"] = seconds
+        records.append(record)
+    check = campaign.analyse(records, wl, [net]).confirmations[net]
+    assert check["measured"] == 400.0 and check["runs"] == 3 and check["load"] == 1.4  # median of 63, 400, never
+    records.pop()  # two runs: the median of 63 and 400
+    check = campaign.analyse(records, wl, [net]).confirmations[net]
+    assert check["measured"] == pytest.approx(231.5) and check["ratio"] == pytest.approx(231.5 / 60)
+    records.pop()
+    check = campaign.analyse(records, wl, [net]).confirmations[net]
+    assert check["measured"] == 63.0 and check["ratio"] == pytest.approx(1.05) and check["runs"] == 1
 
 
 def test_ddp_in_half_precision_is_a_baseline_and_the_report_names_the_rows_that_rest_on_less():
@@ -237,13 +252,17 @@ def test_a_dense_fallback_policy_trains_both_branches_and_takes_on_each_network_
     assert run.timed_decision(out, wl, policy, "loopback") == "dense"
     assert run.timed_decision(out, wl, policy, "1gbit") == "method"
     made.clear()
-    run.run_confirmation(out, wl, ["loopback", "1gbit"], policy, **quiet)
-    assert sorted((net or "loopback", lr) for _, _, lr, _, net, _ in made) == [("1gbit", 0.03), ("loopback", 0.1)]
+    run.run_confirmation(out, wl, ["loopback", "1gbit"], policy, repeats=2, **quiet)
+    # in rounds: every network once, then again
+    assert [(net or "loopback", lr) for _, _, lr, _, net, _ in made] == [("loopback", 0.1), ("1gbit", 0.03)] * 2
     records = campaign.load_records(out, wl)
     camp = campaign.analyse(records, wl, ["loopback", "1gbit"])
     assert camp.result(policy.name, "loopback").best_lr == 0.1 and camp.result(policy.name, "1gbit").best_lr == 0.03
     assert camp.result(policy.name, "loopback").steps[0] == 30 and camp.result(policy.name, "1gbit").steps[0] == 40
     assert camp.confirmations["loopback"]["decision"] == "dense"
+    assert camp.confirmations["loopback"]["runs"] == camp.confirmations["1gbit"]["runs"] == 2
+    assert "the composition checked by fewer than 3 full runs: loopback (2 runs), 1gbit (2 runs)" in \
+        " ".join(campaign.report._departures(camp))
     rows = {net: {r["arm"]: r for r in campaign.report.result_rows(camp, net)} for net in ("loopback", "1gbit")}
     assert f"{policy.name} (fell back to dense)" in rows["loopback"]
     assert f"{policy.name} (kept the method)" in rows["1gbit"] and kept.name not in rows["1gbit"]

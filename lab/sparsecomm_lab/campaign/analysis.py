@@ -6,7 +6,7 @@
 * **Steps to the target** of a run: the first evaluation at or past the target.
 * **Time to the target** is composed: ``steps in the warm-up x the warm-up step + the remaining
   steps x the main step``, the step times measured on each network by the timing phase (the median
-  over its runs); the confirmation phase checks the composition against a full run.
+  over its runs); the confirmation phase checks the composition against full runs (their median).
 * **The limit** is the floor's step x DDP's steps to the target: the soonest any synchronization
   could reach the target on this machine.
 * **A policy arm** (``dense_fallback``) has, on each network, the figures of the branch its timing
@@ -134,7 +134,7 @@ class Campaign:
     plateau: float | None
     ddp_steps: float | None                     # DDP's median steps to the target
     nets: list[str]
-    confirmations: dict[str, dict[str, Any]]    # net -> {"measured": s, "composed": s, "ratio": x}
+    confirmations: dict[str, dict[str, Any]]    # net -> {"measured": s, "composed": s, "ratio": x, "runs": n}
 
     def result(self, name: str, net: str | None = None) -> ArmResult:
         """Arm ``name``'s figures on ``net``: a policy's are those of the branch its timing runs took
@@ -245,17 +245,25 @@ def analyse(records: Sequence[dict[str, Any]], wl: Workload, nets: Sequence[str]
         loads = [r.get("load", {}).get("before") for r in runs]
         result.load[net] = max((x for x in loads if x is not None), default=None)
     campaign = Campaign(wl, arms, target, plateau, ddp_steps, list(nets or seen_nets), {})
+    full: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for record in by_phase.get("confirm", []):
         camp = record["campaign"]
-        if target is None or camp["arm"] not in arms:
-            continue
-        measured = next((p["train_time"] for p in record["history"]
-                         if _reaches(_metric(p, wl.metric), target, wl.metric)), None)
-        composed = campaign.result(camp["arm"], camp["net"]).time_to_target(camp["net"], 0)
-        campaign.confirmations[camp["net"]] = {
-            "arm": camp["arm"], "measured": measured, "composed": composed,
-            "ratio": measured / composed if measured and composed else None,
-            "load": record.get("load", {}).get("before")}
-        if arms[camp["arm"]].arm.is_policy:  # the full run measured its own decision: the same as timing's?
-            campaign.confirmations[camp["net"]]["decision"] = (record.get("dense_fallback") or {}).get("decision")
+        if target is not None and camp["arm"] in arms:
+            full.setdefault((camp["net"], camp["arm"]), []).append(record)
+    order = {net: i for i, net in enumerate(campaign.nets)}  # the report's order of the networks
+    for (net, name), runs in sorted(full.items(), key=lambda item: order.get(item[0][0], len(order))):
+        runs.sort(key=lambda r: r["campaign"].get("repeat", 0))
+        times = [next((p["train_time"] for p in r["history"] if _reaches(_metric(p, wl.metric), target, wl.metric)),
+                      None) for r in runs]
+        measured = statistics.median(math.inf if t is None else t for t in times)  # a miss counts as never
+        measured = None if measured == math.inf else measured
+        composed = campaign.result(name, net).time_to_target(net, 0)
+        loads = [x for r in runs for x in [r.get("load", {}).get("before")] if x is not None]
+        campaign.confirmations[net] = {
+            "arm": name, "measured": measured, "composed": composed,
+            "ratio": measured / composed if measured and composed else None, "runs": len(runs),
+            "load": max(loads, default=None)}
+        if arms[name].arm.is_policy:  # the full runs measured their own decision: the same as timing's?
+            campaign.confirmations[net]["decision"] = majority(
+                [str(d) for r in runs for d in [(r.get("dense_fallback") or {}).get("decision")] if d is not None])
     return campaign

@@ -13,7 +13,7 @@ from typing import Any
 from sparsecomm.cli.table import markdown_table
 
 from .analysis import Campaign, median_spread, median_with_misses
-from .run import TIMING_REPEATS
+from .run import CONFIRM_REPEATS, TIMING_REPEATS
 
 __all__ = ["write_report", "summary", "result_rows", "grid_rows"]
 
@@ -215,6 +215,10 @@ def _departures(camp: Campaign) -> list[str]:
         said.append(f"not timed (no step time or time to the target): {', '.join(untimed)}")
     if timed_less:
         said.append(f"step times from fewer than {TIMING_REPEATS} timing runs: {', '.join(timed_less)}")
+    checked_less = [f"{net} ({c['runs']} run{'s' if c['runs'] > 1 else ''})" for net, c in camp.confirmations.items()
+                    if c["runs"] < CONFIRM_REPEATS]
+    if checked_less:
+        said.append(f"the composition checked by fewer than {CONFIRM_REPEATS} full runs: {', '.join(checked_less)}")
     return [f"**Departures from the protocol in this run.** {'; '.join(said)}.", ""] if said else []
 
 
@@ -245,8 +249,9 @@ def write_report(camp: Campaign, records: list[dict[str, Any]], outdir: str, com
               "the target x the step time measured on each emulated network on a quiet machine (dense warm-up "
               f"steps at the warm-up's step time): the median of {TIMING_REPEATS} short timing runs, made in rounds "
               "(every arm once, then again) so that a slow spell of the machine falls on every arm alike; `load` "
-              "is the highest load average before an arm's timing runs. One full run per network checks the "
-              "composition. `x limit`: the time over the limit, the floor's step x DDP's steps to the target.", ""]
+              "is the highest load average before an arm's timing runs. The median of "
+              f"{CONFIRM_REPEATS} full runs per network checks the composition. `x limit`: the time over the "
+              "limit, the floor's step x DDP's steps to the target.", ""]
     lines += _departures(camp)
     if plot:
         lines += [f"![{os.path.basename(plot)}]({os.path.basename(plot)})", ""]
@@ -259,7 +264,9 @@ def write_report(camp: Campaign, records: list[dict[str, Any]], outdir: str, com
         rows = [{"network": net, **{k: _fmt(v) if v is not None else "not reached" if k in ("measured", "composed")
                                     else "-" for k, v in c.items()}} for net, c in camp.confirmations.items()]
         lines += ["## The composition, checked by full runs", "",
-                  "`measured`: the full run's training time to the target on the emulated network; `composed`: "
+                  "`measured`: the full runs' training time to the target on the emulated network (their median; "
+                  "a run that misses the target counts as never reaching it); `load`: the highest load before them; "
+                  "`composed`: "
                   "steps to target x step times from the timing runs (seed 0; where seed 0 does not reach the "
                   "target, the check has nothing to compare).", "", markdown_table(rows), ""]
     lines += ["## The learning-rate grid (final metric, seed 0; best in bold)", "", markdown_table(grid_rows(camp)), ""]

@@ -8,9 +8,9 @@
    time, from :data:`TIMING_REPEATS` short runs made in rounds (every arm once per round, so that a
    slow spell of the machine falls on every arm alike, and the median over the rounds leaves it out):
    its dense warm-up phase (where it has one) and its main phase apart.
-3. **Confirmation** (:func:`run_confirmation`): one full run of the recommended arm per network, whose
-   measured time to the target checks the composition ``steps to target x step time``
-   (:mod:`.analysis`).
+3. **Confirmation** (:func:`run_confirmation`): :data:`CONFIRM_REPEATS` full runs of the recommended arm
+   per network, made in rounds as the timing runs, whose measured time to the target (their median)
+   checks the composition ``steps to target x step time`` (:mod:`.analysis`).
 
 A ``dense_fallback`` arm (a policy, :func:`.plan.branches`) trains its two branches, each with its
 decision pinned, in phase 1; its timing runs measure the decision on each network (at its kept
@@ -19,7 +19,7 @@ the decision measured again, at the best learning rate of the branch the timing 
 
 Records (the run records of :func:`sparsecomm_lab.training.train`, with a ``campaign`` entry) go to
 ``<out>/<workload>/convergence/<arm>/lr<lr>-seed<seed>.json``,
-``<out>/<workload>/timing/<net>/<arm>/repeat<k>.json`` and ``<out>/<workload>/confirm/<net>/<arm>.json``;
+``<out>/<workload>/timing/<net>/<arm>/repeat<k>.json`` and ``<out>/<workload>/confirm/<net>/<arm>/repeat<k>.json``;
 a run whose file exists is skipped, so an interrupted campaign resumes where it stopped.
 """
 
@@ -41,6 +41,7 @@ from .quiet import QuietPolicy, train_quietly
 
 __all__ = ["run_convergence", "run_point", "run_timing", "run_confirmation", "load_records", "best_lr", "final_metric",
            "convergence_path", "timing_path", "confirm_path", "TIMING_STEPS", "TIMING_WARMUP", "TIMING_REPEATS",
+           "CONFIRM_REPEATS",
            "safe_name", "timed_decision", "majority"]
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ TIMING_STEPS = 40
 TIMING_WARMUP = 12
 #: timing runs per arm and network: a step time is their median (one run can fall on a slow spell)
 TIMING_REPEATS = 3
+#: full runs of the recommended arm per network: the measured time to the target is their median
+CONFIRM_REPEATS = 3
 
 
 def safe_name(text: str) -> str:
@@ -69,8 +72,8 @@ def timing_path(out: str, wl: Workload, arm: Arm, net: str, repeat: int) -> str:
     return os.path.join(out, wl.name, "timing", safe_name(net), arm.name, f"repeat{repeat}.json")
 
 
-def confirm_path(out: str, wl: Workload, arm: Arm, net: str) -> str:
-    return os.path.join(out, wl.name, "confirm", safe_name(net), f"{arm.name}.json")
+def confirm_path(out: str, wl: Workload, arm: Arm, net: str, repeat: int) -> str:
+    return os.path.join(out, wl.name, "confirm", safe_name(net), arm.name, f"repeat{repeat}.json")
 
 
 def _load(path: str) -> dict[str, Any]:
@@ -175,11 +178,13 @@ def run_timing(out: str, wl: Workload, nets: Sequence[str], arms: Sequence[Arm] 
 
 
 def run_confirmation(out: str, wl: Workload, nets: Sequence[str], arm: Arm, quiet: QuietPolicy | None = None,
-                     trainer: Trainer = train, echo: Echo = log.warning, **overrides: Any) -> None:
-    """Phase 3: the full run of ``arm`` (its best learning rate, seed 0) on each network; a policy's
-    at the best learning rate of the branch its timing run took there."""
-    for net in nets:
-        path = confirm_path(out, wl, arm, net)
+                     trainer: Trainer = train, echo: Echo = log.warning, repeats: int = CONFIRM_REPEATS,
+                     **overrides: Any) -> None:
+    """Phase 3: ``repeats`` full runs of ``arm`` (its best learning rate, seed 0) on each network, in
+    rounds (every network once, then again); a policy's at the best learning rate of the branch its
+    timing runs took there."""
+    for repeat, net in ((repeat, net) for repeat in range(repeats) for net in nets):
+        path = confirm_path(out, wl, arm, net, repeat)
         if os.path.exists(path):
             continue
         trained = arm
@@ -191,11 +196,11 @@ def run_confirmation(out: str, wl: Workload, nets: Sequence[str], arm: Arm, quie
         lr = best_lr(out, wl, trained)
         if lr is None:
             raise RuntimeError(f"arm {trained.name}: run the convergence phase first (its best learning rate)")
-        echo(f"[confirm] {wl.name} {arm.name} on {net}, the full budget ...")
+        echo(f"[confirm {repeat + 1}/{repeats}] {wl.name} {arm.name} on {net}, the full budget ...")
         config = wl.config(arm, lr, 0, **{"net": None if net == "loopback" else net, **overrides})
         record = train_quietly(config, trainer, quiet, echo)
         _save(record, path, {"workload": wl.name, "arm": arm.name, "lr": lr, "seed": 0, "phase": "confirm",
-                             "net": net})
+                             "net": net, "repeat": repeat})
 
 
 def timed_decision(out: str, wl: Workload, arm: Arm, net: str) -> str | None:

@@ -2,7 +2,7 @@
 
 Phases (``--phase``, default ``all``): ``convergence`` (every arm at every learning rate of the grid,
 seed 0, then each arm's best rate at seeds 1 and 2; loopback), ``timing`` (each arm's step time on
-each emulated network, waiting for a quiet machine), ``confirm`` (one full run of the recommended arm
+each emulated network, waiting for a quiet machine), ``confirm`` (three full runs of the recommended arm
 per network), ``report`` (``report.md``, ``summary.json`` and the plot in ``--report``). Every phase
 skips the runs whose records exist under ``--out``, so the campaign resumes where it stopped.
 """
