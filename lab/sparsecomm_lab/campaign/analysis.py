@@ -252,11 +252,12 @@ def analyse(records: Sequence[dict[str, Any]], wl: Workload, nets: Sequence[str]
             full.setdefault((camp["net"], camp["arm"]), []).append(record)
     order = {net: i for i, net in enumerate(campaign.nets)}  # the report's order of the networks
     for (net, name), runs in sorted(full.items(), key=lambda item: order.get(item[0][0], len(order))):
+        assert target is not None  # (confirmations are kept only with a target)
         runs.sort(key=lambda r: r["campaign"].get("repeat", 0))
         times = [next((p["train_time"] for p in r["history"] if _reaches(_metric(p, wl.metric), target, wl.metric)),
-                      None) for r in runs]
-        measured = statistics.median(math.inf if t is None else t for t in times)  # a miss counts as never
-        measured = None if measured == math.inf else measured
+                      math.inf) for r in runs]  # a miss counts as never
+        median = statistics.median(times)
+        measured = None if median == math.inf else median
         composed = campaign.result(name, net).time_to_target(net, 0)
         loads = [x for r in runs for x in [r.get("load", {}).get("before")] if x is not None]
         campaign.confirmations[net] = {
