@@ -27,6 +27,8 @@ def _summary():
         "topka-fvamc@0.01": _arm("topka", 0.01, [2.01, 2.01, 2.02], [330, 360, 300], sync="synchronizer",
                                  freeze_adam_variance=True, momentum_correction=True),
         "cltk-sgd@0.01": _arm("cltk", 0.01, [2.0, 2.0, 2.0], [300, 300, 300], optimizer="SGD + momentum"),
+        "exdyna-fva@0.01": _arm("exdyna", 0.01, [2.01, 2.01, 2.01], [330, None, 390], sync="synchronizer",
+                                freeze_adam_variance=True),
     }
     for arm in arms.values():
         if arm["final"]:
@@ -42,6 +44,8 @@ def test_the_table_is_built_from_campaign_summaries():
     assert runs["topka-fvamc@0.01"]["loss"] == pytest.approx(100 * (2.01333 / 2 - 1), abs=1e-3)
     assert runs["topka-fvamc@0.01"]["steps_factor"] == pytest.approx(1.1)
     assert runs["topka-hook@0.01"]["reached"] is False
+    # the campaign's median over the seeds: the one that missed the target counts as never (390, not 360)
+    assert runs["exdyna-fva@0.01"]["reached"] is True and runs["exdyna-fva@0.01"]["steps_factor"] == pytest.approx(1.3)
     # topka at 1%: its best recipe decides (the frozen-variance one, not the hook), within 1% of DDP
     verdict = accuracy.assess(table, "topka", 0.01)
     assert verdict.ok is True and "topka-fvamc@0.01" in verdict.recipe and verdict.steps_factor == pytest.approx(1.1)

@@ -43,6 +43,8 @@ def _entry(arm: dict[str, Any], ddp_steps: float | None, metric: str) -> dict[st
     options = arm.get("options", {})
     steps = [s for s in arm.get("steps_to_target", {}).values()]
     reached = [s for s in steps if s is not None]
+    # the campaign's median over the seeds, a seed that missed the target counting as never reaching it
+    median = statistics.median(math.inf if s is None else s for s in steps) if steps else math.inf
     gap = arm.get("final_vs_ddp")
     recipe = [k for k in ("freeze_adam_variance", "momentum_correction", "dense_fallback") if options.get(k)]
     if options.get("sync") == "local":
@@ -53,7 +55,7 @@ def _entry(arm: dict[str, Any], ddp_steps: float | None, metric: str) -> dict[st
         "optimizer": arm.get("optimizer"),
         "loss": None if gap is None else 100.0 * gap,
         "reached": bool(steps) and len(reached) * 2 > len(steps),
-        "steps_factor": statistics.median(reached) / ddp_steps if reached and ddp_steps else None,
+        "steps_factor": median / ddp_steps if median < math.inf and ddp_steps else None,
         "seeds": len(arm.get("final", {})),
     }
 
