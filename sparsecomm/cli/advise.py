@@ -39,7 +39,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..methods import dense_warmup
-from ..simulator.accuracy import TABLE_PATH, Assessment, assess, baselines_sooner, check_workload, load_table
+from ..simulator.accuracy import (
+    TABLE_PATH,
+    Assessment,
+    assess,
+    baselines_sooner,
+    check_workload,
+    load_table,
+    measured_goals,
+)
 from ..simulator.model import Prediction, UnknownMethodError, predict
 from .table import markdown_table
 
@@ -326,6 +334,8 @@ def run(args) -> int:
             print(f"recipe: {verdict.recipe} (docs/choosing-a-method.md)")
         for line in baselines_sooner(table, args.like):
             print(f"note: {line}")
+        for line in measured_goals(table, args.like) if args.like else []:
+            print(f"measured: {line}")
         for p in result.passed_over:
             print(f"not recommended: {p.method} at density {p.density:g}, predicted {1e3 * p.total_s:.1f} ms per "
                   f"step, lost more than the tolerance in the campaign: {result.accuracy[(p.method, p.density)].note}")

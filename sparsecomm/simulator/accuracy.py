@@ -19,6 +19,10 @@ A (method, density) is **within tolerance** on a workload when one of its recipe
 workload named (a model like the user's), with its best recipe's steps to the target over DDP's.
 Where no campaign measured it, the verdict is ``None``: accuracy unknown, which ``advise`` says
 plainly and ranks after the measured candidates.
+
+Per workload the table also keeps the campaign's measured goals on each network (``measured``: the
+recommended arm's time to the target against the best torch baseline's and against the limit), which
+``advise --like`` quotes: a prediction of the step is not a measured time to quality.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["TABLE_PATH", "build_table", "load_table", "check_workload", "assess", "Assessment", "baselines_sooner",
-           "main"]
+           "measured_goals", "main"]
 
 #: the generated table shipped with the package
 TABLE_PATH = Path(__file__).with_name("accuracy_table.json")
@@ -74,6 +78,19 @@ def _baseline_sooner(summary: dict[str, Any]) -> list[dict[str, Any]]:
     return sooner
 
 
+def _measured(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The campaign's goals on each network where its recommended arm reached the target: its time to it
+    over the best baseline's (a form of torch's DDP or PowerSGD) and over the limit."""
+    measured = []
+    for goal in summary.get("goals", []):
+        speedup, name = goal.get("speed-up vs best baseline"), goal.get("best of DDP/PowerSGD")
+        if isinstance(speedup, (int, float)) and speedup > 0 and name in summary["arms"] \
+                and isinstance(goal.get("x limit"), (int, float)):
+            measured.append({"network": goal["network"], "recommended": goal["recommended"], "baseline": name,
+                             "speedup": speedup, "x_limit": goal["x limit"]})
+    return measured
+
+
 def build_table(summaries: Sequence[dict[str, Any]], sources: Sequence[str] = ()) -> dict[str, Any]:
     """The accuracy table from campaign summaries (see the module docstring)."""
     table: dict[str, Any] = {"sources": list(sources), "workloads": {}}
@@ -86,7 +103,8 @@ def build_table(summaries: Sequence[dict[str, Any]], sources: Sequence[str] = ()
         if wl["name"] in table["workloads"]:
             raise ValueError(f"two campaign summaries of workload {wl['name']!r}")
         table["workloads"][wl["name"]] = {"model": wl["model"], "data": wl["data"], "metric": wl["metric"],
-                                          "runs": runs, "baseline_sooner": _baseline_sooner(summary)}
+                                          "runs": runs, "baseline_sooner": _baseline_sooner(summary),
+                                          "measured": _measured(summary)}
     if not table["workloads"]:
         raise ValueError("no campaign summaries to build the accuracy table from")
     return table
@@ -107,6 +125,17 @@ def baselines_sooner(table: dict[str, Any], workload: str | None = None) -> list
             f"it, try that first"
             for name, entry in table["workloads"].items() if workload is None or name == workload
             for b in entry.get("baseline_sooner", [])]
+
+
+def measured_goals(table: dict[str, Any], workload: str) -> list[str]:
+    """One line per network of ``workload``'s campaign where its recommended arm reached the target: how
+    much sooner than the best torch baseline, and its time over the limit (the floor's step x DDP's steps,
+    the soonest any synchronization could get there)."""
+    entry = table["workloads"].get(workload, {})
+    return [f"in the {workload} campaign ({entry['model']}), {m['recommended']} reached DDP's target over "
+            f"{m['network']} {m['speedup']:.2f}x sooner than {m['baseline']} (the fastest of torch's DDP and "
+            f"PowerSGD there), in {m['x_limit']:.2f}x the soonest possible time"
+            for m in entry.get("measured", []) if m["speedup"] >= 1]
 
 
 @dataclass(frozen=True)
