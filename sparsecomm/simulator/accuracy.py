@@ -64,30 +64,18 @@ def _entry(arm: dict[str, Any], ddp_steps: float | None, metric: str) -> dict[st
     }
 
 
-def _baseline_sooner(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The networks on which the campaign's best baseline (a form of torch's DDP or PowerSGD) reached
-    the target sooner than the arm the campaign recommends: a user with a model like the workload's
-    should try that baseline first."""
-    sooner = []
-    for goal in summary.get("goals", []):
-        speedup, name = goal.get("speed-up vs best baseline"), goal.get("best of DDP/PowerSGD")
-        if isinstance(speedup, (int, float)) and 0 < speedup < 1 and name in summary["arms"]:
-            sooner.append({"network": goal["network"], "recommended": goal["recommended"], "baseline": name,
-                           "description": summary["arms"][name].get("description", name),
-                           "times_sooner": 1.0 / speedup})
-    return sooner
-
-
 def _measured(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The campaign's goals on each network where its recommended arm reached the target: its time to it
-    over the best baseline's (a form of torch's DDP or PowerSGD) and over the limit."""
+    """The campaign's goals on each network where its recommended arm and its best baseline (a form of
+    torch's DDP or PowerSGD) were compared: the recommended arm's speed-up over that baseline (under 1:
+    the baseline reached the target sooner) and its time over the limit."""
     measured = []
     for goal in summary.get("goals", []):
         speedup, name = goal.get("speed-up vs best baseline"), goal.get("best of DDP/PowerSGD")
-        if isinstance(speedup, (int, float)) and speedup > 0 and name in summary["arms"] \
-                and isinstance(goal.get("x limit"), (int, float)):
+        if isinstance(speedup, (int, float)) and speedup > 0 and name in summary["arms"]:
+            x_limit = goal.get("x limit")
             measured.append({"network": goal["network"], "recommended": goal["recommended"], "baseline": name,
-                             "speedup": speedup, "x_limit": goal["x limit"]})
+                             "description": summary["arms"][name].get("description", name), "speedup": speedup,
+                             "x_limit": x_limit if isinstance(x_limit, (int, float)) else None})
     return measured
 
 
@@ -103,8 +91,7 @@ def build_table(summaries: Sequence[dict[str, Any]], sources: Sequence[str] = ()
         if wl["name"] in table["workloads"]:
             raise ValueError(f"two campaign summaries of workload {wl['name']!r}")
         table["workloads"][wl["name"]] = {"model": wl["model"], "data": wl["data"], "metric": wl["metric"],
-                                          "runs": runs, "baseline_sooner": _baseline_sooner(summary),
-                                          "measured": _measured(summary)}
+                                          "runs": runs, "measured": _measured(summary)}
     if not table["workloads"]:
         raise ValueError("no campaign summaries to build the accuracy table from")
     return table
@@ -120,11 +107,11 @@ def load_table(path: str | Path = TABLE_PATH) -> dict[str, Any]:
 def baselines_sooner(table: dict[str, Any], workload: str | None = None) -> list[str]:
     """One line per campaign network where a torch baseline beat the campaign's recommended arm to the
     target (``workload``: that workload's alone)."""
-    return [f"in the {name} campaign ({entry['model']}), {b['baseline']} ({b['description']}) reached DDP's "
-            f"target {b['times_sooner']:.2f}x sooner than {b['recommended']} over {b['network']}: on a model like "
+    return [f"in the {name} campaign ({entry['model']}), {m['baseline']} ({m['description']}) reached DDP's "
+            f"target {1.0 / m['speedup']:.2f}x sooner than {m['recommended']} over {m['network']}: on a model like "
             f"it, try that first"
             for name, entry in table["workloads"].items() if workload is None or name == workload
-            for b in entry.get("baseline_sooner", [])]
+            for m in entry["measured"] if m["speedup"] < 1]
 
 
 def measured_goals(table: dict[str, Any], workload: str) -> list[str]:
@@ -135,7 +122,7 @@ def measured_goals(table: dict[str, Any], workload: str) -> list[str]:
     return [f"in the {workload} campaign ({entry['model']}), {m['recommended']} reached DDP's target over "
             f"{m['network']} {m['speedup']:.2f}x sooner than {m['baseline']} (the fastest of torch's DDP and "
             f"PowerSGD there), in {m['x_limit']:.2f}x the soonest possible time"
-            for m in entry.get("measured", []) if m["speedup"] >= 1]
+            for m in entry.get("measured", []) if m["speedup"] >= 1 and m["x_limit"] is not None]
 
 
 @dataclass(frozen=True)
