@@ -219,7 +219,8 @@ def timed_decision(out: str, wl: Workload, arm: Arm, net: str) -> str | None:
 
 
 def majority(decisions: Sequence[str]) -> str | None:
-    """The decision most of a policy's timing runs took (the first run's on a tie), or None of none."""
+    """The decision most of a policy's runs took (its timing runs, or its full runs; the first run's on a
+    tie), or None of none."""
     return max(decisions, key=decisions.count) if decisions else None
 
 
